@@ -1,0 +1,49 @@
+# ctest driver (cmake -P) that builds and runs tests/consumer against memscale:
+#   -DMODE=find_package      install BUILD_DIR to a fresh prefix, find_package it
+#   -DMODE=add_subdirectory  add_subdirectory(SOURCE_DIR) as a non-top-level project
+# Other inputs: SOURCE_DIR BUILD_DIR WORK_DIR CONFIG GENERATOR CXX_COMPILER
+# PREFIX_PATH ('|'-separated: where Torch and range-v3 live) THIRD_PARTY_DIR.
+
+function(run_step what)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE _result)
+  if(NOT _result EQUAL 0)
+    message(FATAL_ERROR "consumer.${MODE}: ${what} failed (${_result})")
+  endif()
+endfunction()
+
+file(REMOVE_RECURSE "${WORK_DIR}")
+string(REPLACE "|" ";" _prefix_path "${PREFIX_PATH}")
+if(DEFINED ENV{CMAKE_PREFIX_PATH} AND NOT "$ENV{CMAKE_PREFIX_PATH}" STREQUAL "")
+  string(REPLACE ":" ";" _env_prefix_path "$ENV{CMAKE_PREFIX_PATH}")
+  list(APPEND _prefix_path ${_env_prefix_path})
+endif()
+if(NOT CONFIG)
+  set(CONFIG Release)
+endif()
+
+set(_configure_args
+  -DMEMSCALE_CONSUMER_MODE=${MODE}
+  -DCMAKE_BUILD_TYPE=${CONFIG})
+if(MODE STREQUAL "find_package")
+  run_step("install" "${CMAKE_COMMAND}" --install "${BUILD_DIR}"
+    --prefix "${WORK_DIR}/prefix" --config "${CONFIG}")
+  list(PREPEND _prefix_path "${WORK_DIR}/prefix")
+elseif(MODE STREQUAL "add_subdirectory")
+  list(APPEND _configure_args
+    "-DMEMSCALE_SOURCE_DIR=${SOURCE_DIR}"
+    "-DMEMSCALE_THIRD_PARTY_DIR=${THIRD_PARTY_DIR}")
+else()
+  message(FATAL_ERROR "unknown MODE '${MODE}'")
+endif()
+
+# Passed through the environment: a ';'-list does not survive execute_process.
+string(REPLACE ";" ":" _prefix_path "${_prefix_path}")
+set(ENV{CMAKE_PREFIX_PATH} "${_prefix_path}")
+message(STATUS "consumer.${MODE}: CMAKE_PREFIX_PATH=${_prefix_path}")
+run_step("configure" "${CMAKE_COMMAND}" -S "${SOURCE_DIR}/tests/consumer" -B "${WORK_DIR}/build"
+  -G "${GENERATOR}" "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" ${_configure_args})
+run_step("build" "${CMAKE_COMMAND}" --build "${WORK_DIR}/build" --config "${CONFIG}")
+find_program(_consumer memscale_consumer
+  PATHS "${WORK_DIR}/build" "${WORK_DIR}/build/${CONFIG}" NO_DEFAULT_PATH REQUIRED)
+run_step("run" "${_consumer}")
+message(STATUS "consumer.${MODE}: built and ran ${_consumer}")

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Usage: cmake/check_headers.sh <torch-include-root>
+# Compiles every include/memscale/**/*.hpp on its own (syntax only, C++20)
+# against the LibTorch headers under <torch-include-root>: proves each header is
+# self-contained, and, pointed at LibTorch 2.x headers, that it builds there too.
+# Environment: CXX (g++), MEMSCALE_CHECK_JOBS (2), MEMSCALE_CHECK_FLAGS (extra
+# flags, e.g. -Werror), MEMSCALE_THIRD_PARTY_DIR (vendored range-v3).
+set -euo pipefail
+
+if (($# != 1)) || [[ ! -d "$1/torch" ]]; then
+  echo "usage: $0 <torch-include-root>   (a directory holding torch/, ATen/, c10/)" >&2
+  exit 2
+fi
+torch_root=$(cd "$1" && pwd)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+third_party=${MEMSCALE_THIRD_PARTY_DIR:-$repo/third_party}
+
+flags=(-std=c++20 -fsyntax-only -Wall -Wextra -Wpedantic -I "$repo/include")
+# Re-adding a default system dir with -isystem breaks libstdc++'s #include_next.
+case "$torch_root" in
+  /usr/include | /usr/local/include) ;;
+  *) flags+=(-isystem "$torch_root") ;;
+esac
+flags+=(-isystem "$torch_root/torch/csrc/api/include")
+if [[ -d "$third_party/range-v3/include" ]]; then
+  flags+=(-isystem "$third_party/range-v3/include")
+fi
+read -r -a extra <<< "${MEMSCALE_CHECK_FLAGS:-}"
+flags+=("${extra[@]}")
+
+mapfile -t headers < <(cd "$repo/include" && find memscale -name '*.hpp' | LC_ALL=C sort)
+if ((${#headers[@]} == 0)); then
+  echo "check-headers: no headers under $repo/include/memscale" >&2
+  exit 1
+fi
+version=$(printf '#include <torch/version.h>\nTORCH_VERSION_MAJOR.TORCH_VERSION_MINOR.TORCH_VERSION_PATCH\n' \
+          | "${CXX:-g++}" "${flags[@]/-fsyntax-only/-E}" -P -x c++ - 2>/dev/null | tail -n 1 | tr -d ' ' || true)
+echo "check-headers: ${#headers[@]} headers against LibTorch ${version:-?} in $torch_root"
+
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+
+check_one() {
+  local header=$1 log start status
+  log="$logs/$(echo "$header" | tr '/' '_').log"
+  start=$SECONDS
+  if printf '#include <%s>\n' "$header" \
+       | "${CXX:-g++}" "${flags[@]}" -x c++ - >"$log" 2>&1; then
+    status=ok
+    if [[ -s "$log" ]]; then status=warn; fi
+  else
+    status=FAIL
+    touch "$log.failed"
+  fi
+  printf '  %-4s %3ss  %s\n' "$status" "$((SECONDS - start))" "$header"
+}
+# xargs runs check_one in child shells: hand them the function, the log dir and the flags.
+flags_serialized=$(printf '%q ' "${flags[@]}")
+export -f check_one
+export logs CXX flags_serialized
+
+start=$SECONDS
+# shellcheck disable=SC2016  # expanded by the child shell
+printf '%s\0' "${headers[@]}" \
+  | xargs -0 -n 1 -P "${MEMSCALE_CHECK_JOBS:-2}" \
+      bash -c 'eval "flags=($flags_serialized)"; check_one "$1"' _
+
+failed=0 warned=0
+for header in "${headers[@]}"; do
+  log="$logs/$(echo "$header" | tr '/' '_').log"
+  if [[ -e "$log.failed" ]]; then
+    failed=$((failed + 1))
+  elif [[ -s "$log" ]]; then
+    warned=$((warned + 1))
+  else
+    continue
+  fi
+  echo "--- $header:"
+  head -n 60 "$log"
+done
+echo "check-headers: $((${#headers[@]} - failed))/${#headers[@]} headers ok," \
+     "$failed failed, $warned with warnings, LibTorch ${version:-?}, $((SECONDS - start))s"
+((failed == 0))

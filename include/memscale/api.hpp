@@ -1,0 +1,150 @@
+// memscale — the public entry points: wrap, optimize (an RAII guard), detach,
+// is_optimized. They accept a torch::nn::ModuleHolder (torch::nn::Sequential, a
+// TORCH_MODULE type) or a std::shared_ptr to a torch::nn::Module.
+#pragma once
+
+#include <concepts>
+#include <functional>
+#include <memory>
+#include <type_traits>
+#include <utility>
+
+#include <torch/torch.h>
+
+#include <memscale/config.hpp>
+#include <memscale/core/executor.hpp>
+#include <memscale/core/plan.hpp>
+#include <memscale/techniques/strategy.hpp>
+
+namespace memscale {
+
+namespace detail {
+
+template <class M>
+concept module_holder = requires(const M& m) {
+  typename M::ContainedType;
+  { m.ptr() } -> std::convertible_to<std::shared_ptr<torch::nn::Module>>;
+};
+
+template <class M>
+concept module_pointer = requires { typename M::element_type; } &&
+                         std::is_base_of_v<torch::nn::Module, typename M::element_type> &&
+                         std::convertible_to<M, std::shared_ptr<torch::nn::Module>>;
+
+template <class M>
+std::shared_ptr<torch::nn::Module> root_of(const M& model) {
+  if constexpr (module_holder<M>) {
+    return model.is_empty() ? nullptr : std::shared_ptr<torch::nn::Module>(model.ptr());
+  } else {
+    return std::shared_ptr<torch::nn::Module>(model);
+  }
+}
+
+template <StrategyType S>
+core::technique_set techniques_for(const Config& config) {
+  return {S::applies(technique_id::checkpoint), config.enable_offloading && S::contains(technique_id::offload),
+          config.enable_tiling && S::contains(technique_id::tile)};
+}
+
+/// Runs the example input through the model, when the model's forward takes one Tensor.
+template <class M>
+std::function<void()> example_forward(M& model, const torch::Tensor& example) {
+  if constexpr (requires(M& m, const torch::Tensor& x) { m->forward(x); }) {
+    return [model = M(model), example]() mutable { (void)model->forward(example); };
+  } else {
+    return {};  // no forward(Tensor) to call: planning waits for the first forward
+  }
+}
+
+}  // namespace detail
+
+/// Satisfied by what wrap/optimize/detach accept: a module holder or a shared_ptr to a Module.
+template <class M>
+concept Model = detail::module_holder<M> || detail::module_pointer<M>;
+
+/// Attaches memscale to `model` without a scope. Planning happens at each chain's
+/// first forward call. Throws (leaving the model as it was) on bad input.
+template <StrategyType S = DefaultStrategy, Model M>
+Report wrap(M& model, const Config& config = {}) {
+  return core::attach(detail::root_of(model), config, detail::techniques_for<S>(config), {});
+}
+
+/// Attaches memscale and plans now, from one forward pass of `example_input`
+/// (run without gradients; it draws no random numbers and leaves buffers as they were).
+template <StrategyType S = DefaultStrategy, Model M>
+Report wrap(M& model, const torch::Tensor& example_input, const Config& config = {}) {
+  return core::attach(detail::root_of(model), config, detail::techniques_for<S>(config),
+                      detail::example_forward(model, example_input));
+}
+
+/// Restores the model exactly as it was before wrap(). Returns false (and does
+/// nothing) when memscale does not manage it. Never throws.
+template <Model M>
+bool detach(M& model) noexcept {
+  std::shared_ptr<torch::nn::Module> root;
+  try {
+    root = detail::root_of(model);
+  } catch (...) {
+    return false;
+  }
+  return root && core::detach(root.get());
+}
+
+/// Whether memscale currently manages `model`.
+template <Model M>
+[[nodiscard]] bool is_optimized(const M& model) {
+  auto root = detail::root_of(model);
+  return root && core::registry::global().find(root.get()) != nullptr;
+}
+
+/// Scope of an optimization: detaches in its destructor (which never throws).
+class [[nodiscard]] OptimizationGuard {
+ public:
+  OptimizationGuard(const OptimizationGuard&) = delete;
+  OptimizationGuard& operator=(const OptimizationGuard&) = delete;
+  OptimizationGuard(OptimizationGuard&& other) noexcept : root_(std::move(other.root_)) {}
+  OptimizationGuard& operator=(OptimizationGuard&& other) noexcept {
+    if (this != &other) {
+      release();
+      root_ = std::move(other.root_);
+    }
+    return *this;
+  }
+  ~OptimizationGuard() { release(); }
+
+  /// The current plan (complete once every chain has seen its first input).
+  [[nodiscard]] Report report() const {
+    if (!root_) return {};
+    auto att = core::registry::global().find(root_.get());
+    return att ? att->report() : Report{};
+  }
+  /// Whether the guard still manages its model.
+  [[nodiscard]] bool active() const { return root_ && core::registry::global().find(root_.get()) != nullptr; }
+  /// Adopts a model that wrap() attached: the guard detaches it when it ends.
+  explicit OptimizationGuard(std::shared_ptr<torch::nn::Module> root) : root_(std::move(root)) {}
+
+  /// Detaches now instead of at the end of the scope.
+  void release() noexcept {
+    if (root_) core::detach(root_.get());
+    root_.reset();
+  }
+
+ private:
+  std::shared_ptr<torch::nn::Module> root_;
+};
+
+/// wrap() for the lifetime of the returned guard.
+template <StrategyType S = DefaultStrategy, Model M>
+[[nodiscard]] OptimizationGuard optimize(M& model, const Config& config = {}) {
+  wrap<S>(model, config);
+  return OptimizationGuard(detail::root_of(model));
+}
+
+/// wrap(model, example_input, config) for the lifetime of the returned guard.
+template <StrategyType S = DefaultStrategy, Model M>
+[[nodiscard]] OptimizationGuard optimize(M& model, const torch::Tensor& example_input, const Config& config = {}) {
+  wrap<S>(model, example_input, config);
+  return OptimizationGuard(detail::root_of(model));
+}
+
+}  // namespace memscale

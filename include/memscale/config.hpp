@@ -1,0 +1,116 @@
+// memscale — the user's knobs: OptimizationMode and the Config aggregate.
+// Field names, order and defaults follow the Python original; validate() rejects
+// values outside their range with a ConfigError that names the field.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <string_view>
+
+#include <memscale/errors.hpp>
+
+namespace memscale {
+
+/// How hard the decision engine pushes (thresholds live in core/decision_engine.hpp).
+enum class OptimizationMode {
+  Conservative,  ///< act only when the model would not fit; stop as soon as it fits
+  Balanced,      ///< act under moderate pressure; keep a safety margin below the budget
+  Aggressive,    ///< always act; minimize the projected peak
+};
+
+[[nodiscard]] constexpr std::string_view to_string(OptimizationMode mode) noexcept {
+  switch (mode) {
+    case OptimizationMode::Conservative: return "Conservative";
+    case OptimizationMode::Balanced: return "Balanced";
+    case OptimizationMode::Aggressive: return "Aggressive";
+  }
+  return "?";
+}
+
+inline std::ostream& operator<<(std::ostream& os, OptimizationMode mode) {
+  return os << to_string(mode);
+}
+
+/// Settings of the asynchronous offload engine (used when Config::async_offload is set).
+struct AsyncOffloadConfig {
+  int prefetch_depth = 2;                  ///< layers fetched ahead of backward
+  double pinned_pool_mb = 256.0;           ///< reusable pinned staging buffers
+  int io_threads = 2;                      ///< disk-tier worker threads
+  std::optional<std::string> disk_dir{};   ///< disk tier directory (default: a temp dir)
+
+  void validate() const {
+    if (prefetch_depth < 1)
+      throw ConfigError("async_config.prefetch_depth",
+                        "must be >= 1, got " + std::to_string(prefetch_depth));
+    if (!(pinned_pool_mb >= 0.0) || !std::isfinite(pinned_pool_mb))
+      throw ConfigError("async_config.pinned_pool_mb",
+                        "must be a finite number >= 0, got " + std::to_string(pinned_pool_mb));
+    if (io_threads < 1)
+      throw ConfigError("async_config.io_threads", "must be >= 1, got " + std::to_string(io_threads));
+    if (disk_dir && disk_dir->empty())
+      throw ConfigError("async_config.disk_dir", "must be a directory path or unset, got \"\"");
+  }
+};
+
+struct Config {
+  OptimizationMode mode = OptimizationMode::Balanced;
+  bool enable_checkpointing = true;
+  bool enable_offloading = true;
+  bool enable_tiling = false;
+  bool use_mixed_precision = false;
+  bool use_8bit_optimizer = false;
+  std::optional<double> max_cpu_offload_gb{};  ///< cap on host offload tiers; unset = no cap
+  double target_gpu_utilization = 0.85;        ///< fraction of device memory (or budget) to plan for
+  bool force_optimize = false;                 ///< optimize even when memory pressure is low
+  bool use_static_profiling = true;
+  bool use_empirical_fallback = true;
+  int warmup_steps = 2;  ///< instrumented passes per layer when profiling empirically
+  bool enable_logging = true;
+  std::optional<std::string> log_file{};
+  std::optional<int> observability_port{};
+  bool verify_correctness = false;
+  bool async_offload = false;
+  std::optional<AsyncOffloadConfig> async_config{};
+  bool auto_policy = false;
+  /// Explicit device memory budget ("fit in N GB"). Unset: the detected device
+  /// memory (or host RAM on a CPU-only host). Makes planning testable on a CPU host.
+  std::optional<double> memory_budget_gb{};
+
+  /// Throws ConfigError naming the first field outside its valid range.
+  void validate() const {
+    switch (mode) {
+      case OptimizationMode::Conservative:
+      case OptimizationMode::Balanced:
+      case OptimizationMode::Aggressive: break;
+      default:
+        throw ConfigError("mode", "must be Conservative, Balanced or Aggressive, got value " +
+                                      std::to_string(static_cast<int>(mode)));
+    }
+    if (max_cpu_offload_gb && (!std::isfinite(*max_cpu_offload_gb) || *max_cpu_offload_gb < 0.0))
+      throw ConfigError("max_cpu_offload_gb", "must be a finite number of GB >= 0 or unset, got " +
+                                                  std::to_string(*max_cpu_offload_gb));
+    if (!(target_gpu_utilization > 0.0 && target_gpu_utilization <= 1.0))
+      throw ConfigError("target_gpu_utilization",
+                        "must be in (0, 1], got " + std::to_string(target_gpu_utilization));
+    if (warmup_steps < 0)
+      throw ConfigError("warmup_steps", "must be >= 0, got " + std::to_string(warmup_steps));
+    if (log_file && log_file->empty())
+      throw ConfigError("log_file", "must be a file path or unset, got \"\"");
+    if (observability_port && (*observability_port < 1 || *observability_port > 65535))
+      throw ConfigError("observability_port", "must be in [1, 65535] or unset, got " +
+                                                  std::to_string(*observability_port));
+    if (async_config) async_config->validate();
+    if (memory_budget_gb && (!std::isfinite(*memory_budget_gb) || *memory_budget_gb <= 0.0))
+      throw ConfigError("memory_budget_gb", "must be a finite number of GB > 0 or unset, got " +
+                                                std::to_string(*memory_budget_gb));
+    if (!use_static_profiling && !use_empirical_fallback)
+      throw ConfigError("use_empirical_fallback",
+                        "at least one of use_static_profiling and use_empirical_fallback must be "
+                        "true, otherwise no layer can be profiled");
+  }
+};
+
+}  // namespace memscale

@@ -1,0 +1,267 @@
+// memscale — Stage 2: the deterministic rule engine. From per-slot costs, the
+// static bytes and the usable memory it computes the memory pressure, decides
+// whether to act (smart skip), picks checkpoint segment boundaries per chain, and
+// expands checkpointing segment by segment, best savings per recompute second
+// first, until the projected peak fits. Every decision records the rule behind it.
+// Plain data and constexpr functions throughout: tests run it in static_assert.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include <memscale/config.hpp>
+#include <memscale/core/graph.hpp>
+#include <memscale/core/memory_model.hpp>
+
+namespace memscale::core {
+
+/// Why a run of slots got the treatment it got; printed beside every plan entry.
+enum class rule_id : std::uint8_t {
+  low_pressure_skip,       ///< pressure below the mode's threshold; nothing applied
+  checkpointing_disabled,  ///< Config or Strategy excludes checkpointing
+  unsupported_chain,       ///< a slot is not Tensor -> Tensor; chain left alone
+  checkpoint_segment,      ///< checkpointed: it lowers the projected peak
+  keep_fits,               ///< kept: the projected peak already fits the target
+  keep_no_gain,            ///< kept: checkpointing it would not lower the projected peak
+  refine_segment,          ///< checkpointed part of a kept run: the uniform segments were not enough
+};
+
+[[nodiscard]] constexpr std::string_view to_string(rule_id r) noexcept {
+  switch (r) {
+    case rule_id::low_pressure_skip: return "R1 low-pressure-skip";
+    case rule_id::checkpointing_disabled: return "R2 checkpointing-disabled";
+    case rule_id::unsupported_chain: return "R3 unsupported-chain";
+    case rule_id::checkpoint_segment: return "R4 checkpoint-segment";
+    case rule_id::keep_fits: return "R5 keep-fits";
+    case rule_id::keep_no_gain: return "R6 keep-no-gain";
+    case rule_id::refine_segment: return "R7 refine-segment";
+  }
+  return "?";
+}
+
+/// How hard a mode pushes: act when pressure >= act_at_pressure (unless
+/// force_optimize), and expand until the projected peak <= target_fraction x usable.
+struct mode_policy {
+  double act_at_pressure;
+  double target_fraction;
+};
+
+[[nodiscard]] constexpr mode_policy policy_for(OptimizationMode mode) noexcept {
+  switch (mode) {
+    case OptimizationMode::Conservative: return {1.0, 1.0};  // only when it would not fit
+    case OptimizationMode::Balanced: return {0.7, 0.9};      // earlier, with a 10% margin
+    case OptimizationMode::Aggressive: return {0.0, 0.0};    // always; minimize the peak
+  }
+  return {1.0, 1.0};
+}
+
+struct engine_input {
+  OptimizationMode mode = OptimizationMode::Balanced;
+  bool checkpointing_allowed = true;  ///< Config::enable_checkpointing and the Strategy
+  bool force_optimize = false;
+  std::int64_t usable_bytes = 0;      ///< budget (or device memory) x target_gpu_utilization
+  std::int64_t static_bytes = 0;      ///< parameters, gradients, optimizer state, buffers
+};
+
+/// One decision about one run of slots, in the order the engine made it.
+struct segment_decision {
+  int chain = 0;
+  int first = 0;
+  int last = 0;
+  bool checkpointed = false;
+  rule_id rule = rule_id::keep_fits;
+  std::int64_t freed_bytes = 0;       ///< forward bytes the run would no longer keep
+  double recompute_seconds = 0.0;
+  std::int64_t peak_before = 0;       ///< projected step peak before this decision
+  std::int64_t peak_after = 0;        ///< ... and after it
+};
+
+struct engine_plan {
+  double pressure = 0.0;
+  std::int64_t baseline_peak = 0;
+  std::int64_t planned_peak = 0;
+  std::int64_t target_bytes = 0;
+  rule_id overall = rule_id::keep_fits;
+  std::vector<std::vector<unit>> units;   ///< per chain, covering every slot
+  std::vector<int> segment_length;        ///< per chain: the candidate segment length
+  std::vector<segment_decision> decisions;
+};
+
+/// Forward bytes that slots [a, b] keep when run plainly, minus what a checkpoint
+/// of them keeps (its output): what checkpointing the run frees.
+[[nodiscard]] constexpr std::int64_t checkpoint_frees(std::span<const slot_cost> s, int a, int b) {
+  const auto plain = project_plain_range(s, a, b, 0);
+  return plain.forward_end - s[b].output_bytes;
+}
+
+/// Uniform segments of `length` slots, all checkpointed.
+[[nodiscard]] constexpr std::vector<unit> uniform_segments(int slot_count, int length) {
+  std::vector<unit> units;
+  for (int first = 0; first < slot_count; first += length)
+    units.push_back({first, std::min(first + length, slot_count) - 1, true});
+  return units;
+}
+
+/// Segment length whose all-checkpointed plan has the lowest projected peak:
+/// one length for blocks (1), about sqrt(n) for runs of primitive layers. Ties
+/// go to the shorter segment: finer candidates let the greedy expansion stop sooner.
+[[nodiscard]] constexpr int choose_segment_length(std::span<const slot_cost> s) {
+  const int n = static_cast<int>(s.size());
+  int best_length = 1;
+  std::int64_t best_peak = -1;
+  for (int length = 1; length <= n; ++length) {
+    const auto units = uniform_segments(n, length);
+    const auto peak = project_chain(s, units).peak;
+    if (best_peak < 0 || peak < best_peak) {
+      best_peak = peak;
+      best_length = length;
+    }
+  }
+  return best_length;
+}
+
+namespace detail_engine {
+struct candidate {
+  int chain;
+  int first;
+  int last;
+  std::int64_t frees;
+  double seconds;
+};
+
+/// Higher freed bytes per recompute second first; ties by position (deterministic).
+constexpr bool better(const candidate& x, const candidate& y) {
+  const double sx = static_cast<double>(x.frees) * (y.seconds + 1e-12);
+  const double sy = static_cast<double>(y.frees) * (x.seconds + 1e-12);
+  if (sx != sy) return sx > sy;
+  if (x.chain != y.chain) return x.chain < y.chain;
+  return x.first < y.first;
+}
+}  // namespace detail_engine
+
+/// The rule engine. `supported[c]` false leaves chain c alone.
+[[nodiscard]] constexpr engine_plan decide(const std::vector<std::vector<slot_cost>>& chains,
+                                           const std::vector<bool>& supported, const engine_input& in) {
+  engine_plan plan;
+  for (const auto& c : chains) {
+    plan.units.push_back(keep_all(c.size()));
+    plan.segment_length.push_back(1);
+  }
+  plan.baseline_peak = project_model_peak(chains, plan.units, in.static_bytes);
+  plan.planned_peak = plan.baseline_peak;
+  plan.pressure = in.usable_bytes > 0
+                      ? static_cast<double>(plan.baseline_peak) / static_cast<double>(in.usable_bytes)
+                      : 1e9;
+  const auto policy = policy_for(in.mode);
+  plan.target_bytes = static_cast<std::int64_t>(policy.target_fraction * static_cast<double>(in.usable_bytes));
+
+  auto whole_chain_decisions = [&](rule_id rule) {
+    for (int c = 0; c < static_cast<int>(chains.size()); ++c)
+      if (!chains[c].empty())
+        plan.decisions.push_back({c, 0, static_cast<int>(chains[c].size()) - 1, false,
+                                  supported[c] ? rule : rule_id::unsupported_chain, 0, 0.0,
+                                  plan.baseline_peak, plan.baseline_peak});
+  };
+  if (!in.checkpointing_allowed) {
+    plan.overall = rule_id::checkpointing_disabled;
+    whole_chain_decisions(rule_id::checkpointing_disabled);
+    return plan;
+  }
+  if (!in.force_optimize && plan.pressure < policy.act_at_pressure) {
+    plan.overall = rule_id::low_pressure_skip;
+    whole_chain_decisions(rule_id::low_pressure_skip);
+    return plan;
+  }
+
+  std::vector<detail_engine::candidate> candidates;
+  for (int c = 0; c < static_cast<int>(chains.size()); ++c) {
+    const auto& s = chains[c];
+    if (s.empty()) continue;
+    if (!supported[c]) {
+      plan.decisions.push_back({c, 0, static_cast<int>(s.size()) - 1, false, rule_id::unsupported_chain, 0,
+                                0.0, plan.baseline_peak, plan.baseline_peak});
+      continue;
+    }
+    plan.segment_length[c] = choose_segment_length(s);
+    for (const auto& u : uniform_segments(static_cast<int>(s.size()), plan.segment_length[c])) {
+      double seconds = 0.0;
+      for (int k = u.first; k <= u.last; ++k) seconds += s[k].forward_seconds;
+      candidates.push_back({c, u.first, u.last, checkpoint_frees(s, u.first, u.last), seconds});
+    }
+  }
+  std::sort(candidates.begin(), candidates.end(), detail_engine::better);
+
+  // Greedy expansion; a second pass retries runs that gave nothing the first time
+  // (the peak may have moved to them once others were checkpointed).
+  std::vector<bool> settled(candidates.size(), false);
+  for (int pass = 0; pass < 2; ++pass) {
+    const bool last_pass = pass == 1;
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+      if (settled[i]) continue;
+      const auto& cand = candidates[i];
+      if (plan.planned_peak <= plan.target_bytes) {
+        plan.decisions.push_back({cand.chain, cand.first, cand.last, false, rule_id::keep_fits, cand.frees,
+                                  cand.seconds, plan.planned_peak, plan.planned_peak});
+        settled[i] = true;
+        continue;
+      }
+      auto trial = plan.units;
+      trial[cand.chain] = with_checkpoint(plan.units[cand.chain], cand.first, cand.last);
+      const auto peak = project_model_peak(chains, trial, in.static_bytes);
+      if (peak < plan.planned_peak) {
+        plan.decisions.push_back({cand.chain, cand.first, cand.last, true, rule_id::checkpoint_segment,
+                                  cand.frees, cand.seconds, plan.planned_peak, peak});
+        plan.units = std::move(trial);
+        plan.planned_peak = peak;
+        settled[i] = true;
+      } else if (last_pass) {
+        plan.decisions.push_back({cand.chain, cand.first, cand.last, false, rule_id::keep_no_gain, cand.frees,
+                                  cand.seconds, plan.planned_peak, peak});
+      }
+    }
+  }
+  // Refinement: still above target, try every run inside the slots left plain,
+  // best peak reduction per recompute second first, until it fits or nothing helps.
+  for (std::size_t round = 0; plan.planned_peak > plan.target_bytes && round < 4 * candidates.size(); ++round) {
+    segment_decision best{};
+    double best_score = 0.0;
+    std::vector<unit> best_units;
+    for (int c = 0; c < static_cast<int>(chains.size()); ++c) {
+      if (!supported[c]) continue;
+      const auto& s = chains[c];
+      for (const auto& u : plan.units[c]) {
+        if (u.checkpointed) continue;
+        // u is one kept slot; extend over the following kept slots.
+        for (int last = u.first; last < static_cast<int>(s.size()); ++last) {
+          bool all_kept = true;
+          for (const auto& v : plan.units[c])
+            if (v.first <= last && v.last >= u.first && v.checkpointed) all_kept = false;
+          if (!all_kept) break;
+          auto trial = plan.units;
+          trial[c] = with_checkpoint(plan.units[c], u.first, last);
+          const auto peak = project_model_peak(chains, trial, in.static_bytes);
+          if (peak >= plan.planned_peak) continue;
+          double seconds = 0.0;
+          for (int k = u.first; k <= last; ++k) seconds += s[k].forward_seconds;
+          const double score = static_cast<double>(plan.planned_peak - peak) / (seconds + 1e-12);
+          if (score > best_score) {
+            best_score = score;
+            best = {c, u.first, last, true, rule_id::refine_segment, checkpoint_frees(s, u.first, last), seconds,
+                    plan.planned_peak, peak};
+            best_units = trial[c];
+          }
+        }
+      }
+    }
+    if (best_units.empty()) break;
+    plan.units[best.chain] = std::move(best_units);
+    plan.planned_peak = best.peak_after;
+    plan.decisions.push_back(best);
+  }
+  plan.overall = rule_id::checkpoint_segment;
+  return plan;
+}
+
+}  // namespace memscale::core

@@ -1,0 +1,482 @@
+// memscale — the Executor: swaps forward slots of each torch::nn::Sequential chain
+// for technique wrappers and puts the originals back on detach. The chain's
+// registered children never change, so parameters(), named_parameters(), state
+// dicts and optimizers see the same tensors under the same names. An attachment
+// is registered against the model's root module so detach() can find it. Every
+// step either completes or is rolled back: a throwing wrap leaves the model as it was.
+#pragma once
+
+#include <algorithm>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/config.hpp>
+#include <memscale/core/decision_engine.hpp>
+#include <memscale/core/hardware.hpp>
+#include <memscale/core/plan.hpp>
+#include <memscale/core/profiler.hpp>
+#include <memscale/detail/assert.hpp>
+#include <memscale/detail/fault_injection.hpp>
+#include <memscale/detail/rng.hpp>
+#include <memscale/errors.hpp>
+#include <memscale/observability/log.hpp>
+#include <memscale/techniques/checkpoint.hpp>
+
+namespace memscale::core {
+
+/// Which techniques the Strategy and the Config allow, and which this build applies.
+struct technique_set {
+  bool checkpoint = true;
+  bool offload_requested = false;
+  bool tile_requested = false;
+};
+
+/// Fills a slot that belongs to a checkpointed segment starting earlier.
+class PassThroughImpl : public torch::nn::Module {
+ public:
+  PassThroughImpl() : torch::nn::Module("memscale::PassThrough") {}
+  torch::Tensor forward(torch::Tensor x) { return x; }
+};
+
+/// Slot 0 while wrap() runs the example input: records what the chain receives.
+class InputCaptureImpl : public torch::nn::Module {
+ public:
+  explicit InputCaptureImpl(torch::nn::AnyModule original)
+      : torch::nn::Module("memscale::InputCapture"), original_(std::move(original)) {}
+  torch::Tensor forward(torch::Tensor x) {
+    if (!captured_.defined()) captured_ = x.detach();
+    return original_.forward<torch::Tensor>(std::move(x));
+  }
+  [[nodiscard]] const torch::Tensor& captured() const noexcept { return captured_; }
+
+ private:
+  torch::nn::AnyModule original_;
+  torch::Tensor captured_;
+};
+
+class attachment;
+
+/// Slot 0 of a chain whose plan waits for its first input (wrap without an example).
+class PlanningProbeImpl : public torch::nn::Module {
+ public:
+  PlanningProbeImpl(std::weak_ptr<attachment> owner, std::size_t chain, torch::nn::AnyModule original)
+      : torch::nn::Module("memscale::PlanningProbe"),
+        owner_(std::move(owner)),
+        chain_(chain),
+        original_(std::move(original)) {}
+  torch::Tensor forward(torch::Tensor x);
+
+ private:
+  std::weak_ptr<attachment> owner_;
+  std::size_t chain_;
+  torch::nn::AnyModule original_;
+};
+
+/// Whether a slot holds one of memscale's wrappers.
+inline bool is_memscale_slot(const torch::nn::AnyModule& slot) {
+  const auto& p = slot.ptr();
+  return std::dynamic_pointer_cast<CheckpointSegmentImpl>(p) || std::dynamic_pointer_cast<PassThroughImpl>(p) ||
+         std::dynamic_pointer_cast<PlanningProbeImpl>(p) || std::dynamic_pointer_cast<InputCaptureImpl>(p);
+}
+
+struct managed_chain {
+  chain_ref ref;
+  std::vector<torch::nn::AnyModule> originals;
+  bool planned = false;
+};
+
+/// Slot replacements done so far; undone in reverse unless committed.
+class slot_transaction {
+ public:
+  slot_transaction() = default;
+  slot_transaction(const slot_transaction&) = delete;
+  slot_transaction& operator=(const slot_transaction&) = delete;
+  ~slot_transaction() { rollback(); }
+
+  void replace(torch::nn::SequentialImpl& seq, std::size_t index, torch::nn::AnyModule next) {
+    auto it = seq.begin() + static_cast<std::ptrdiff_t>(index);
+    undo_.push_back({&seq, index, std::move(*it)});
+    *it = std::move(next);
+  }
+  void commit() noexcept { undo_.clear(); }
+  void rollback() noexcept {
+    for (auto it = undo_.rbegin(); it != undo_.rend(); ++it)
+      *(it->seq->begin() + static_cast<std::ptrdiff_t>(it->index)) = std::move(it->previous);
+    undo_.clear();
+  }
+
+ private:
+  struct entry {
+    torch::nn::SequentialImpl* seq;
+    std::size_t index;
+    torch::nn::AnyModule previous;
+  };
+  std::vector<entry> undo_;
+};
+
+class attachment : public std::enable_shared_from_this<attachment> {
+ public:
+  attachment(const std::shared_ptr<torch::nn::Module>& root, std::vector<chain_ref> chains, Config config,
+             technique_set techniques)
+      : root_(root), config_(std::move(config)), techniques_(techniques) {
+    for (auto& ref : chains) {
+      managed_chain chain{std::move(ref), {}, false};
+      for (const auto& slot : *chain.ref.sequential) chain.originals.push_back(slot);
+      chains_.push_back(std::move(chain));
+    }
+    report_.mode = config_.mode;
+    report_.hardware = detect_hardware();
+    add_technique_notes();
+  }
+
+  [[nodiscard]] Report report() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return report_;
+  }
+  [[nodiscard]] std::size_t chain_count() const noexcept { return chains_.size(); }
+  [[nodiscard]] const Config& config() const noexcept { return config_; }
+
+  /// Runs `forward` once (no grad, no visible RNG draws, buffers restored) to learn
+  /// what each chain receives. Chains the forward never reaches get no input.
+  std::vector<torch::Tensor> capture_inputs(const std::function<void()>& forward) {
+    detail::fault_point(detail::pipeline_stage::capture);
+    std::vector<std::shared_ptr<InputCaptureImpl>> probes;
+    slot_transaction probes_in_place;  // always rolled back: capture changes nothing
+    for (auto& chain : chains_) {
+      probes.push_back(std::make_shared<InputCaptureImpl>(chain.originals.front()));
+      probes_in_place.replace(*chain.ref.sequential, 0, torch::nn::AnyModule(probes.back()));
+    }
+    {
+      torch::NoGradGuard no_grad;
+      detail::rng_fork no_visible_draws;
+      std::vector<torch::nn::AnyModule> everything;
+      for (auto& chain : chains_) everything.insert(everything.end(), chain.originals.begin(), chain.originals.end());
+      detail::buffer_restore keep_buffers(everything);
+      forward();
+    }
+    std::vector<torch::Tensor> inputs;
+    for (const auto& probe : probes) inputs.push_back(probe->captured());
+    return inputs;
+  }
+
+  /// Profiles, plans and applies the chains with a defined input; the others get
+  /// a planning probe. Nothing changes in the model unless all of it succeeds.
+  void plan_and_apply(const std::vector<torch::Tensor>& inputs) {
+    std::vector<std::size_t> ready;
+    for (std::size_t c = 0; c < chains_.size(); ++c)
+      if (c < inputs.size() && inputs[c].defined()) ready.push_back(c);
+    Report next = report_;
+    std::vector<std::vector<unit>> units;
+    if (!ready.empty()) units = plan(ready, inputs, next);
+    slot_transaction tx;
+    bool first_change = true;
+    for (std::size_t i = 0; i < ready.size(); ++i) {
+      apply_units(ready[i], units[i], tx, first_change);
+    }
+    for (std::size_t c = 0; c < chains_.size(); ++c) {
+      if (std::find(ready.begin(), ready.end(), c) != ready.end()) continue;
+      tx.replace(*chains_[c].ref.sequential, 0,
+                 torch::nn::AnyModule(std::make_shared<PlanningProbeImpl>(weak_from_this(), c,
+                                                                           chains_[c].originals.front())));
+      after_first_change(first_change);
+    }
+    detail::fault_point(detail::pipeline_stage::commit);
+    tx.commit();
+    for (auto c : ready) chains_[c].planned = true;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      report_ = std::move(next);
+    }
+    observability::log_report(config_, report());
+  }
+
+  /// Called by a chain's planning probe on its first input.
+  torch::Tensor plan_on_first_call(std::size_t c, const torch::Tensor& x) {
+    std::lock_guard<std::mutex> planning(plan_mutex_);
+    if (!chains_[c].planned) {
+      std::vector<torch::Tensor> inputs(chains_.size());
+      inputs[c] = x.detach();
+      try {
+        Report next = report_;
+        auto units = plan({c}, inputs, next);
+        slot_transaction tx;
+        bool first_change = true;
+        apply_units(c, units.front(), tx, first_change);
+        tx.commit();
+        chains_[c].planned = true;
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          report_ = std::move(next);
+        }
+        observability::log_report(config_, report());
+      } catch (...) {
+        // Leave the chain as it was before wrap(), then report the failure.
+        *chains_[c].ref.sequential->begin() = chains_[c].originals.front();
+        chains_[c].planned = true;
+        throw;
+      }
+    }
+    return chains_[c].ref.sequential->begin()->forward<torch::Tensor>(x);
+  }
+
+  /// Puts every original slot back. Never throws.
+  void restore() noexcept {
+    std::lock_guard<std::mutex> planning(plan_mutex_);
+    for (auto& chain : chains_) {
+      auto it = chain.ref.sequential->begin();
+      for (std::size_t k = 0; k < chain.originals.size(); ++k, ++it) *it = chain.originals[k];
+    }
+  }
+
+ private:
+  static constexpr double gib = 1024.0 * 1024.0 * 1024.0;
+
+  void add_technique_notes() {
+    if (techniques_.offload_requested)
+      report_.notes.emplace_back(
+          "offload: requested, but this release does not apply it yet (tracked in the offload issue); "
+          "plans use checkpointing only");
+    if (techniques_.tile_requested)
+      report_.notes.emplace_back("tile: requested, but this release does not apply it yet; plans use "
+                                 "checkpointing only");
+    if (config_.use_mixed_precision)
+      report_.notes.emplace_back("use_mixed_precision: not implemented in this release; training runs as is");
+    if (config_.use_8bit_optimizer)
+      report_.notes.emplace_back("use_8bit_optimizer: not implemented in this release");
+    if (config_.auto_policy)
+      report_.notes.emplace_back("auto_policy: the Stage 1 policy is not implemented in this release; the "
+                                 "Config is used as given");
+    if (config_.observability_port)
+      report_.notes.emplace_back("observability_port: the metrics endpoint is not implemented in this release");
+    if (config_.verify_correctness)
+      report_.notes.emplace_back("verify_correctness: not implemented in this release");
+  }
+
+  void after_first_change(bool& first_change) {
+    if (first_change) {
+      first_change = false;
+      detail::fault_point(detail::pipeline_stage::apply);  // a failure mid-way, after one slot changed
+    }
+  }
+
+  /// Profiles chains `which` (inputs indexed by chain) and runs the engine; fills `out`.
+  std::vector<std::vector<unit>> plan(const std::vector<std::size_t>& which,
+                                      const std::vector<torch::Tensor>& inputs, Report& out) {
+    const auto device = inputs[which.front()].device();
+    bool training = true;
+    if (auto root = root_.lock()) training = root->is_training();
+    const auto options = profile_options_from(config_, training);
+    detail::fault_point(detail::pipeline_stage::profile);
+    std::vector<chain_profile> profiles;
+    {
+      torch::AutoGradMode grad_on(true);  // profiling measures what backward keeps
+      for (auto c : which)
+        profiles.push_back(profile_chain(chains_[c].ref.path, chains_[c].originals, inputs[c], options));
+    }
+    detail::fault_point(detail::pipeline_stage::plan);
+
+    out.device = device.str();
+    const auto& hw = out.hardware;
+    std::int64_t device_bytes = hw.host_total_bytes;
+    if (device.is_cuda())
+      for (const auto& g : hw.gpus)
+        if (g.index == (device.has_index() ? device.index() : 0)) device_bytes = g.total_bytes;
+    out.budget_bytes = config_.memory_budget_gb ? static_cast<std::int64_t>(*config_.memory_budget_gb * gib)
+                                                : device_bytes;
+    out.usable_bytes = static_cast<std::int64_t>(static_cast<double>(out.budget_bytes) *
+                                                 config_.target_gpu_utilization);
+    if (!out.planned) {
+      out.parameter_bytes = out.gradient_bytes = out.buffer_bytes = 0;
+      if (auto root = root_.lock()) {
+        for (const auto& p : root->parameters()) {
+          if (p.device() != device) continue;
+          out.parameter_bytes += static_cast<std::int64_t>(p.nbytes());
+          if (p.requires_grad()) out.gradient_bytes += static_cast<std::int64_t>(p.nbytes());
+        }
+        for (const auto& b : root->buffers())
+          if (b.device() == device) out.buffer_bytes += static_cast<std::int64_t>(b.nbytes());
+      }
+      out.optimizer_reserve_bytes = 2 * out.gradient_bytes;
+    } else {
+      // Chains planned earlier keep their forward bytes while this one runs.
+      for (std::size_t c = 0; c < out.chains.size(); ++c)
+        out.earlier_chains_bytes += project_chain(out.chains[c].slots, out.plan.units[c]).forward_end;
+    }
+
+    std::vector<std::vector<slot_cost>> costs;
+    std::vector<bool> supported;
+    for (const auto& p : profiles) {
+      costs.push_back(p.slots);
+      supported.push_back(p.supported && p.slots.size() == chains_[which[costs.size() - 1]].originals.size());
+    }
+    engine_input in;
+    in.mode = config_.mode;
+    in.checkpointing_allowed = config_.enable_checkpointing && techniques_.checkpoint;
+    in.force_optimize = config_.force_optimize;
+    in.usable_bytes = out.usable_bytes;
+    in.static_bytes = out.static_bytes();
+    auto decided = decide(costs, supported, in);
+
+    // Merge into the report: chains planned earlier stay; indices shift.
+    const int offset = static_cast<int>(out.chains.size());
+    for (auto& d : decided.decisions) d.chain += offset;
+    if (!out.planned) {
+      out.plan = decided;
+    } else {
+      out.plan.pressure = decided.pressure;
+      out.plan.baseline_peak = decided.baseline_peak;
+      out.plan.planned_peak = decided.planned_peak;
+      out.plan.target_bytes = decided.target_bytes;
+      out.plan.overall = decided.overall;
+      out.plan.units.insert(out.plan.units.end(), decided.units.begin(), decided.units.end());
+      out.plan.segment_length.insert(out.plan.segment_length.end(), decided.segment_length.begin(),
+                                     decided.segment_length.end());
+      out.plan.decisions.insert(out.plan.decisions.end(), decided.decisions.begin(), decided.decisions.end());
+    }
+    out.chains.insert(out.chains.end(), profiles.begin(), profiles.end());
+    out.planned = true;
+    return decided.units;
+  }
+
+  /// Replaces chain c's slots as `units` say (originals where a unit is kept).
+  void apply_units(std::size_t c, const std::vector<unit>& units, slot_transaction& tx, bool& first_change) {
+    auto& chain = chains_[c];
+    auto& seq = *chain.ref.sequential;
+    std::vector<torch::nn::AnyModule> target = chain.originals;
+    for (const auto& u : units) {
+      if (!u.checkpointed) continue;
+      std::vector<torch::nn::AnyModule> segment(chain.originals.begin() + u.first,
+                                                chain.originals.begin() + u.last + 1);
+      target[static_cast<std::size_t>(u.first)] =
+          torch::nn::AnyModule(std::make_shared<CheckpointSegmentImpl>(std::move(segment)));
+      for (int k = u.first + 1; k <= u.last; ++k)
+        target[static_cast<std::size_t>(k)] = torch::nn::AnyModule(std::make_shared<PassThroughImpl>());
+    }
+    auto it = seq.begin();
+    for (std::size_t k = 0; k < target.size(); ++k, ++it) {
+      if (it->ptr() == target[k].ptr()) continue;
+      tx.replace(seq, k, std::move(target[k]));
+      after_first_change(first_change);
+    }
+  }
+
+  std::weak_ptr<torch::nn::Module> root_;
+  Config config_;
+  technique_set techniques_;
+  std::vector<managed_chain> chains_;
+  mutable std::mutex mutex_;  // guards report_
+  std::mutex plan_mutex_;     // serializes lazy planning and restore
+  Report report_;
+};
+
+inline torch::Tensor PlanningProbeImpl::forward(torch::Tensor x) {
+  auto keep_alive = shared_from_this();  // planning replaces this very slot
+  if (auto owner = owner_.lock()) return owner->plan_on_first_call(chain_, x);
+  return original_.forward<torch::Tensor>(std::move(x));
+}
+
+/// Models memscale manages, keyed by their root module.
+class registry {
+ public:
+  static registry& global() {
+    static registry instance;
+    return instance;
+  }
+
+  [[nodiscard]] std::shared_ptr<attachment> find(const torch::nn::Module* key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    prune();
+    for (const auto& e : entries_)
+      if (e.key == key) return e.value;
+    return nullptr;
+  }
+
+  void add(const std::shared_ptr<torch::nn::Module>& root, std::shared_ptr<attachment> value) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    prune();
+    entries_.push_back({root.get(), root, std::move(value)});
+  }
+
+  [[nodiscard]] std::shared_ptr<attachment> remove(const torch::nn::Module* key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = entries_.begin(); it != entries_.end(); ++it)
+      if (it->key == key) {
+        auto value = std::move(it->value);
+        entries_.erase(it);
+        return value;
+      }
+    return nullptr;
+  }
+
+ private:
+  struct entry {
+    const torch::nn::Module* key;
+    std::weak_ptr<torch::nn::Module> root;  // a model dropped without detach() is pruned
+    std::shared_ptr<attachment> value;
+  };
+  void prune() {
+    entries_.erase(std::remove_if(entries_.begin(), entries_.end(), [](const entry& e) { return e.root.expired(); }),
+                   entries_.end());
+  }
+
+  std::mutex mutex_;
+  std::vector<entry> entries_;
+};
+
+/// The pipeline behind wrap(): validate, find chains, (capture), profile, plan,
+/// apply, register. `forward`: runs the example input through the model, or empty.
+inline Report attach(const std::shared_ptr<torch::nn::Module>& root, const Config& config,
+                     technique_set techniques, const std::function<void()>& forward) {
+  config.validate();
+  if (!root) throw UnsupportedModelError("memscale: the model is empty (a null module holder)");
+  if (registry::global().find(root.get()))
+    throw AlreadyOptimizedError("memscale: this model is already optimized; call memscale::detach(model) "
+                                "before wrapping it again");
+  auto chains = find_chains(root);
+  if (chains.empty())
+    throw UnsupportedModelError(
+        "memscale: the model (" + root->name() +
+        ") contains no torch::nn::Sequential, so memscale has no layer slots to optimize. Put the "
+        "repeated layers in a torch::nn::Sequential member (for example a Sequential of transformer "
+        "blocks registered with register_module), or call memscale::checkpoint(fn, inputs, params) "
+        "from a custom forward");
+  for (const auto& chain : chains)
+    for (const auto& slot : *chain.sequential)
+      if (is_memscale_slot(slot))
+        throw AlreadyOptimizedError("memscale: Sequential '" + (chain.path.empty() ? root->name() : chain.path) +
+                                    "' is already managed by memscale (through another model that contains "
+                                    "it); detach that model first");
+  memory_tracker::install();
+  auto att = std::make_shared<attachment>(root, std::move(chains), config, techniques);
+  std::vector<torch::Tensor> inputs;
+  if (forward) inputs = att->capture_inputs(forward);
+  att->plan_and_apply(inputs);
+  try {
+    registry::global().add(root, att);
+  } catch (...) {
+    att->restore();
+    throw;
+  }
+  return att->report();
+}
+
+/// Undoes attach(); false when memscale does not manage `root`. Never throws.
+inline bool detach(const torch::nn::Module* root) noexcept {
+  std::shared_ptr<attachment> att;
+  try {
+    att = registry::global().remove(root);
+  } catch (...) {
+    return false;
+  }
+  if (!att) return false;
+  att->restore();
+  return true;
+}
+
+}  // namespace memscale::core

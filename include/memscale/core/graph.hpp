@@ -1,0 +1,59 @@
+// memscale — profiler output: per-slot costs of every chain (a torch::nn::Sequential)
+// in the model. slot_cost is plain data so the decision rules can run in constexpr.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace memscale {
+
+/// What one slot of a chain costs in one training step, on the chain's device.
+/// The decision engine derives everything else (retained bytes, recompute time)
+/// from these fields; see core/memory_model.hpp.
+struct slot_cost {
+  std::int64_t input_bytes = 0;      ///< bytes of the slot's input tensor
+  std::int64_t output_bytes = 0;     ///< bytes of the slot's output tensor
+  bool output_is_view = false;       ///< output shares the input's storage (no new bytes)
+  std::int64_t saved_bytes = 0;      ///< bytes saved for backward beyond its input and output
+  bool saves_input = false;          ///< backward keeps the input alive
+  bool saves_output = false;         ///< backward keeps the output alive
+  std::int64_t workspace_bytes = 0;  ///< transient bytes during forward, freed before it returns
+  double forward_seconds = 0.0;      ///< one forward (= the recompute cost of checkpointing it)
+  double backward_seconds = 0.0;
+
+  /// New bytes the forward allocates and keeps (output plus saved extras).
+  [[nodiscard]] constexpr std::int64_t kept_bytes() const noexcept {
+    return (output_is_view ? 0 : output_bytes) + saved_bytes;
+  }
+};
+
+/// Where a slot's costs came from: a per-type rule, or measurement.
+enum class profile_source : std::uint8_t { static_rule, empirical };
+
+[[nodiscard]] constexpr std::string_view to_string(profile_source s) noexcept {
+  return s == profile_source::static_rule ? "static" : "empirical";
+}
+
+/// One torch::nn::Sequential found in the model tree, profiled.
+struct chain_profile {
+  std::string path;                     ///< dotted module path ("" for the root)
+  std::vector<std::string> slot_names;  ///< "0 (Linear)", ...
+  std::vector<slot_cost> slots;
+  std::vector<profile_source> sources;  ///< per slot
+  std::vector<std::string> notes;       ///< why a slot was profiled as it was
+  std::vector<std::int64_t> input_shape;
+  bool supported = true;                ///< false: some slot is not Tensor -> Tensor
+  std::string unsupported_reason;
+};
+
+/// The whole model as the decision engine sees it.
+struct ModelGraph {
+  std::vector<chain_profile> chains;
+  std::int64_t parameter_bytes = 0;            ///< all parameters on the planning device
+  std::int64_t trainable_parameter_bytes = 0;  ///< those that require grad (gradients of this size)
+  std::int64_t buffer_bytes = 0;
+};
+
+}  // namespace memscale

@@ -1,0 +1,108 @@
+// memscale — profiler, part 1: what the machine has. GPUs and their memory when
+// LibTorch has CUDA, host RAM always; a CPU-only host is a first-class target.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include <torch/cuda.h>
+
+#include <memscale/core/memory_tracker.hpp>
+
+#if MEMSCALE_HAS_CUDA()
+#include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace memscale {
+
+struct gpu_info {
+  int index = 0;
+  std::string name;
+  std::int64_t total_bytes = 0;
+  std::int64_t free_bytes = 0;
+};
+
+struct HardwareInfo {
+  std::int64_t host_total_bytes = 0;
+  std::int64_t host_available_bytes = 0;
+  int cpu_threads = 0;
+  std::vector<gpu_info> gpus;
+
+  [[nodiscard]] bool has_gpu() const noexcept { return !gpus.empty(); }
+};
+
+namespace detail {
+
+inline std::string format_bytes(std::int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes < 0 ? -bytes : bytes);
+  int unit = 0;
+  while (value >= 1024.0 && unit < 4) {
+    value /= 1024.0;
+    ++unit;
+  }
+  std::ostringstream os;
+  os.precision(unit == 0 ? 0 : 2);
+  os << std::fixed << (bytes < 0 ? "-" : "") << value << ' ' << units[unit];
+  return os.str();
+}
+
+/// MemAvailable from /proc/meminfo; the physical total where it cannot be read.
+inline std::int64_t host_available_bytes(std::int64_t fallback) {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  std::int64_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return fallback;
+}
+
+}  // namespace detail
+
+/// Detects the host and, when LibTorch has CUDA, every visible GPU.
+inline HardwareInfo detect_hardware() {
+  HardwareInfo info;
+  const auto pages = ::sysconf(_SC_PHYS_PAGES);
+  const auto page_size = ::sysconf(_SC_PAGESIZE);
+  info.host_total_bytes = (pages > 0 && page_size > 0) ? static_cast<std::int64_t>(pages) * page_size : 0;
+  info.host_available_bytes = detail::host_available_bytes(info.host_total_bytes);
+  info.cpu_threads = static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN));
+#if MEMSCALE_HAS_CUDA()
+  if (torch::cuda::is_available()) {
+    const auto count = static_cast<int>(torch::cuda::device_count());
+    for (int i = 0; i < count; ++i) {
+      cudaDeviceProp prop{};
+      cudaGetDeviceProperties(&prop, i);
+      std::size_t free_bytes = 0, total_bytes = 0;
+      int previous = 0;
+      cudaGetDevice(&previous);
+      cudaSetDevice(i);
+      cudaMemGetInfo(&free_bytes, &total_bytes);
+      cudaSetDevice(previous);
+      info.gpus.push_back({i, prop.name, static_cast<std::int64_t>(total_bytes),
+                           static_cast<std::int64_t>(free_bytes)});
+    }
+  }
+#endif
+  return info;
+}
+
+inline std::ostream& operator<<(std::ostream& os, const HardwareInfo& hw) {
+  os << "host: " << hw.cpu_threads << " CPU threads, " << detail::format_bytes(hw.host_total_bytes)
+     << " RAM (" << detail::format_bytes(hw.host_available_bytes) << " available)\n";
+  if (hw.gpus.empty()) os << "gpus: none (CPU-only host)\n";
+  for (const auto& g : hw.gpus)
+    os << "gpu " << g.index << ": " << g.name << ", " << detail::format_bytes(g.total_bytes) << " ("
+       << detail::format_bytes(g.free_bytes) << " free)\n";
+  return os;
+}
+
+}  // namespace memscale

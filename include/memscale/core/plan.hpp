@@ -1,0 +1,150 @@
+// memscale — the execution plan as the user sees it: a Report holding the
+// hardware, the profile, the memory pressure and, per chain, each run of slots
+// with the technique applied and the rule that chose it. Printable line by line.
+#pragma once
+
+#include <cstdint>
+#include <iomanip>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <memscale/config.hpp>
+#include <memscale/core/decision_engine.hpp>
+#include <memscale/core/graph.hpp>
+#include <memscale/core/hardware.hpp>
+#include <memscale/core/memory_model.hpp>
+
+namespace memscale {
+
+struct Report {
+  HardwareInfo hardware;
+  OptimizationMode mode = OptimizationMode::Balanced;
+  std::string device = "cpu";         ///< the device planned for
+  bool planned = false;               ///< false while planning waits for the first forward
+  std::int64_t budget_bytes = 0;      ///< Config::memory_budget_gb, or the device's memory
+  std::int64_t usable_bytes = 0;      ///< budget x target_gpu_utilization
+  std::int64_t parameter_bytes = 0;
+  std::int64_t gradient_bytes = 0;
+  std::int64_t optimizer_reserve_bytes = 0;  ///< assumed Adam-sized (2 x trainable parameters)
+  std::int64_t buffer_bytes = 0;
+  std::int64_t earlier_chains_bytes = 0;     ///< kept by chains planned before (lazy planning)
+  std::vector<chain_profile> chains;
+  core::engine_plan plan;
+  std::vector<std::string> notes;
+
+  [[nodiscard]] std::int64_t static_bytes() const noexcept {
+    return parameter_bytes + gradient_bytes + optimizer_reserve_bytes + buffer_bytes + earlier_chains_bytes;
+  }
+  [[nodiscard]] double memory_pressure() const noexcept { return plan.pressure; }
+  [[nodiscard]] std::int64_t baseline_peak_bytes() const noexcept { return plan.baseline_peak; }
+  [[nodiscard]] std::int64_t planned_peak_bytes() const noexcept { return plan.planned_peak; }
+  /// Number of checkpointed segments over all chains.
+  [[nodiscard]] int checkpointed_segments() const {
+    int n = 0;
+    for (const auto& units : plan.units)
+      for (const auto& u : units) n += u.checkpointed ? 1 : 0;
+    return n;
+  }
+  /// Projected recompute seconds the plan adds to a step.
+  [[nodiscard]] double recompute_seconds() const {
+    double s = 0.0;
+    for (std::size_t c = 0; c < chains.size() && c < plan.units.size(); ++c)
+      s += core::recompute_seconds(chains[c].slots, plan.units[c]);
+    return s;
+  }
+
+  [[nodiscard]] std::string str() const {
+    std::ostringstream os;
+    print(os);
+    return os.str();
+  }
+
+  /// Prints through a string, so the caller's stream formatting stays as it was.
+  friend std::ostream& operator<<(std::ostream& os, const Report& r) { return os << r.str(); }
+
+ private:
+  void print(std::ostream& os) const {
+    using detail::format_bytes;
+    os << "memscale plan (mode " << mode << ", device " << device << ")\n" << hardware;
+    if (!planned) {
+      os << "planning: deferred to the first forward call (no example input given)\n";
+      print_notes(os);
+      return;
+    }
+    os << "budget " << format_bytes(budget_bytes) << ", usable " << format_bytes(usable_bytes) << "\n";
+    os << "static " << format_bytes(static_bytes()) << " = parameters " << format_bytes(parameter_bytes)
+       << " + gradients " << format_bytes(gradient_bytes) << " + optimizer reserve "
+       << format_bytes(optimizer_reserve_bytes) << " + buffers " << format_bytes(buffer_bytes);
+    if (earlier_chains_bytes != 0) os << " + earlier chains " << format_bytes(earlier_chains_bytes);
+    os << "\n";
+    os << "projected peak: baseline " << format_bytes(plan.baseline_peak) << " (pressure " << std::fixed
+       << std::setprecision(2) << plan.pressure << "), planned " << format_bytes(plan.planned_peak)
+       << ", target " << format_bytes(plan.target_bytes) << ", recompute +" << std::setprecision(2)
+       << recompute_seconds() * 1e3 << " ms/step\n";
+    for (std::size_t c = 0; c < chains.size(); ++c) print_chain(os, static_cast<int>(c));
+    print_notes(os);
+  }
+
+  /// Prints through a string, so the caller's stream formatting stays as it was.
+  void print_notes(std::ostream& os) const {
+    for (const auto& note : notes) os << "note: " << note << "\n";
+  }
+
+  void print_chain(std::ostream& os, int c) const {
+    using detail::format_bytes;
+    const auto& chain = chains[c];
+    os << "chain '" << (chain.path.empty() ? "<root>" : chain.path) << "': " << chain.slots.size()
+       << " slots, input [";
+    for (std::size_t i = 0; i < chain.input_shape.size(); ++i) os << (i ? ", " : "") << chain.input_shape[i];
+    os << "]";
+    if (c < static_cast<int>(plan.segment_length.size())) os << ", segment length " << plan.segment_length[c];
+    os << "\n";
+    if (!chain.supported) os << "  not optimized: " << chain.unsupported_reason << "\n";
+    os << "  profile:\n";
+    for (std::size_t k = 0; k < chain.slots.size(); ++k) {
+      const auto& s = chain.slots[k];
+      os << "    " << std::left << std::setw(34) << chain.slot_names[k] << std::right << " "
+         << std::setw(9) << to_string(chain.sources[k]) << "  out " << std::setw(10)
+         << format_bytes(s.output_is_view ? 0 : s.output_bytes) << "  saved " << std::setw(10)
+         << format_bytes(s.saved_bytes) << (s.saves_input ? "  +input" : "")
+         << (s.saves_output ? "  +output" : "") << "\n";
+    }
+    os << "  plan:\n";
+    for (const auto& d : plan.decisions) {
+      if (d.chain != c) continue;
+      std::ostringstream slots;
+      slots << d.first;
+      if (d.last != d.first) slots << ".." << d.last;
+      os << "    slots " << std::left << std::setw(8) << slots.str() << std::setw(11)
+         << (d.checkpointed ? "checkpoint" : "none") << std::setw(26) << to_string(d.rule) << std::right;
+      switch (d.rule) {
+        case core::rule_id::checkpoint_segment:
+        case core::rule_id::refine_segment:
+          os << "frees " << format_bytes(d.freed_bytes) << " for " << std::setprecision(3)
+             << d.recompute_seconds * 1e3 << " ms recompute; peak " << format_bytes(d.peak_before) << " -> "
+             << format_bytes(d.peak_after);
+          break;
+        case core::rule_id::keep_no_gain:
+          os << "would free " << format_bytes(d.freed_bytes) << " but the peak stays "
+             << format_bytes(d.peak_before);
+          break;
+        case core::rule_id::keep_fits:
+          os << "projected peak " << format_bytes(d.peak_before) << " <= target " << format_bytes(plan.target_bytes);
+          break;
+        case core::rule_id::low_pressure_skip:
+          os << "pressure " << std::setprecision(2) << plan.pressure << " < "
+             << core::policy_for(mode).act_at_pressure << " (" << mode << "); force_optimize is off";
+          break;
+        case core::rule_id::checkpointing_disabled:
+          os << "checkpointing excluded by Config::enable_checkpointing or the Strategy";
+          break;
+        case core::rule_id::unsupported_chain: os << chain.unsupported_reason; break;
+      }
+      os << "\n";
+    }
+  }
+};
+
+}  // namespace memscale

@@ -1,0 +1,266 @@
+// memscale — profiler, part 2: per-slot costs of a chain. Static first (shape
+// propagation through core/layer_rules.hpp); a slot no rule covers is measured
+// (the empirical fallback): run alone on an input of the propagated shape,
+// `warmup_steps` times, measuring with the memory tracker the bytes it keeps for
+// backward, its output, its workspace, and its forward and backward time.
+// Slots are measured one at a time, so profiling never needs the step's peak.
+// Profiling draws no random numbers that training would see and leaves buffers
+// (BatchNorm running statistics) as they were.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <memscale/config.hpp>
+#include <memscale/core/graph.hpp>
+#include <memscale/core/layer_rules.hpp>
+#include <memscale/core/memory_tracker.hpp>
+#include <memscale/detail/rng.hpp>
+#include <memscale/errors.hpp>
+
+namespace memscale::core {
+
+/// A torch::nn::Sequential of the model, found by find_chains().
+struct chain_ref {
+  std::string path;  ///< dotted path from the root ("" when the root is the Sequential)
+  std::shared_ptr<torch::nn::SequentialImpl> sequential;
+};
+
+/// Every Sequential in the tree that is not nested inside another one (a nested
+/// Sequential is a slot of its parent chain). Pre-order, which for usual models
+/// is execution order.
+inline std::vector<chain_ref> find_chains(const std::shared_ptr<torch::nn::Module>& root) {
+  std::vector<chain_ref> chains;
+  for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(item.value());
+    if (!seq) continue;
+    const auto& path = item.key();
+    const bool nested = std::any_of(chains.begin(), chains.end(), [&](const chain_ref& outer) {
+      return outer.path.empty() || path.rfind(outer.path + ".", 0) == 0;
+    });
+    if (!nested) chains.push_back({path, seq});
+  }
+  return chains;
+}
+
+}  // namespace memscale::core
+
+namespace memscale::detail {
+
+inline void synchronize(const c10::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/// Restores every buffer of the given modules (BatchNorm running statistics, ...)
+/// when it ends, so a profiling forward in training mode leaves no trace.
+class buffer_restore {
+ public:
+  explicit buffer_restore(const std::vector<torch::nn::AnyModule>& slots) {
+    torch::NoGradGuard no_grad;
+    for (const auto& slot : slots)
+      for (auto& b : slot.ptr()->buffers()) saved_.emplace_back(b, b.clone());
+  }
+  buffer_restore(const buffer_restore&) = delete;
+  buffer_restore& operator=(const buffer_restore&) = delete;
+  ~buffer_restore() {
+    torch::NoGradGuard no_grad;
+    for (auto& [live, copy] : saved_) live.copy_(copy);
+  }
+
+ private:
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> saved_;
+};
+
+inline torch::Tensor synthetic_input(const layer_input& in, const c10::Device& device) {
+  auto options = torch::TensorOptions().dtype(in.dtype).device(device);
+  return c10::isFloatingType(in.dtype) ? torch::randn(in.shape, options) : torch::zeros(in.shape, options);
+}
+
+struct measured_slot {
+  slot_cost cost;
+  torch::Tensor output;  ///< detached, for the next slot
+  bool tensor_output = true;
+};
+
+/// Runs one slot alone and measures what its forward keeps for backward.
+inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tensor& input, int passes) {
+  measured_slot result;
+  const auto device = input.device();
+  double fastest_forward = 1e300, fastest_backward = 1e300;
+  for (int pass = 0; pass < std::max(1, passes); ++pass) {
+    slot_cost cost;
+    // An owned, non-leaf copy (as inside a chain, where the input comes out of the
+    // previous slot): dropping our reference then shows whether the slot keeps it.
+    // A leaf would be kept alive by its gradient accumulator, whatever the slot saves.
+    torch::Tensor leaf, x;
+    if (c10::isFloatingType(input.scalar_type())) {
+      leaf = input.detach().clone().requires_grad_(true);
+      x = leaf.clone();
+    } else {
+      x = input.detach().clone();
+    }
+    cost.input_bytes = static_cast<std::int64_t>(x.nbytes());
+    synchronize(device);
+    torch::Tensor y;
+    std::int64_t live_before = 0, live_after = 0, peak = 0;
+    {
+      memory_tracker::peak_scope scope(device);
+      live_before = memory_tracker::current_bytes(device);
+      const auto start = std::chrono::steady_clock::now();
+      auto out = slot.any_forward(x);
+      auto* tensor = out.try_get<torch::Tensor>();
+      if (tensor == nullptr) {
+        result.tensor_output = false;
+        return result;
+      }
+      y = *tensor;
+      synchronize(device);
+      cost.forward_seconds = seconds_since(start);
+      live_after = memory_tracker::current_bytes(device);
+      peak = scope.peak();
+    }
+    cost.output_bytes = static_cast<std::int64_t>(y.nbytes());
+    cost.output_is_view = y.storage().is_alias_of(x.storage());
+    cost.workspace_bytes = std::max<std::int64_t>(0, peak - live_after);
+    const auto kept = live_after - live_before;
+    cost.saved_bytes = std::max<std::int64_t>(0, kept - (cost.output_is_view ? 0 : cost.output_bytes));
+
+    if (y.requires_grad()) {
+      std::vector<torch::Tensor> targets;
+      if (x.requires_grad()) targets.push_back(x);
+      for (const auto& p : slot.ptr()->parameters())
+        if (p.requires_grad()) targets.push_back(p);
+      const auto start = std::chrono::steady_clock::now();
+      if (!targets.empty()) {
+        auto grads = torch::autograd::grad({y}, targets, {torch::ones_like(y)}, /*retain_graph=*/true,
+                                           /*create_graph=*/false, /*allow_unused=*/true);
+        synchronize(device);
+      }
+      cost.backward_seconds = seconds_since(start);
+    }
+    auto next = y.detach().clone();
+    // Which of input and output does the graph keep alive?
+    const auto live_with_input = memory_tracker::current_bytes(device);
+    x = torch::Tensor();
+    const auto live_without_input = memory_tracker::current_bytes(device);
+    cost.saves_input = !cost.output_is_view && y.grad_fn() != nullptr &&
+                       live_with_input - live_without_input < cost.input_bytes / 2;
+    auto graph = y.grad_fn();
+    y = torch::Tensor();
+    const auto live_without_output = memory_tracker::current_bytes(device);
+    cost.saves_output = !cost.output_is_view && graph != nullptr &&
+                        live_without_input - live_without_output < cost.output_bytes / 2;
+    graph.reset();
+    // Memory from the last pass (one-time allocations are gone); the fastest times.
+    fastest_forward = std::min(fastest_forward, cost.forward_seconds);
+    fastest_backward = std::min(fastest_backward, cost.backward_seconds);
+    result.cost = cost;
+    result.cost.forward_seconds = fastest_forward;
+    result.cost.backward_seconds = fastest_backward;
+    result.output = std::move(next);
+  }
+  return result;
+}
+
+/// Nominal rates that turn a static estimate's flops into seconds (used only to
+/// rank recompute costs against each other; measured profiles use measured time).
+inline double nominal_seconds(const layer_estimate& e, const c10::Device& device) {
+  const double flops_per_second = device.is_cuda() ? 5e13 : 5e10;
+  return e.flops / flops_per_second;
+}
+
+}  // namespace memscale::detail
+
+namespace memscale::core {
+
+struct profile_options {
+  bool use_static = true;
+  bool use_empirical = true;
+  int passes = 2;  ///< Config::warmup_steps (at least one pass runs)
+  bool training = true;
+};
+
+inline profile_options profile_options_from(const Config& config, bool training) {
+  return {config.use_static_profiling, config.use_empirical_fallback, std::max(1, config.warmup_steps), training};
+}
+
+/// Profiles the original `slots` of a chain for the given chain input.
+/// Throws ProfilingError when a slot can be profiled neither way.
+inline chain_profile profile_chain(const std::string& path, std::vector<torch::nn::AnyModule> slots,
+                                   const torch::Tensor& chain_input, const profile_options& options) {
+  chain_profile profile;
+  profile.path = path;
+  profile.input_shape = chain_input.sizes().vec();
+  const auto device = chain_input.device();
+  if (device.is_cpu()) memory_tracker::install();
+
+  detail::rng_fork no_visible_draws({device});
+  detail::buffer_restore keep_buffers(slots);
+  layer_input current{chain_input.sizes().vec(), chain_input.scalar_type(), options.training};
+  torch::Tensor current_tensor = chain_input;  // real data while we have it
+
+  for (std::size_t k = 0; k < slots.size(); ++k) {
+    auto& slot = slots[k];
+    profile.slot_names.push_back(std::to_string(k) + " (" + slot.ptr()->name() + ")");
+    std::optional<layer_estimate> estimate;
+    if (options.use_static) estimate = estimate_layer(*slot.ptr(), current);
+    if (estimate) {
+      slot_cost cost;
+      cost.input_bytes = current.bytes();
+      cost.output_bytes = estimate->output_bytes();
+      cost.output_is_view = estimate->output_is_view;
+      cost.saved_bytes = estimate->saved_bytes;
+      cost.saves_input = estimate->saves_input;
+      cost.saves_output = estimate->saves_output;
+      cost.workspace_bytes = estimate->workspace_bytes;
+      cost.forward_seconds = detail::nominal_seconds(*estimate, device);
+      cost.backward_seconds = 2.0 * cost.forward_seconds;
+      profile.slots.push_back(cost);
+      profile.sources.push_back(profile_source::static_rule);
+      profile.notes.emplace_back("static rule");
+      current = layer_input{estimate->output_shape, estimate->output_dtype, options.training};
+      current_tensor = torch::Tensor();
+      continue;
+    }
+    if (!options.use_empirical) {
+      throw ProfilingError("memscale: no static rule covers chain '" + path + "' slot " +
+                           profile.slot_names.back() +
+                           " and use_empirical_fallback is false; enable it, or add a rule with "
+                           "memscale::register_layer_rule<" + slot.ptr()->name() + "Impl>(...)");
+    }
+    auto input = current_tensor.defined() ? current_tensor : detail::synthetic_input(current, device);
+    detail::measured_slot measured;
+    try {
+      measured = detail::measure_slot(slot, input, options.passes);
+    } catch (const c10::Error& e) {
+      profile.supported = false;
+      profile.unsupported_reason = "slot " + profile.slot_names.back() + " failed on a tensor of shape " +
+                                   c10::str(input.sizes()) + ": " + e.what_without_backtrace();
+      return profile;
+    }
+    if (!measured.tensor_output) {
+      profile.supported = false;
+      profile.unsupported_reason = "slot " + profile.slot_names.back() + " does not return a single Tensor";
+      return profile;
+    }
+    profile.slots.push_back(measured.cost);
+    profile.sources.push_back(profile_source::empirical);
+    profile.notes.emplace_back(options.use_static ? "no static rule: measured" : "measured");
+    current = layer_input{measured.output.sizes().vec(), measured.output.scalar_type(), options.training};
+    current_tensor = measured.output;
+  }
+  return profile;
+}
+
+}  // namespace memscale::core

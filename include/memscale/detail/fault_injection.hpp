@@ -1,0 +1,46 @@
+// memscale::detail — a test seam: make one pipeline stage throw, to show that a
+// failing wrap() leaves the model exactly as it was. Internal; process-wide.
+#pragma once
+
+#include <atomic>
+#include <string>
+
+#include <memscale/errors.hpp>
+
+namespace memscale::detail {
+
+enum class pipeline_stage : int { none, capture, profile, plan, apply, commit };
+
+inline const char* stage_name(pipeline_stage s) {
+  switch (s) {
+    case pipeline_stage::none: return "none";
+    case pipeline_stage::capture: return "capture";
+    case pipeline_stage::profile: return "profile";
+    case pipeline_stage::plan: return "plan";
+    case pipeline_stage::apply: return "apply";
+    case pipeline_stage::commit: return "commit";
+  }
+  return "?";
+}
+
+inline std::atomic<int>& injected_fault() {
+  static std::atomic<int> stage{0};
+  return stage;
+}
+
+/// Throws when a test injected a fault at this stage.
+inline void fault_point(pipeline_stage s) {
+  if (injected_fault().load() == static_cast<int>(s))
+    throw Error(std::string("memscale: fault injected at stage '") + stage_name(s) + "'");
+}
+
+/// Injects a fault at one stage for the guard's lifetime.
+class inject_fault {
+ public:
+  explicit inject_fault(pipeline_stage s) { injected_fault() = static_cast<int>(s); }
+  inject_fault(const inject_fault&) = delete;
+  inject_fault& operator=(const inject_fault&) = delete;
+  ~inject_fault() { injected_fault() = 0; }
+};
+
+}  // namespace memscale::detail

@@ -1,0 +1,52 @@
+// memscale — the exception hierarchy every public call throws from.
+// A call that throws leaves the model exactly as it was before the call.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace memscale {
+
+/// Base of every error memscale throws for a user mistake or an unsupported input.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// A Config field holds a value outside its valid range; the message names the field.
+class ConfigError : public Error {
+ public:
+  ConfigError(std::string field, const std::string& message)
+      : Error("memscale::Config::" + field + ": " + message), field_(std::move(field)) {}
+  [[nodiscard]] const std::string& field() const noexcept { return field_; }
+
+ private:
+  std::string field_;
+};
+
+/// The model has no structure memscale can attach to (no torch::nn::Sequential).
+class UnsupportedModelError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// wrap()/optimize() on a model that memscale already manages.
+class AlreadyOptimizedError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Profiling could not produce per-layer costs (static failed and the empirical
+/// fallback was disabled or impossible).
+class ProfilingError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Stage 1 policy could not decide; the caller falls back to the rule policy.
+class PolicyFallbackNeeded : public Error {
+ public:
+  using Error::Error;
+};
+
+}  // namespace memscale

@@ -1,0 +1,16 @@
+// memscale — umbrella header: the stable public surface. Include this one.
+// Profiler -> Decision Engine -> Execution Plan -> Executor, behind wrap(),
+// optimize() (an RAII guard) and detach(); see README.md.
+#pragma once
+
+#include <memscale/api.hpp>
+#include <memscale/config.hpp>
+#include <memscale/core/hardware.hpp>
+#include <memscale/core/layer_rules.hpp>
+#include <memscale/core/memory_tracker.hpp>
+#include <memscale/core/plan.hpp>
+#include <memscale/errors.hpp>
+#include <memscale/techniques/checkpoint.hpp>
+#include <memscale/techniques/concepts.hpp>
+#include <memscale/techniques/strategy.hpp>
+#include <memscale/version.hpp>

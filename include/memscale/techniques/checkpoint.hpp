@@ -1,0 +1,188 @@
+// memscale — activation checkpointing: a custom autograd function that runs a
+// segment without keeping its intermediates and recomputes it in backward, with
+// the RNG state of the forward restored so Dropout draws the same masks. The
+// executor puts a CheckpointSegment in a chain's slot; custom forward code can call
+// memscale::checkpoint(fn, inputs, params) directly.
+#pragma once
+
+#include <concepts>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/detail/rng.hpp>
+
+namespace memscale {
+namespace detail {
+
+using tensors_fn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
+
+/// What a checkpoint keeps between forward and backward besides its inputs.
+struct checkpoint_body : torch::CustomClassHolder {
+  explicit checkpoint_body(tensors_fn f) : fn(std::move(f)) {}
+  tensors_fn fn;
+};
+
+struct checkpoint_rng : torch::CustomClassHolder {
+  rng_state state;
+  std::vector<c10::Device> devices;
+};
+
+inline std::vector<c10::Device> devices_of(at::TensorList tensors) {
+  std::vector<c10::Device> devices;
+  for (const auto& t : tensors)
+    if (t.defined() && !t.device().is_cpu() &&
+        std::find(devices.begin(), devices.end(), t.device()) == devices.end())
+      devices.push_back(t.device());
+  return devices;
+}
+
+/// Inputs: the body (not differentiable), the segment inputs, and the parameters
+/// the body uses. Passing the parameters makes the outputs require grad even when
+/// no input does (the classic reentrant-checkpoint pitfall) and routes their
+/// gradients through this node.
+struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                c10::intrusive_ptr<checkpoint_body> body, at::TensorList inputs,
+                                                at::TensorList params) {
+    auto rng = c10::make_intrusive<checkpoint_rng>();
+    rng->devices = devices_of(inputs);
+    rng->state = capture_rng(rng->devices);
+    std::vector<torch::Tensor> to_save(inputs.begin(), inputs.end());
+    to_save.insert(to_save.end(), params.begin(), params.end());
+    ctx->save_for_backward(to_save);
+    ctx->saved_data["inputs"] = static_cast<int64_t>(inputs.size());
+    ctx->saved_data["body"] = c10::IValue::make_capsule(body);
+    ctx->saved_data["rng"] = c10::IValue::make_capsule(rng);
+    std::vector<torch::Tensor> args(inputs.begin(), inputs.end());
+    return body->fn(args);  // grad mode is off here: nothing inside is kept
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const auto input_count = static_cast<std::size_t>(ctx->saved_data["inputs"].toInt());
+    auto body = c10::static_intrusive_pointer_cast<checkpoint_body>(ctx->saved_data["body"].toCapsule());
+    auto rng = c10::static_intrusive_pointer_cast<checkpoint_rng>(ctx->saved_data["rng"].toCapsule());
+
+    std::vector<torch::Tensor> inputs;
+    for (std::size_t i = 0; i < input_count; ++i) {
+      auto x = saved[i].detach();
+      if (saved[i].requires_grad()) x.requires_grad_(true);
+      inputs.push_back(std::move(x));
+    }
+    std::vector<torch::Tensor> outputs;
+    {
+      rng_fork keep_training_stream(rng->devices);  // backward must not shift the RNG sequence
+      restore_rng(rng->state);
+      torch::AutoGradMode grad_on(true);
+      outputs = body->fn(inputs);
+    }
+
+    std::vector<torch::Tensor> differentiable_outputs, output_grads;
+    for (std::size_t i = 0; i < outputs.size() && i < grad_outputs.size(); ++i) {
+      if (outputs[i].requires_grad() && grad_outputs[i].defined()) {
+        differentiable_outputs.push_back(outputs[i]);
+        output_grads.push_back(grad_outputs[i]);
+      }
+    }
+    std::vector<torch::Tensor> targets;
+    std::vector<std::size_t> target_slot;  // position in saved
+    for (std::size_t i = 0; i < saved.size(); ++i) {
+      const bool wants = i < input_count ? inputs[i].requires_grad() : saved[i].requires_grad();
+      if (!wants) continue;
+      targets.push_back(i < input_count ? inputs[i] : saved[i]);
+      target_slot.push_back(i);
+    }
+    torch::autograd::variable_list result(1 + saved.size());  // [body, inputs..., params...]
+    if (differentiable_outputs.empty() || targets.empty()) return result;
+    auto grads = torch::autograd::grad(differentiable_outputs, targets, output_grads,
+                                       /*retain_graph=*/false, /*create_graph=*/false, /*allow_unused=*/true);
+    for (std::size_t t = 0; t < targets.size(); ++t) result[1 + target_slot[t]] = grads[t];
+    return result;
+  }
+};
+
+/// Module holders (torch::nn::Linear, ...) take the module form of checkpoint().
+template <class T>
+concept module_handle = requires(T& m) { m->parameters(); };
+
+inline bool needs_checkpoint(at::TensorList inputs, at::TensorList params) {
+  if (!torch::GradMode::is_enabled()) return false;
+  for (const auto& t : inputs)
+    if (t.defined() && t.requires_grad()) return true;
+  for (const auto& p : params)
+    if (p.requires_grad()) return true;
+  return false;
+}
+
+}  // namespace detail
+
+/// Runs `fn(inputs)` keeping only `inputs` for backward; backward recomputes it.
+/// `params`: every parameter `fn` reads, so their gradients flow. Without grad
+/// mode or anything requiring grad, `fn` simply runs.
+template <class Fn>
+  requires(!detail::module_handle<std::remove_cvref_t<Fn>>) && std::invocable<Fn&, const std::vector<torch::Tensor>&>
+std::vector<torch::Tensor> checkpoint(Fn&& fn, std::vector<torch::Tensor> inputs,
+                                      std::vector<torch::Tensor> params = {}) {
+  if (!detail::needs_checkpoint(inputs, params)) return std::invoke(fn, inputs);
+  auto body = c10::make_intrusive<detail::checkpoint_body>(detail::tensors_fn(std::forward<Fn>(fn)));
+  return detail::checkpoint_function::apply(body, at::TensorList(inputs), at::TensorList(params));
+}
+
+/// Single-tensor form: `fn(x)` with the parameters it reads.
+template <class Fn>
+  requires(!detail::module_handle<std::remove_cvref_t<Fn>>) && std::invocable<Fn&, const torch::Tensor&>
+torch::Tensor checkpoint(Fn&& fn, const torch::Tensor& input, std::vector<torch::Tensor> params = {}) {
+  auto outputs = checkpoint(
+      [f = std::forward<Fn>(fn)](const std::vector<torch::Tensor>& in) mutable {
+        return std::vector<torch::Tensor>{std::invoke(f, in[0])};
+      },
+      std::vector<torch::Tensor>{input}, std::move(params));
+  return outputs[0];
+}
+
+/// Module form: checkpoints `module->forward(x)` with the module's parameters.
+template <class ModuleHolder>
+  requires requires(ModuleHolder& m, const torch::Tensor& x) {
+    { m->forward(x) } -> std::convertible_to<torch::Tensor>;
+    m->parameters();
+  }
+torch::Tensor checkpoint(ModuleHolder& module, const torch::Tensor& input) {
+  return checkpoint([module](const torch::Tensor& x) mutable -> torch::Tensor { return module->forward(x); },
+                    input, module->parameters());
+}
+
+/// A chain slot that runs consecutive original slots as one checkpointed segment.
+/// The originals stay registered in their Sequential; this wrapper registers
+/// nothing, so parameters() and state-dict names do not change.
+class CheckpointSegmentImpl : public torch::nn::Module {
+ public:
+  explicit CheckpointSegmentImpl(std::vector<torch::nn::AnyModule> slots)
+      : torch::nn::Module("memscale::CheckpointSegment"), slots_(std::move(slots)) {
+    for (const auto& slot : slots_)
+      for (const auto& p : slot.ptr()->parameters()) params_.push_back(p);
+    body_ = c10::make_intrusive<detail::checkpoint_body>([slots = slots_](const std::vector<torch::Tensor>& in) mutable {
+      torch::Tensor x = in[0];
+      for (auto& slot : slots) x = slot.forward<torch::Tensor>(std::move(x));
+      return std::vector<torch::Tensor>{x};
+    });
+  }
+
+  torch::Tensor forward(torch::Tensor x) {
+    if (!detail::needs_checkpoint(x, params_)) return body_->fn({std::move(x)})[0];
+    return detail::checkpoint_function::apply(body_, at::TensorList(x), at::TensorList(params_))[0];
+  }
+
+  [[nodiscard]] const std::vector<torch::nn::AnyModule>& slots() const noexcept { return slots_; }
+
+ private:
+  std::vector<torch::nn::AnyModule> slots_;
+  std::vector<torch::Tensor> params_;
+  c10::intrusive_ptr<detail::checkpoint_body> body_;
+};
+
+}  // namespace memscale

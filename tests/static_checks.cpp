@@ -1,0 +1,96 @@
+// Compile-time checks: compiling this file is passing. The decision rules, the
+// memory model and the optimal-chain DP run in constexpr on synthetic chains;
+// the Technique concept accepts techniques and rejects other types.
+#include <memscale/core/decision_engine.hpp>
+#include <memscale/core/memory_model.hpp>
+#include <memscale/core/optimal_chain.hpp>
+#include <memscale/techniques/concepts.hpp>
+#include <memscale/techniques/strategy.hpp>
+
+namespace {
+
+using namespace memscale::core;
+using memscale::slot_cost;
+
+// A block keeps its input (10) and 90 bytes inside; its output is 10 bytes.
+constexpr slot_cost block{.input_bytes = 10, .output_bytes = 10, .saved_bytes = 90, .saves_input = true,
+                          .forward_seconds = 1.0};
+// A primitive layer keeps its input only.
+constexpr slot_cost primitive{.input_bytes = 10, .output_bytes = 10, .saves_input = true, .forward_seconds = 1.0};
+
+constexpr std::vector<slot_cost> chain_of(slot_cost s, int n) { return std::vector<slot_cost>(n, s); }
+
+constexpr std::int64_t baseline_peak(slot_cost s, int n) {
+  const auto c = chain_of(s, n);
+  return project_chain(c, keep_all(c.size())).peak;
+}
+constexpr std::int64_t all_checkpointed_peak(slot_cost s, int n, int length) {
+  const auto c = chain_of(s, n);
+  return project_chain(c, uniform_segments(n, length)).peak;
+}
+
+// Four blocks kept: 4 x (10 + 90) = 400 live at the end of forward, plus the
+// last block's incoming and outgoing gradients (10 + 10).
+static_assert(baseline_peak(block, 4) == 420);
+// Checkpointing every block: three 10-byte outputs live while the last block is
+// recomputed (100) with its gradients (20).
+static_assert(all_checkpointed_peak(block, 4, 1) == 30 + 100 + 20);
+// Blocks are checkpointed one by one. Nine primitives: one-slot segments save
+// nothing (110, as the baseline), one nine-slot segment neither; lengths 2 to 5
+// tie at 70 and the shortest wins.
+static_assert([] { auto c = chain_of(block, 4); return choose_segment_length(c); }() == 1);
+static_assert(all_checkpointed_peak(primitive, 9, 1) == baseline_peak(primitive, 9));
+static_assert(all_checkpointed_peak(primitive, 9, 9) == baseline_peak(primitive, 9));
+static_assert(all_checkpointed_peak(primitive, 9, 3) == 70);
+static_assert([] { auto c = chain_of(primitive, 9); return choose_segment_length(c); }() == 2);
+
+constexpr engine_plan plan_for(memscale::OptimizationMode mode, std::int64_t usable, bool force = false) {
+  return decide({chain_of(block, 4)}, {true}, engine_input{mode, true, force, usable, 0});
+}
+// Pressure 420 / 1000 = 0.42: Balanced skips, Aggressive acts, force_optimize overrides.
+static_assert(plan_for(memscale::OptimizationMode::Balanced, 1000).overall == rule_id::low_pressure_skip);
+static_assert(plan_for(memscale::OptimizationMode::Aggressive, 1000).overall == rule_id::checkpoint_segment);
+static_assert(plan_for(memscale::OptimizationMode::Balanced, 1000, true).overall == rule_id::checkpoint_segment);
+// Aggressive checkpoints every block but the last (recomputing it first thing in
+// backward would lower nothing): peak 30 + 100 + 20 = 150 -> here 3 x 10 + 100 + 20.
+static_assert(plan_for(memscale::OptimizationMode::Aggressive, 1000).planned_peak == 150);
+static_assert([] {
+  const auto p = plan_for(memscale::OptimizationMode::Aggressive, 1000);
+  int segments = 0;
+  for (const auto& u : p.units[0]) segments += u.checkpointed ? 1 : 0;
+  return segments;
+}() == 3);
+// Under pressure 1.05 Conservative stops once the projected peak fits.
+static_assert([] {
+  const auto p = plan_for(memscale::OptimizationMode::Conservative, 400);
+  return p.planned_peak <= 400 && p.planned_peak > 150;
+}());
+
+// The DP: with a budget of 150 the optimum checkpoints three blocks (3 s).
+static_assert([] {
+  const auto c = chain_of(block, 4);
+  const auto best = optimal_segmentation(c, 150, 150);
+  return best.feasible && best.recompute_seconds == 3.0 && best.peak <= 150;
+}());
+// Below the lowest possible peak there is no plan.
+static_assert(!optimal_segmentation(chain_of(block, 4), 100, 100).feasible);
+
+// Techniques and strategies.
+static_assert(memscale::Technique<memscale::Checkpoint>);
+static_assert(memscale::Technique<memscale::Offload>);
+static_assert(memscale::Technique<memscale::Tile>);
+static_assert(!memscale::Technique<int>);
+struct no_name {
+  static constexpr memscale::technique_id id = memscale::technique_id::checkpoint;
+  static constexpr bool available = true;
+};
+static_assert(!memscale::Technique<no_name>);
+using checkpoint_only = memscale::Strategy<memscale::Checkpoint>;
+static_assert(checkpoint_only::contains(memscale::technique_id::checkpoint));
+static_assert(!checkpoint_only::contains(memscale::technique_id::offload));
+static_assert(memscale::DefaultStrategy::contains(memscale::technique_id::tile));
+static_assert(!memscale::DefaultStrategy::applies(memscale::technique_id::tile));  // not in this release
+static_assert(memscale::StrategyType<memscale::DefaultStrategy>);
+static_assert(!memscale::StrategyType<memscale::Checkpoint>);
+
+}  // namespace

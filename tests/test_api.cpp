@@ -1,0 +1,275 @@
+// The public surface: Config validation, wrap/optimize/detach, the guard, exact
+// restoration, the strong guarantee under injected faults, lazy planning.
+#include <functional>
+
+#include "test_support.hpp"
+
+#include <memscale/detail/fault_injection.hpp>
+
+using memscale::Config;
+using memscale::OptimizationMode;
+
+TEST_CASE("the default Config is valid", "[api][config]") { CHECK_NOTHROW(Config{}.validate()); }
+
+TEST_CASE("every invalid Config field gets a ConfigError naming it", "[api][config]") {
+  struct bad_case {
+    std::string field;
+    std::function<void(Config&)> spoil;
+  };
+  const std::vector<bad_case> cases = {
+      {"mode", [](Config& c) { c.mode = static_cast<OptimizationMode>(7); }},
+      {"max_cpu_offload_gb", [](Config& c) { c.max_cpu_offload_gb = -1.0; }},
+      {"max_cpu_offload_gb", [](Config& c) { c.max_cpu_offload_gb = std::nan(""); }},
+      {"target_gpu_utilization", [](Config& c) { c.target_gpu_utilization = 0.0; }},
+      {"target_gpu_utilization", [](Config& c) { c.target_gpu_utilization = 1.5; }},
+      {"target_gpu_utilization", [](Config& c) { c.target_gpu_utilization = std::nan(""); }},
+      {"warmup_steps", [](Config& c) { c.warmup_steps = -1; }},
+      {"log_file", [](Config& c) { c.log_file = ""; }},
+      {"observability_port", [](Config& c) { c.observability_port = 0; }},
+      {"observability_port", [](Config& c) { c.observability_port = 70000; }},
+      {"async_config.prefetch_depth", [](Config& c) { c.async_config = memscale::AsyncOffloadConfig{.prefetch_depth = 0}; }},
+      {"async_config.pinned_pool_mb", [](Config& c) { c.async_config = memscale::AsyncOffloadConfig{.pinned_pool_mb = -5}; }},
+      {"async_config.io_threads", [](Config& c) { c.async_config = memscale::AsyncOffloadConfig{.io_threads = 0}; }},
+      {"async_config.disk_dir", [](Config& c) { c.async_config = memscale::AsyncOffloadConfig{.disk_dir = ""}; }},
+      {"memory_budget_gb", [](Config& c) { c.memory_budget_gb = 0.0; }},
+      {"memory_budget_gb", [](Config& c) { c.memory_budget_gb = -2.0; }},
+      {"use_empirical_fallback", [](Config& c) {
+         c.use_static_profiling = false;
+         c.use_empirical_fallback = false;
+       }},
+  };
+  for (const auto& bad : cases) {
+    Config c;
+    bad.spoil(c);
+    INFO("field " << bad.field);
+    try {
+      c.validate();
+      FAIL("validate() accepted a bad " << bad.field);
+    } catch (const memscale::ConfigError& e) {
+      CHECK(e.field() == bad.field);
+      CHECK_THAT(e.what(), Catch::Contains(bad.field) && Catch::Contains("must"));
+    }
+  }
+}
+
+TEST_CASE("wrap rejects an invalid Config and leaves the model alone", "[api][config]") {
+  auto seq = test::flat_chain(1);
+  const auto slots = test::slot_identity(*seq);
+  Config c = test::quiet();
+  c.warmup_steps = -3;
+  CHECK_THROWS_AS(memscale::wrap(seq, torch::randn({2, 64}), c), memscale::ConfigError);
+  CHECK(test::slot_identity(*seq) == slots);
+  CHECK_FALSE(memscale::is_optimized(seq));
+}
+
+struct NoSequentialImpl : torch::nn::Module {
+  NoSequentialImpl() { lin = register_module("lin", torch::nn::Linear(4, 4)); }
+  torch::Tensor forward(torch::Tensor x) { return lin(x); }
+  torch::nn::Linear lin{nullptr};
+};
+TORCH_MODULE(NoSequential);
+
+TEST_CASE("a model without a Sequential gets UnsupportedModelError saying how to structure it", "[api]") {
+  NoSequential model;
+  try {
+    (void)memscale::wrap(model, test::quiet());
+    FAIL("wrap accepted a model without a Sequential");
+  } catch (const memscale::UnsupportedModelError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("torch::nn::Sequential") && Catch::Contains("memscale::checkpoint"));
+  }
+  CHECK_FALSE(memscale::is_optimized(model));
+}
+
+TEST_CASE("wrap twice is refused, detach of a plain model is a no-op", "[api][executor]") {
+  auto seq = test::flat_chain(2);
+  auto x = torch::randn({4, 64});
+  CHECK_FALSE(memscale::detach(seq));
+  const auto cfg = test::quiet({.mode = OptimizationMode::Aggressive});
+  (void)memscale::wrap(seq, x, cfg);
+  CHECK(memscale::is_optimized(seq));
+  const auto slots = test::slot_identity(*seq);
+  CHECK_THROWS_AS(memscale::wrap(seq, x, cfg), memscale::AlreadyOptimizedError);
+  CHECK(test::slot_identity(*seq) == slots);  // the refused call changed nothing
+  CHECK(memscale::detach(seq));
+  CHECK_FALSE(memscale::is_optimized(seq));
+  CHECK_FALSE(memscale::detach(seq));
+}
+
+TEST_CASE("a Sequential inside an optimized model cannot be wrapped on its own", "[api][executor]") {
+  gpt::GPT model(test::small_gpt());
+  auto tokens = torch::randint(256, {2, 64}, torch::kLong);
+  auto guard = memscale::optimize(model, tokens, test::quiet({.mode = OptimizationMode::Aggressive}));
+  CHECK_THROWS_AS(memscale::wrap(model->blocks, test::quiet()), memscale::AlreadyOptimizedError);
+}
+
+TEST_CASE("wrap keeps parameters, names and buffers; detach restores outputs and gradients bit-exactly",
+          "[api][executor]") {
+  auto options = test::small_gpt();
+  torch::manual_seed(5);
+  gpt::GPT reference(options);
+  torch::manual_seed(5);
+  gpt::GPT model(options);
+  auto tokens = torch::randint(256, {4, 64}, torch::kLong);
+  auto targets = torch::randint(256, {4, 64}, torch::kLong);
+  const auto identity = test::parameter_identity(*model);
+  const auto slots = test::slot_identity(*model->blocks);
+
+  auto forward = [&](gpt::GPT& m) { return [&] { return gpt::loss(m->forward(tokens), targets); }; };
+  const auto expected = test::step(*reference, forward(reference));
+  {
+    auto guard = memscale::optimize(model, tokens, test::quiet({.mode = OptimizationMode::Aggressive}));
+    REQUIRE(guard.report().checkpointed_segments() > 0);
+    CHECK(test::slot_identity(*model->blocks) != slots);
+    CHECK(test::parameter_identity(*model) == identity);
+    const auto optimized = test::step(*model, forward(model));
+    CHECK(test::bit_equal(expected.first, optimized.first));
+    CHECK(test::bit_equal(expected.second, optimized.second));
+  }
+  CHECK_FALSE(memscale::is_optimized(model));
+  CHECK(test::slot_identity(*model->blocks) == slots);
+  CHECK(test::parameter_identity(*model) == identity);
+  const auto after = test::step(*model, forward(model));
+  CHECK(test::bit_equal(expected.first, after.first));
+  CHECK(test::bit_equal(expected.second, after.second));
+}
+
+TEST_CASE("the guard is move-only, detaches once, and release() detaches early", "[api]") {
+  static_assert(!std::is_copy_constructible_v<memscale::OptimizationGuard>);
+  static_assert(std::is_nothrow_move_constructible_v<memscale::OptimizationGuard>);
+  static_assert(std::is_nothrow_destructible_v<memscale::OptimizationGuard>);
+  auto seq = test::flat_chain(2);
+  auto x = torch::randn({4, 64});
+  auto guard = memscale::optimize(seq, x, test::quiet({.mode = OptimizationMode::Aggressive}));
+  auto moved = std::move(guard);
+  CHECK(moved.active());
+  CHECK(memscale::is_optimized(seq));
+  moved.release();
+  CHECK_FALSE(moved.active());
+  CHECK_FALSE(memscale::is_optimized(seq));
+}
+
+TEST_CASE("a fault in any stage of wrap leaves the model exactly as it was", "[api][executor]") {
+  using memscale::detail::pipeline_stage;
+  for (auto stage : {pipeline_stage::capture, pipeline_stage::profile, pipeline_stage::plan,
+                     pipeline_stage::apply, pipeline_stage::commit}) {
+    INFO("stage " << memscale::detail::stage_name(stage));
+    torch::manual_seed(6);
+    auto reference = test::flat_chain(3);
+    torch::manual_seed(6);
+    auto seq = test::flat_chain(3);
+    auto x = torch::randn({8, 64});
+    const auto slots = test::slot_identity(*seq);
+    const auto identity = test::parameter_identity(*seq);
+    {
+      memscale::detail::inject_fault fault(stage);
+      CHECK_THROWS_AS(memscale::wrap(seq, x, test::quiet({.mode = OptimizationMode::Aggressive})), memscale::Error);
+    }
+    CHECK_FALSE(memscale::is_optimized(seq));
+    CHECK(test::slot_identity(*seq) == slots);
+    CHECK(test::parameter_identity(*seq) == identity);
+    const auto expected = test::step(*reference, [&] { return reference->forward(x).sum(); });
+    const auto got = test::step(*seq, [&] { return seq->forward(x).sum(); });
+    CHECK(test::bit_equal(expected.second, got.second));
+  }
+}
+
+TEST_CASE("a fault while planning at the first forward restores the chain and reports it", "[api][executor]") {
+  using memscale::detail::pipeline_stage;
+  for (auto stage : {pipeline_stage::profile, pipeline_stage::plan, pipeline_stage::apply}) {
+    INFO("stage " << memscale::detail::stage_name(stage));
+    auto seq = test::flat_chain(3);
+    auto x = torch::randn({8, 64});
+    const auto slots = test::slot_identity(*seq);
+    (void)memscale::wrap(seq, test::quiet({.mode = OptimizationMode::Aggressive}));
+    {
+      memscale::detail::inject_fault fault(stage);
+      CHECK_THROWS_AS(seq->forward(x), memscale::Error);
+    }
+    CHECK(test::slot_identity(*seq) == slots);
+    CHECK_NOTHROW(seq->forward(x));  // runs plainly from now on
+    CHECK(memscale::detach(seq));
+    CHECK(test::slot_identity(*seq) == slots);
+  }
+}
+
+TEST_CASE("without an example input, planning happens at the first forward", "[api][executor]") {
+  torch::manual_seed(8);
+  auto reference = test::flat_chain(4);
+  torch::manual_seed(8);
+  auto seq = test::flat_chain(4);
+  auto x = torch::randn({16, 64}, torch::requires_grad());
+  auto guard = memscale::optimize(seq, test::quiet({.mode = OptimizationMode::Aggressive}));
+  CHECK_FALSE(guard.report().planned);
+  const auto expected = test::step(*reference, [&] { return reference->forward(x).pow(2).sum(); });
+  const auto got = test::step(*seq, [&] { return seq->forward(x).pow(2).sum(); });
+  const auto report = guard.report();
+  CHECK(report.planned);
+  CHECK(report.checkpointed_segments() > 0);
+  CHECK((report.chains.at(0).input_shape == std::vector<std::int64_t>{16, 64}));
+  CHECK(test::bit_equal(expected.first, got.first));
+  CHECK(test::bit_equal(expected.second, got.second));
+}
+
+TEST_CASE("a model held as std::shared_ptr<Module> can be wrapped and detached", "[api]") {
+  auto seq = test::flat_chain(2);
+  std::shared_ptr<torch::nn::Module> base = seq.ptr();
+  (void)memscale::wrap(base, test::quiet({.mode = OptimizationMode::Aggressive}));
+  CHECK(memscale::is_optimized(base));
+  CHECK(memscale::is_optimized(seq));  // same root
+  seq->forward(torch::randn({2, 64}));
+  CHECK(memscale::detach(base));
+}
+
+TEST_CASE("nested chains: every outermost Sequential is planned", "[api][executor]") {
+  test::NestedSequential inner(test::flat_chain(2));
+  torch::nn::Sequential outer(torch::nn::Linear(64, 64), inner, torch::nn::ReLU());
+  auto chains = memscale::core::find_chains(outer.ptr());
+  REQUIRE(chains.size() == 1);  // the inner one is a slot of the outer
+  CHECK(chains[0].path.empty());
+  gpt::GPT model(test::small_gpt());
+  auto gpt_chains = memscale::core::find_chains(model.ptr());
+  REQUIRE(gpt_chains.size() == 1);
+  CHECK(gpt_chains[0].path == "blocks");
+}
+
+TEST_CASE("Config and Strategy can exclude checkpointing; low pressure skips", "[api][engine]") {
+  auto seq = test::flat_chain(2);
+  auto x = torch::randn({4, 64});
+  const auto slots = test::slot_identity(*seq);
+  {
+    auto guard = memscale::optimize(seq, x, test::quiet({.mode = OptimizationMode::Aggressive, .enable_checkpointing = false}));
+    CHECK(guard.report().plan.overall == memscale::core::rule_id::checkpointing_disabled);
+    CHECK(test::slot_identity(*seq) == slots);
+  }
+  {
+    auto guard = memscale::optimize<memscale::Strategy<memscale::Offload>>(
+        seq, x, test::quiet({.mode = OptimizationMode::Aggressive}));
+    CHECK(guard.report().plan.overall == memscale::core::rule_id::checkpointing_disabled);
+    CHECK(test::slot_identity(*seq) == slots);
+  }
+  {
+    auto guard = memscale::optimize<memscale::Strategy<memscale::Checkpoint>>(seq, x, test::quiet());
+    const auto report = guard.report();
+    CHECK(report.plan.overall == memscale::core::rule_id::low_pressure_skip);  // a small model on a big host
+    CHECK(test::slot_identity(*seq) == slots);
+    CHECK_THAT(report.str(), Catch::Contains("R1 low-pressure-skip"));
+  }
+  {
+    auto guard = memscale::optimize(seq, x, test::quiet({.force_optimize = true}));
+    CHECK(guard.report().plan.overall == memscale::core::rule_id::checkpoint_segment);
+  }
+}
+
+TEST_CASE("the report explains the plan line by line", "[api]") {
+  gpt::register_memscale_rule();
+  gpt::GPT model(test::small_gpt());
+  auto tokens = torch::randint(256, {2, 64}, torch::kLong);
+  auto guard = memscale::optimize(model, tokens, test::quiet({.mode = OptimizationMode::Aggressive}));
+  const auto text = guard.report().str();
+  CHECK_THAT(text, Catch::Contains("host:"));
+  CHECK_THAT(text, Catch::Contains("pressure"));
+  CHECK_THAT(text, Catch::Contains("chain 'blocks'"));
+  CHECK_THAT(text, Catch::Contains("TransformerBlock"));
+  CHECK_THAT(text, Catch::Contains("R4 checkpoint-segment"));
+  CHECK_THAT(text, Catch::Contains("offload: requested"));
+}

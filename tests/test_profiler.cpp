@@ -1,0 +1,147 @@
+// The profiler: static estimates per layer type against what the tracker
+// measures, the empirical fallback for unknown layers, the use_* switches, and
+// hardware detection. Profiling must leave RNG and buffers as they were.
+#include "test_support.hpp"
+
+using memscale::core::profile_chain;
+using memscale::core::profile_options;
+
+namespace {
+
+struct layer_case {
+  std::string name;
+  torch::nn::AnyModule module;
+  torch::Tensor input;
+};
+
+void check_static_matches_measured(const layer_case& c) {
+  INFO("layer " << c.name << ", input " << c.input.sizes());
+  std::vector<torch::nn::AnyModule> slots{c.module};
+  const auto estimated = profile_chain("", slots, c.input, profile_options{true, false, 1, true});
+  const auto measured = profile_chain("", slots, c.input, profile_options{false, true, 2, true});
+  REQUIRE(estimated.sources.at(0) == memscale::profile_source::static_rule);
+  REQUIRE(measured.sources.at(0) == memscale::profile_source::empirical);
+  const auto& e = estimated.slots[0];
+  const auto& m = measured.slots[0];
+  CHECK(e.input_bytes == m.input_bytes);
+  CHECK(e.output_bytes == m.output_bytes);
+  CHECK(e.output_is_view == m.output_is_view);
+  CHECK(e.saves_input == m.saves_input);
+  CHECK(e.saves_output == m.saves_output);
+  // What checkpointing frees is output + saved: within 5% (or 4 KiB for tiny figures).
+  const double est = static_cast<double>(e.kept_bytes()), meas = static_cast<double>(m.kept_bytes());
+  CHECK(std::abs(est - meas) <= std::max(0.05 * meas, 4096.0));
+}
+
+}  // namespace
+
+TEST_CASE("static estimates match measurement for every supported layer type", "[profiler]") {
+  memscale::memory_tracker::install();
+  gpt::register_memscale_rule();
+  torch::manual_seed(0);
+  namespace nn = torch::nn;
+  auto x3 = torch::randn({8, 32, 64});
+  auto img = torch::randn({4, 8, 16, 16});
+  auto seq1d = torch::randn({4, 8, 32});
+  auto options = test::small_gpt();
+  std::vector<layer_case> cases = {
+      {"Linear", nn::AnyModule(nn::Linear(64, 128)), x3},
+      {"Conv1d", nn::AnyModule(nn::Conv1d(nn::Conv1dOptions(8, 16, 3).padding(1))), seq1d},
+      {"Conv2d", nn::AnyModule(nn::Conv2d(nn::Conv2dOptions(8, 16, 3).stride(2))), img},
+      {"BatchNorm1d", nn::AnyModule(nn::BatchNorm1d(8)), seq1d},
+      {"BatchNorm2d", nn::AnyModule(nn::BatchNorm2d(8)), img},
+      {"LayerNorm", nn::AnyModule(nn::LayerNorm(nn::LayerNormOptions({64}))), x3},
+      {"Dropout", nn::AnyModule(nn::Dropout(0.2)), x3},
+      {"ReLU", nn::AnyModule(nn::ReLU()), x3},
+      {"GELU", nn::AnyModule(nn::GELU()), x3},
+      {"SiLU", nn::AnyModule(nn::SiLU()), x3},
+      {"Tanh", nn::AnyModule(nn::Tanh()), x3},
+      {"Sigmoid", nn::AnyModule(nn::Sigmoid()), x3},
+      {"Identity", nn::AnyModule(nn::Identity()), x3},
+      {"Embedding", nn::AnyModule(nn::Embedding(100, 32)), torch::randint(100, {8, 16}, torch::kLong)},
+      {"Flatten", nn::AnyModule(nn::Flatten()), img},
+      {"MaxPool2d", nn::AnyModule(nn::MaxPool2d(nn::MaxPool2dOptions(2))), img},
+      {"AvgPool2d", nn::AnyModule(nn::AvgPool2d(nn::AvgPool2dOptions(2))), img},
+      {"MaxPool1d", nn::AnyModule(nn::MaxPool1d(nn::MaxPool1dOptions(2))), seq1d},
+      {"AvgPool1d", nn::AnyModule(nn::AvgPool1d(nn::AvgPool1dOptions(2))), seq1d},
+      {"nested Sequential", nn::AnyModule(test::NestedSequential(test::flat_chain(2, 64, 128, 0.1))), x3},
+      {"TransformerBlock", nn::AnyModule(gpt::TransformerBlock(options)), torch::randn({4, 64, 64})},
+  };
+  auto no_dropout = options;
+  no_dropout.dropout = 0.0;
+  cases.push_back({"TransformerBlock (no dropout)", nn::AnyModule(gpt::TransformerBlock(no_dropout)),
+                   torch::randn({4, 64, 64})});
+  for (const auto& c : cases) check_static_matches_measured(c);
+}
+
+struct ScaleImpl : torch::nn::Module {  // no static rule: must be measured
+  torch::Tensor forward(torch::Tensor x) { return torch::exp(x) * 2.0; }
+};
+TORCH_MODULE(Scale);
+
+TEST_CASE("a layer without a static rule is measured, or refused when the fallback is off", "[profiler]") {
+  torch::nn::Sequential seq(torch::nn::Linear(16, 16), Scale(), torch::nn::Linear(16, 16));
+  std::vector<torch::nn::AnyModule> slots(seq->begin(), seq->end());
+  auto x = torch::randn({4, 16});
+  const auto mixed = profile_chain("", slots, x, profile_options{true, true, 1, true});
+  CHECK((mixed.sources == std::vector<memscale::profile_source>{memscale::profile_source::static_rule,
+                                                                 memscale::profile_source::empirical,
+                                                                 memscale::profile_source::static_rule}));
+  CHECK(mixed.slots[1].saved_bytes == 4 * 16 * 4);  // exp keeps its result, not the slot's output
+  CHECK_FALSE(mixed.slots[1].saves_input);
+  const auto measured = profile_chain("", slots, x, profile_options{false, true, 1, true});
+  for (auto s : measured.sources) CHECK(s == memscale::profile_source::empirical);
+  try {
+    (void)profile_chain("", slots, x, profile_options{true, false, 1, true});
+    FAIL("static-only profiling accepted a layer without a rule");
+  } catch (const memscale::ProfilingError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("ScaleImpl") && Catch::Contains("use_empirical_fallback"));
+  }
+}
+
+TEST_CASE("wrap honours use_static_profiling and use_empirical_fallback", "[profiler][api]") {
+  auto seq = test::flat_chain(1);
+  auto x = torch::randn({4, 64});
+  {
+    auto guard = memscale::optimize(seq, x, test::quiet({.use_static_profiling = false}));
+    const auto report = guard.report();
+    for (auto s : report.chains.at(0).sources) CHECK(s == memscale::profile_source::empirical);
+  }
+  {
+    auto guard = memscale::optimize(seq, x, test::quiet({.use_empirical_fallback = false}));
+    const auto report = guard.report();
+    for (auto s : report.chains.at(0).sources) CHECK(s == memscale::profile_source::static_rule);
+  }
+  torch::nn::Sequential custom(torch::nn::Linear(64, 64), Scale());
+  CHECK_THROWS_AS(memscale::wrap(custom, x, test::quiet({.use_empirical_fallback = false})),
+                  memscale::ProfilingError);
+  CHECK_FALSE(memscale::is_optimized(custom));
+}
+
+TEST_CASE("profiling draws no visible random numbers and leaves buffers as they were", "[profiler]") {
+  torch::nn::Sequential seq(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), Scale(), torch::nn::Dropout(0.5));
+  std::vector<torch::nn::AnyModule> slots(seq->begin(), seq->end());
+  auto x = torch::randn({16, 8});
+  auto bn = seq[1]->as<torch::nn::BatchNorm1d>();
+  const auto mean = bn->running_mean.clone();
+  const auto batches = bn->num_batches_tracked.clone();
+  torch::manual_seed(21);
+  const auto expected = torch::rand({3});
+  torch::manual_seed(21);
+  (void)profile_chain("", slots, x, profile_options{false, true, 2, true});
+  CHECK(test::bit_equal(torch::rand({3}), expected));
+  CHECK(test::bit_equal(bn->running_mean, mean));
+  CHECK(test::bit_equal(bn->num_batches_tracked, batches));
+}
+
+TEST_CASE("hardware detection reports the host, and GPUs only where CUDA is present", "[profiler]") {
+  const auto hw = memscale::detect_hardware();
+  CHECK(hw.host_total_bytes > (std::int64_t{256} << 20));
+  CHECK(hw.host_available_bytes > 0);
+  CHECK(hw.host_available_bytes <= hw.host_total_bytes);
+  CHECK(hw.cpu_threads >= 1);
+  if (!torch::cuda::is_available()) CHECK(hw.gpus.empty());
+  std::ostringstream os;
+  os << hw;
+  CHECK_THAT(os.str(), Catch::Contains("host:"));
+}

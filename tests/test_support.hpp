@@ -1,0 +1,106 @@
+// Shared helpers for memscale's tests: small models, gradient snapshots,
+// bit-exact comparisons and a quiet Config.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+// LibTorch pulls in glog, whose CHECK would shadow Catch2's: Catch2's must win.
+#undef CHECK
+#include <catch2/catch.hpp>
+
+#include <memscale/memscale.hpp>
+
+#include "gpt.hpp"
+
+namespace test {
+
+/// The acceptance model: (Linear, GELU, Linear, LayerNorm, Dropout) x repeats.
+inline torch::nn::Sequential flat_chain(int repeats, std::int64_t width = 64, std::int64_t hidden = 256,
+                                        double dropout = 0.1) {
+  torch::nn::Sequential seq;
+  for (int i = 0; i < repeats; ++i) {
+    seq->push_back(torch::nn::Linear(width, hidden));
+    seq->push_back(torch::nn::GELU());
+    seq->push_back(torch::nn::Linear(hidden, width));
+    seq->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+    seq->push_back(torch::nn::Dropout(dropout));
+  }
+  return seq;
+}
+
+/// A Sequential that can be a slot of another one: LibTorch's AnyModule needs a
+/// concrete forward, so nesting takes a subclass (the documented idiom).
+struct NestedSequentialImpl : torch::nn::SequentialImpl {
+  explicit NestedSequentialImpl(const torch::nn::Sequential& from) : torch::nn::SequentialImpl(*from) {}
+  torch::Tensor forward(torch::Tensor x) { return torch::nn::SequentialImpl::forward(std::move(x)); }
+};
+TORCH_MODULE(NestedSequential);
+
+inline gpt::Options small_gpt() {
+  gpt::Options o;
+  o.context = 64;
+  o.d_model = 64;
+  o.heads = 4;
+  o.layers = 4;
+  o.dropout = 0.1;
+  return o;
+}
+
+inline memscale::Config quiet(memscale::Config c = {}) {
+  c.enable_logging = false;
+  return c;
+}
+
+inline std::vector<torch::Tensor> grads_of(torch::nn::Module& m) {
+  std::vector<torch::Tensor> g;
+  for (const auto& p : m.parameters()) g.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  return g;
+}
+
+inline void clear_grads(torch::nn::Module& m) {
+  for (auto& p : m.parameters()) p.mutable_grad() = torch::Tensor();
+}
+
+inline bool bit_equal(const torch::Tensor& a, const torch::Tensor& b) {
+  if (a.defined() != b.defined()) return false;
+  if (!a.defined()) return true;
+  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && torch::equal(a, b);
+}
+
+inline bool bit_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (!bit_equal(a[i], b[i])) return false;
+  return true;
+}
+
+/// One training step's loss and gradients, from a fixed RNG seed.
+template <class Forward>
+std::pair<torch::Tensor, std::vector<torch::Tensor>> step(torch::nn::Module& model, Forward&& forward,
+                                                          std::uint64_t seed = 7) {
+  clear_grads(model);
+  torch::manual_seed(seed);
+  auto loss = forward();
+  loss.backward();
+  return {loss.detach().clone(), grads_of(model)};
+}
+
+/// What identifies a model's state: parameter names and tensor identities.
+inline std::vector<std::pair<std::string, const void*>> parameter_identity(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, const void*>> ids;
+  for (const auto& item : m.named_parameters()) ids.emplace_back(item.key(), item.value().unsafeGetTensorImpl());
+  for (const auto& item : m.named_buffers()) ids.emplace_back(item.key(), item.value().unsafeGetTensorImpl());
+  return ids;
+}
+
+/// The module objects in each slot of a Sequential.
+inline std::vector<const void*> slot_identity(torch::nn::SequentialImpl& seq) {
+  std::vector<const void*> ids;
+  for (const auto& slot : seq) ids.push_back(slot.ptr().get());
+  return ids;
+}
+
+}  // namespace test
