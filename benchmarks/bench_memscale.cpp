@@ -52,6 +52,7 @@
 #include <memscale/memscale.hpp>
 
 #include "gpt.hpp"
+#include "host_info.hpp"
 
 namespace {
 
@@ -64,37 +65,6 @@ constexpr double balanced_budget_fraction = 0.6;
 constexpr std::int64_t dp_buckets = 8192;  ///< live-byte resolution of the optimal-DP yardstick
 
 // --- machine information ---------------------------------------------------------
-
-std::string cpu_model() {
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(cpuinfo, line))
-    if (line.rfind("model name", 0) == 0) {
-      const auto colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(line.find_first_not_of(" \t", colon + 1));
-    }
-  return "unknown";
-}
-
-std::string blas_in_use() {
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  while (std::getline(maps, line)) {
-    const auto slash = line.find('/');
-    if (slash == std::string::npos) continue;
-    const std::string path = line.substr(slash);
-    const std::string file = std::filesystem::path(path).filename().string();
-    if (file.rfind("libopenblas", 0) == 0 || file.rfind("libblas", 0) == 0 || file.rfind("libmkl_rt", 0) == 0 ||
-        file.rfind("libblis", 0) == 0) {
-      std::error_code ec;
-      const auto real = std::filesystem::canonical(path, ec);
-      return ec ? path : real.string();
-    }
-  }
-  std::error_code ec;
-  const auto real = std::filesystem::canonical("/usr/lib/x86_64-linux-gnu/libblas.so.3", ec);
-  return ec ? "unknown" : real.string() + " (libblas.so.3 alternative)";
-}
 
 template <class Fn>
 Fn* symbol(const char* name) {
@@ -596,13 +566,13 @@ int main(int argc, char** argv) {
   std::cout << "memscale benchmark (memscale " << memscale::version_major << '.' << memscale::version_minor << '.'
             << memscale::version_patch << ")\n";
   std::cout << "date:     " << utc_now() << "\n";
-  std::cout << "cpu:      " << cpu_model() << ", " << std::thread::hardware_concurrency() << " logical CPUs\n";
+  std::cout << "cpu:      " << host_info::cpu_model() << ", " << std::thread::hardware_concurrency() << " logical CPUs\n";
   const auto hw = memscale::detect_hardware();
   std::cout << "memory:   " << mib(static_cast<double>(hw.host_total_bytes)) << " RAM; gpus: "
             << (hw.gpus.empty() ? "none (CPU-only host)" : std::to_string(hw.gpus.size())) << "\n";
   std::cout << "threads:  torch intra-op " << torch::get_num_threads() << ", interop "
             << at::get_num_interop_threads() << "\n";
-  std::cout << "blas:     " << blas_in_use() << "\n";
+  std::cout << "blas:     " << host_info::blas_in_use() << "\n";
   if (const auto details = blas_details(); !details.empty()) std::cout << "          " << details << "\n";
   std::cout << "libtorch: " << TORCH_VERSION << " (CPU)\n";
   std::cout << "load avg: " << load_average() << " (1/5/15 min, at start)\n";

@@ -3,6 +3,8 @@
 # Compiles every include/memscale/**/*.hpp on its own (syntax only, C++20)
 # against the LibTorch headers under <torch-include-root>: proves each header is
 # self-contained, and, pointed at LibTorch 2.x headers, that it builds there too.
+# Then the same for the test, example and benchmark sources, which instantiate
+# the templates (Function::apply, AnyModule, ...) that a header alone does not.
 # Environment: CXX (g++), MEMSCALE_CHECK_JOBS (2), MEMSCALE_CHECK_FLAGS (extra
 # flags, e.g. -Werror), MEMSCALE_THIRD_PARTY_DIR (vendored range-v3).
 set -euo pipefail
@@ -15,7 +17,7 @@ torch_root=$(cd "$1" && pwd)
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 third_party=${MEMSCALE_THIRD_PARTY_DIR:-$repo/third_party}
 
-flags=(-std=c++20 -fsyntax-only -Wall -Wextra -Wpedantic -I "$repo/include")
+flags=(-std=c++20 -fsyntax-only -Wall -Wextra -Wpedantic -I "$repo/include" -I "$repo/examples")
 # Re-adding a default system dir with -isystem breaks libstdc++'s #include_next.
 case "$torch_root" in
   /usr/include | /usr/local/include) ;;
@@ -29,13 +31,15 @@ read -r -a extra <<< "${MEMSCALE_CHECK_FLAGS:-}"
 flags+=("${extra[@]}")
 
 mapfile -t headers < <(cd "$repo/include" && find memscale -name '*.hpp' | LC_ALL=C sort)
+mapfile -t -O "${#headers[@]}" headers < <(cd "$repo" && find tests examples benchmarks -maxdepth 1 -name '*.cpp' \
+                                             ! -name main.cpp | LC_ALL=C sort)
 if ((${#headers[@]} == 0)); then
   echo "check-headers: no headers under $repo/include/memscale" >&2
   exit 1
 fi
 version=$(printf '#include <torch/version.h>\nTORCH_VERSION_MAJOR.TORCH_VERSION_MINOR.TORCH_VERSION_PATCH\n' \
           | "${CXX:-g++}" "${flags[@]/-fsyntax-only/-E}" -P -x c++ - 2>/dev/null | tail -n 1 | tr -d ' ' || true)
-echo "check-headers: ${#headers[@]} headers against LibTorch ${version:-?} in $torch_root"
+echo "check-headers: ${#headers[@]} headers and sources against LibTorch ${version:-?} in $torch_root"
 
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
@@ -44,8 +48,12 @@ check_one() {
   local header=$1 log start status
   log="$logs/$(echo "$header" | tr '/' '_').log"
   start=$SECONDS
-  if printf '#include <%s>\n' "$header" \
-       | "${CXX:-g++}" "${flags[@]}" -x c++ - >"$log" 2>&1; then
+  if [[ $header == *.cpp ]]; then
+    "${CXX:-g++}" "${flags[@]}" "$repo/$header" >"$log" 2>&1
+  else
+    printf '#include <%s>\n' "$header" | "${CXX:-g++}" "${flags[@]}" -x c++ - >"$log" 2>&1
+  fi
+  if (($? == 0)); then
     status=ok
     if [[ -s "$log" ]]; then status=warn; fi
   else
@@ -57,7 +65,7 @@ check_one() {
 # xargs runs check_one in child shells: hand them the function, the log dir and the flags.
 flags_serialized=$(printf '%q ' "${flags[@]}")
 export -f check_one
-export logs CXX flags_serialized
+export logs CXX flags_serialized repo
 
 start=$SECONDS
 # shellcheck disable=SC2016  # expanded by the child shell
@@ -78,6 +86,6 @@ for header in "${headers[@]}"; do
   echo "--- $header:"
   head -n 60 "$log"
 done
-echo "check-headers: $((${#headers[@]} - failed))/${#headers[@]} headers ok," \
+echo "check-headers: $((${#headers[@]} - failed))/${#headers[@]} files ok," \
      "$failed failed, $warned with warnings, LibTorch ${version:-?}, $((SECONDS - start))s"
 ((failed == 0))

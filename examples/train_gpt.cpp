@@ -37,6 +37,7 @@
 #include <memscale/memscale.hpp>
 
 #include "gpt.hpp"
+#include "host_info.hpp"
 
 namespace {
 
@@ -129,37 +130,6 @@ Args parse_args(int argc, char** argv) {
   return a;
 }
 
-/// The BLAS library this process uses: a libblas/libopenblas/libmkl mapped into
-/// it, else what the system's libblas.so.3 alternative resolves to.
-std::string blas_in_use() {
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  while (std::getline(maps, line)) {
-    const auto slash = line.find('/');
-    if (slash == std::string::npos) continue;
-    const std::string path = line.substr(slash);
-    const std::string file = std::filesystem::path(path).filename().string();
-    if (file.rfind("libopenblas", 0) == 0 || file.rfind("libblas", 0) == 0 || file.rfind("libmkl_rt", 0) == 0 ||
-        file.rfind("libblis", 0) == 0) {
-      std::error_code ec;
-      const auto real = std::filesystem::canonical(path, ec);
-      return ec ? path : real.string();
-    }
-  }
-  std::error_code ec;
-  const auto real = std::filesystem::canonical("/usr/lib/x86_64-linux-gnu/libblas.so.3", ec);
-  return ec ? "unknown (no BLAS mapped, /usr/lib/x86_64-linux-gnu/libblas.so.3 not found)"
-            : real.string() + " (libblas.so.3 alternative; not mapped yet)";
-}
-
-/// OpenBLAS's own thread count (its pool is separate from LibTorch's intra-op
-/// threads), looked up at run time so that any BLAS links; -1 when not OpenBLAS.
-int openblas_threads() {
-  using get_fn = int (*)();
-  auto* fn = reinterpret_cast<get_fn>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  return fn != nullptr ? fn() : -1;
-}
-
 std::string mib(std::int64_t bytes) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(2) << static_cast<double>(bytes) / (1024.0 * 1024.0) << " MiB";
@@ -228,9 +198,9 @@ int run(const Args& args) {
 
   std::cout << "memscale " << memscale::version_major << '.' << memscale::version_minor << '.'
             << memscale::version_patch << " example: GPT training, baseline vs memscale\n";
-  std::cout << "BLAS: " << blas_in_use() << "\n";
+  std::cout << "BLAS: " << host_info::blas_in_use() << "\n";
   std::cout << "torch threads: " << torch::get_num_threads() << " (intra-op)";
-  if (const int t = openblas_threads(); t > 0) std::cout << ", OpenBLAS threads: " << t;
+  if (const int t = host_info::openblas_threads(); t > 0) std::cout << ", OpenBLAS threads: " << t;
   std::cout << ", logical CPUs: " << std::thread::hardware_concurrency() << "\n";
 
   const auto data = gpt::encode(gpt::training_text());
