@@ -31,6 +31,12 @@ read -r -a extra <<< "${MEMSCALE_CHECK_FLAGS:-}"
 flags+=("${extra[@]}")
 
 mapfile -t headers < <(cd "$repo/include" && find memscale -name '*.hpp' | LC_ALL=C sort)
+# With the CUDA Toolkit's headers present, also compile the CUDA paths
+# (MEMSCALE_WITH_CUDA=1: allocator statistics, device queries) syntax-only.
+cuda_include=${CUDA_HOME:-/usr/local/cuda}/include
+if [[ -f $cuda_include/cuda_runtime_api.h ]]; then
+  headers+=("cuda:memscale/memscale.hpp")
+fi
 mapfile -t -O "${#headers[@]}" headers < <(cd "$repo" && find tests examples benchmarks -maxdepth 1 -name '*.cpp' \
                                              ! -name main.cpp | LC_ALL=C sort)
 if ((${#headers[@]} == 0)); then
@@ -48,7 +54,14 @@ check_one() {
   local header=$1 log start status
   log="$logs/$(echo "$header" | tr '/' '_').log"
   start=$SECONDS
-  if [[ $header == *.cpp ]]; then
+  if [[ $header == cuda:* ]]; then
+    # A CPU-only LibTorch lacks the generated CUDA macro header; a stand-in suffices for syntax.
+    mkdir -p "$logs/cuda_stub/c10/cuda/impl"
+    echo '#define C10_CUDA_BUILD_SHARED_LIBS' > "$logs/cuda_stub/c10/cuda/impl/cuda_cmake_macros.h"
+    printf '#include <%s>\nint main() {\n  const c10::Device gpu("cuda:0");\n  (void)memscale::memory_tracker::current_bytes(gpu);\n  (void)memscale::memory_tracker::peak_bytes(gpu);\n  memscale::memory_tracker::reset_peak(gpu);\n  (void)memscale::detect_hardware();\n}\n' "${header#cuda:}" \
+      | "${CXX:-g++}" "${flags[@]}" -DMEMSCALE_WITH_CUDA=1 -idirafter "$logs/cuda_stub" -isystem "$cuda_include" \
+          -x c++ - >"$log" 2>&1
+  elif [[ $header == *.cpp ]]; then
     "${CXX:-g++}" "${flags[@]}" "$repo/$header" >"$log" 2>&1
   else
     printf '#include <%s>\n' "$header" | "${CXX:-g++}" "${flags[@]}" -x c++ - >"$log" 2>&1
@@ -65,7 +78,7 @@ check_one() {
 # xargs runs check_one in child shells: hand them the function, the log dir and the flags.
 flags_serialized=$(printf '%q ' "${flags[@]}")
 export -f check_one
-export logs CXX flags_serialized repo
+export logs CXX flags_serialized repo cuda_include
 
 start=$SECONDS
 # shellcheck disable=SC2016  # expanded by the child shell
