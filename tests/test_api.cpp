@@ -273,3 +273,114 @@ TEST_CASE("the report explains the plan line by line", "[api]") {
   CHECK_THAT(text, Catch::Contains("R4 checkpoint-segment"));
   CHECK_THAT(text, Catch::Contains("offload: requested"));
 }
+
+namespace {
+/// BatchNorm and Dropout both inside and outside the chain: a wrap that touched
+/// buffers or drew random numbers would show.
+struct StatefulImpl : torch::nn::Module {
+  StatefulImpl() {
+    pre = register_module("pre", torch::nn::BatchNorm1d(64));
+    chain = register_module("chain", torch::nn::Sequential(torch::nn::Linear(64, 64), torch::nn::BatchNorm1d(64),
+                                                           torch::nn::Dropout(0.3), torch::nn::Linear(64, 64),
+                                                           torch::nn::GELU(), torch::nn::Linear(64, 64)));
+    post = register_module("post", torch::nn::Dropout(0.3));
+  }
+  torch::Tensor forward(torch::Tensor x) { return post(chain->forward(pre(x))); }
+  torch::nn::BatchNorm1d pre{nullptr};
+  torch::nn::Sequential chain{nullptr};
+  torch::nn::Dropout post{nullptr};
+};
+TORCH_MODULE(Stateful);
+
+std::vector<torch::Tensor> buffer_values(torch::nn::Module& m) {
+  std::vector<torch::Tensor> values;
+  for (const auto& b : m.buffers()) values.push_back(b.clone());
+  return values;
+}
+}  // namespace
+
+TEST_CASE("wrap leaves buffers and the RNG stream as they were, when it fails and when it succeeds",
+          "[api][executor]") {
+  using memscale::detail::pipeline_stage;
+  for (auto stage : {pipeline_stage::none, pipeline_stage::capture, pipeline_stage::profile, pipeline_stage::plan,
+                     pipeline_stage::apply, pipeline_stage::commit}) {
+    INFO("stage " << memscale::detail::stage_name(stage));
+    torch::manual_seed(9);
+    Stateful model;
+    auto x = torch::randn({32, 64});
+    const auto buffers = buffer_values(*model);
+    torch::manual_seed(10);
+    const auto expected_draw = torch::rand({5});
+    torch::manual_seed(10);
+    {
+      memscale::detail::inject_fault fault(stage);
+      if (stage == pipeline_stage::none) {
+        CHECK_NOTHROW(memscale::wrap(model, x, test::quiet({.mode = OptimizationMode::Aggressive})));
+      } else {
+        CHECK_THROWS_AS(memscale::wrap(model, x, test::quiet({.mode = OptimizationMode::Aggressive})),
+                        memscale::Error);
+      }
+    }
+    CHECK(test::bit_equal(torch::rand({5}), expected_draw));
+    CHECK(test::bit_equal(buffer_values(*model), buffers));
+    memscale::detach(model);
+  }
+}
+
+TEST_CASE("an old guard does not detach a newer attachment of the same model", "[api]") {
+  auto seq = test::flat_chain(2);
+  auto x = torch::randn({4, 64});
+  const auto cfg = test::quiet({.mode = OptimizationMode::Aggressive});
+  auto old_guard = memscale::optimize(seq, x, cfg);
+  CHECK(memscale::detach(seq));
+  auto new_guard = memscale::optimize(seq, x, cfg);
+  CHECK_FALSE(old_guard.active());
+  old_guard.release();
+  CHECK(memscale::is_optimized(seq));
+  CHECK(new_guard.active());
+}
+
+TEST_CASE("planning waits for a training call with gradients", "[api][executor]") {
+  auto seq = test::flat_chain(3);
+  auto x = torch::randn({8, 64});
+  auto guard = memscale::optimize(seq, test::quiet({.mode = OptimizationMode::Aggressive}));
+  {
+    torch::NoGradGuard no_grad;
+    seq->forward(x);
+  }
+  {
+    c10::InferenceMode inference;
+    seq->forward(x);
+  }
+  seq->eval();
+  seq->forward(x);
+  CHECK_FALSE(guard.report().planned);
+  seq->train();
+  seq->forward(x).sum().backward();
+  const auto report = guard.report();
+  CHECK(report.planned);
+  CHECK(report.checkpointed_segments() > 0);
+}
+
+TEST_CASE("a first slot that does not take one Tensor gets UnsupportedModelError", "[api]") {
+  struct TwoInputsImpl : torch::nn::Module {
+    torch::Tensor forward(torch::Tensor a, torch::Tensor b) { return a + b; }
+  };
+  struct CallsWithTwoImpl : torch::nn::Module {
+    CallsWithTwoImpl() {
+      seq = register_module("seq", torch::nn::Sequential(torch::nn::AnyModule(std::make_shared<TwoInputsImpl>()),
+                                                         torch::nn::Linear(4, 4)));
+    }
+    torch::Tensor forward(torch::Tensor x) { return seq->forward(x, x); }
+    torch::nn::Sequential seq{nullptr};
+  };
+  auto model = std::make_shared<CallsWithTwoImpl>();
+  auto x = torch::randn({2, 4});
+  const auto slots = test::slot_identity(*model->seq);
+  auto call = [&] { return model->forward(x); };
+  CHECK_NOTHROW(call());
+  std::function<void()> forward = [&] { (void)call(); };
+  CHECK_THROWS_AS(memscale::core::attach(model, test::quiet(), {}, forward), memscale::UnsupportedModelError);
+  CHECK(test::slot_identity(*model->seq) == slots);
+  CHECK_FALSE(memscale::is_optimized(model));
+}

@@ -101,3 +101,87 @@ TEST_CASE("CheckpointSegment registers nothing and matches its slots", "[checkpo
   CHECK(test::bit_equal(plain.first, wrapped.first));
   CHECK(test::bit_equal(plain.second, wrapped.second));
 }
+
+TEST_CASE("a checkpoint's recompute leaves BatchNorm statistics as one forward left them", "[checkpoint]") {
+  auto make = [] {
+    torch::manual_seed(5);
+    return torch::nn::Sequential(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::GELU());
+  };
+  auto plain = make(), wrapped = make();
+  auto x = torch::randn({16, 8});
+  auto expected = test::step(*plain, [&] { return plain->forward(x).pow(2).sum(); });
+  std::vector<torch::nn::AnyModule> slots(wrapped->begin(), wrapped->end());
+  auto segment = std::make_shared<memscale::CheckpointSegmentImpl>(slots);
+  auto got = test::step(*wrapped, [&] { return segment->forward(x).pow(2).sum(); });
+  CHECK(test::bit_equal(expected.second, got.second));
+  auto bn_plain = plain[1]->as<torch::nn::BatchNorm1d>();
+  auto bn_wrapped = wrapped[1]->as<torch::nn::BatchNorm1d>();
+  CHECK(bn_wrapped->num_batches_tracked.item<std::int64_t>() == 1);
+  CHECK(test::bit_equal(bn_plain->running_mean, bn_wrapped->running_mean));
+  CHECK(test::bit_equal(bn_plain->running_var, bn_wrapped->running_var));
+}
+
+TEST_CASE("a weight the segment reads but does not own still gets its gradient", "[checkpoint]") {
+  // A block that reads a weight registered elsewhere (as tied embeddings do).
+  struct UsesSharedImpl : torch::nn::Module {
+    explicit UsesSharedImpl(torch::Tensor w) : shared(std::move(w)) {}
+    torch::Tensor forward(torch::Tensor x) { return torch::tanh(torch::matmul(x, shared)); }
+    torch::Tensor shared;
+  };
+  torch::manual_seed(6);
+  auto shared = torch::randn({8, 8}, torch::requires_grad());
+  auto block = std::make_shared<UsesSharedImpl>(shared);
+  auto x = torch::randn({4, 8}, torch::requires_grad());
+  (torch::tanh(torch::matmul(x, shared)).sum() + shared.sum()).backward();
+  const auto expected = shared.grad().clone();
+  shared.mutable_grad() = torch::Tensor();
+  memscale::CheckpointSegmentImpl segment({torch::nn::AnyModule(block)});
+  (segment.forward(x).sum() + shared.sum()).backward();
+  REQUIRE(shared.grad().defined());
+  CHECK(torch::allclose(shared.grad(), expected, 1e-6, 1e-6));
+}
+
+TEST_CASE("checkpoint refuses a function that modifies its input in place", "[checkpoint]") {
+  auto x = torch::randn({4, 4}, torch::requires_grad()) * 1.0;
+  torch::nn::ReLU relu(torch::nn::ReLUOptions().inplace(true));
+  try {
+    (void)memscale::checkpoint([&](const torch::Tensor& t) { return relu->forward(t); }, x, {});
+    FAIL("an in-place first operation was accepted");
+  } catch (const memscale::Error& e) {
+    CHECK_THAT(e.what(), Catch::Contains("in place"));
+  }
+}
+
+TEST_CASE("plans never start a checkpoint at an in-place layer; gradients stay exact", "[checkpoint][engine]") {
+  auto make = [] {
+    torch::manual_seed(7);
+    torch::nn::Sequential seq;
+    for (int i = 0; i < 4; ++i) {
+      seq->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 4, 3).padding(1)));
+      seq->push_back(torch::nn::BatchNorm2d(4));
+      seq->push_back(torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)));
+    }
+    return seq;
+  };
+  auto plain = make(), model = make();
+  auto x = torch::randn({2, 4, 8, 8}, torch::requires_grad());
+  const auto expected = test::step(*plain, [&] { return plain->forward(x).pow(2).sum(); });
+  x.mutable_grad() = torch::Tensor();
+  auto guard = memscale::optimize(model, x, test::quiet({.mode = memscale::OptimizationMode::Aggressive}));
+  const auto report = guard.report();
+  REQUIRE(report.checkpointed_segments() > 0);
+  const auto& chain = report.chains.at(0);
+  for (std::size_t k = 2; k < chain.slots.size(); k += 3) CHECK(chain.slots[k].mutates_input);
+  for (const auto& u : report.plan.units.at(0))
+    if (u.checkpointed) CHECK_FALSE(chain.slots[static_cast<std::size_t>(u.first)].mutates_input);
+  const auto got = test::step(*model, [&] { return model->forward(x).pow(2).sum(); });
+  CHECK(test::bit_equal(expected.first, got.first));
+  CHECK(test::bit_equal(expected.second, got.second));
+  // BatchNorm statistics (read through the registered children: the slots hold wrappers now).
+  const auto plain_buffers = plain->named_buffers(), model_buffers = model->named_buffers();
+  REQUIRE(plain_buffers.size() == model_buffers.size());
+  for (std::size_t i = 0; i < plain_buffers.size(); ++i) {
+    INFO("buffer " << plain_buffers[i].key());
+    CHECK(test::bit_equal(plain_buffers[i].value(), model_buffers[i].value()));
+  }
+}

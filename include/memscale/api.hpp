@@ -66,15 +66,17 @@ concept Model = detail::module_holder<M> || detail::module_pointer<M>;
 /// first forward call. Throws (leaving the model as it was) on bad input.
 template <StrategyType S = DefaultStrategy, Model M>
 Report wrap(M& model, const Config& config = {}) {
-  return core::attach(detail::root_of(model), config, detail::techniques_for<S>(config), {});
+  return core::attach(detail::root_of(model), config, detail::techniques_for<S>(config), {})->report();
 }
 
 /// Attaches memscale and plans now, from one forward pass of `example_input`
-/// (run without gradients; it draws no random numbers and leaves buffers as they were).
+/// (run without gradients; it draws no random numbers that training would see
+/// and leaves the model's buffers as they were).
 template <StrategyType S = DefaultStrategy, Model M>
 Report wrap(M& model, const torch::Tensor& example_input, const Config& config = {}) {
   return core::attach(detail::root_of(model), config, detail::techniques_for<S>(config),
-                      detail::example_forward(model, example_input));
+                      detail::example_forward(model, example_input))
+      ->report();
 }
 
 /// Restores the model exactly as it was before wrap(). Returns false (and does
@@ -98,53 +100,61 @@ template <Model M>
 }
 
 /// Scope of an optimization: detaches in its destructor (which never throws).
+/// It detaches only what it attached: after detach() and a new wrap() of the
+/// same model, ending an old guard leaves the new attachment alone.
 class [[nodiscard]] OptimizationGuard {
  public:
   OptimizationGuard(const OptimizationGuard&) = delete;
   OptimizationGuard& operator=(const OptimizationGuard&) = delete;
-  OptimizationGuard(OptimizationGuard&& other) noexcept : root_(std::move(other.root_)) {}
+  OptimizationGuard(OptimizationGuard&& other) noexcept
+      : root_(std::move(other.root_)), attachment_(std::move(other.attachment_)) {}
   OptimizationGuard& operator=(OptimizationGuard&& other) noexcept {
     if (this != &other) {
       release();
       root_ = std::move(other.root_);
+      attachment_ = std::move(other.attachment_);
     }
     return *this;
   }
   ~OptimizationGuard() { release(); }
 
-  /// The current plan (complete once every chain has seen its first input).
-  [[nodiscard]] Report report() const {
-    if (!root_) return {};
-    auto att = core::registry::global().find(root_.get());
-    return att ? att->report() : Report{};
-  }
-  /// Whether the guard still manages its model.
-  [[nodiscard]] bool active() const { return root_ && core::registry::global().find(root_.get()) != nullptr; }
-  /// Adopts a model that wrap() attached: the guard detaches it when it ends.
-  explicit OptimizationGuard(std::shared_ptr<torch::nn::Module> root) : root_(std::move(root)) {}
+  /// Adopts what attach() returned for `root`.
+  OptimizationGuard(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<core::attachment> attachment)
+      : root_(std::move(root)), attachment_(std::move(attachment)) {}
 
+  /// The current plan (complete once every chain has seen its first training input).
+  [[nodiscard]] Report report() const { return attachment_ ? attachment_->report() : Report{}; }
+  /// Whether the guard's attachment still manages its model.
+  [[nodiscard]] bool active() const {
+    return root_ && attachment_ && core::registry::global().find(root_.get()) == attachment_;
+  }
   /// Detaches now instead of at the end of the scope.
   void release() noexcept {
-    if (root_) core::detach(root_.get());
+    if (root_) core::detach(root_.get(), attachment_.get());
     root_.reset();
+    attachment_.reset();
   }
 
  private:
   std::shared_ptr<torch::nn::Module> root_;
+  std::shared_ptr<core::attachment> attachment_;
 };
 
 /// wrap() for the lifetime of the returned guard.
 template <StrategyType S = DefaultStrategy, Model M>
 [[nodiscard]] OptimizationGuard optimize(M& model, const Config& config = {}) {
-  wrap<S>(model, config);
-  return OptimizationGuard(detail::root_of(model));
+  auto root = detail::root_of(model);
+  auto attached = core::attach(root, config, detail::techniques_for<S>(config), {});
+  return OptimizationGuard(std::move(root), std::move(attached));
 }
 
 /// wrap(model, example_input, config) for the lifetime of the returned guard.
 template <StrategyType S = DefaultStrategy, Model M>
 [[nodiscard]] OptimizationGuard optimize(M& model, const torch::Tensor& example_input, const Config& config = {}) {
-  wrap<S>(model, example_input, config);
-  return OptimizationGuard(detail::root_of(model));
+  auto root = detail::root_of(model);
+  auto attached =
+      core::attach(root, config, detail::techniques_for<S>(config), detail::example_forward(model, example_input));
+  return OptimizationGuard(std::move(root), std::move(attached));
 }
 
 }  // namespace memscale

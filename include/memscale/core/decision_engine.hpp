@@ -104,6 +104,22 @@ struct engine_plan {
   return units;
 }
 
+/// Segments of `length` slots, checkpointed, except that a segment is extended
+/// rather than let the next one start at a slot that modifies its input in place
+/// (its recompute would read the modified input); a chain starting with such a
+/// slot keeps that first segment.
+[[nodiscard]] constexpr std::vector<unit> segments_of_length(std::span<const slot_cost> s, int length) {
+  const int n = static_cast<int>(s.size());
+  std::vector<unit> units;
+  for (int first = 0; first < n;) {
+    int last = std::min(first + length, n) - 1;
+    while (last + 1 < n && s[last + 1].mutates_input) ++last;
+    units.push_back({first, last, !s[first].mutates_input});
+    first = last + 1;
+  }
+  return units;
+}
+
 /// Segment length whose all-checkpointed plan has the lowest projected peak:
 /// one length for blocks (1), about sqrt(n) for runs of primitive layers. Ties
 /// go to the shorter segment: finer candidates let the greedy expansion stop sooner.
@@ -112,7 +128,7 @@ struct engine_plan {
   int best_length = 1;
   std::int64_t best_peak = -1;
   for (int length = 1; length <= n; ++length) {
-    const auto units = uniform_segments(n, length);
+    const auto units = segments_of_length(s, length);
     const auto peak = project_chain(s, units).peak;
     if (best_peak < 0 || peak < best_peak) {
       best_peak = peak;
@@ -185,7 +201,8 @@ constexpr bool better(const candidate& x, const candidate& y) {
       continue;
     }
     plan.segment_length[c] = choose_segment_length(s);
-    for (const auto& u : uniform_segments(static_cast<int>(s.size()), plan.segment_length[c])) {
+    for (const auto& u : segments_of_length(s, plan.segment_length[c])) {
+      if (!u.checkpointed) continue;
       double seconds = 0.0;
       for (int k = u.first; k <= u.last; ++k) seconds += s[k].forward_seconds;
       candidates.push_back({c, u.first, u.last, checkpoint_frees(s, u.first, u.last), seconds});
@@ -232,7 +249,7 @@ constexpr bool better(const candidate& x, const candidate& y) {
       if (!supported[c]) continue;
       const auto& s = chains[c];
       for (const auto& u : plan.units[c]) {
-        if (u.checkpointed) continue;
+        if (u.checkpointed || s[u.first].mutates_input) continue;
         // u is one kept slot; extend over the following kept slots.
         for (int last = u.first; last < static_cast<int>(s.size()); ++last) {
           bool all_kept = true;

@@ -4,6 +4,9 @@
 // dicts and optimizers see the same tensors under the same names. An attachment
 // is registered against the model's root module so detach() can find it. Every
 // step either completes or is rolled back: a throwing wrap leaves the model as it was.
+// Threads: wrap/detach/is_optimized may be called from any thread, but not while
+// the model runs a forward elsewhere; without an example input, the first
+// training forward plans and swaps slots, so make it from one thread.
 #pragma once
 
 #include <algorithm>
@@ -153,12 +156,23 @@ class attachment : public std::enable_shared_from_this<attachment> {
       probes_in_place.replace(*chain.ref.sequential, 0, torch::nn::AnyModule(probes.back()));
     }
     {
+      auto root = root_.lock();
+      MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
+      std::vector<c10::Device> devices;
+      for (const auto& p : root->parameters())
+        if (std::find(devices.begin(), devices.end(), p.device()) == devices.end()) devices.push_back(p.device());
       torch::NoGradGuard no_grad;
-      detail::rng_fork no_visible_draws;
-      std::vector<torch::nn::AnyModule> everything;
-      for (auto& chain : chains_) everything.insert(everything.end(), chain.originals.begin(), chain.originals.end());
-      detail::buffer_restore keep_buffers(everything);
-      forward();
+      detail::rng_fork no_visible_draws(devices);
+      detail::buffer_restore keep_buffers(*root);
+      try {
+        forward();
+      } catch (const c10::Error& e) {
+        throw UnsupportedModelError(
+            "memscale: running the example input through the model failed: " +
+            std::string(e.what_without_backtrace()) +
+            ". memscale needs each Sequential's first slot to take one Tensor; if the error is about the "
+            "number or type of arguments, that Sequential cannot be optimized");
+      }
     }
     std::vector<torch::Tensor> inputs;
     for (const auto& probe : probes) inputs.push_back(probe->captured());
@@ -223,6 +237,12 @@ class attachment : public std::enable_shared_from_this<attachment> {
       }
     }
     return chains_[c].ref.sequential->begin()->forward<torch::Tensor>(x);
+  }
+
+  /// Whether the model is in training mode (planning waits for a training call).
+  [[nodiscard]] bool training_call() const {
+    auto root = root_.lock();
+    return root && root->is_training();
   }
 
   /// Puts every original slot back. Never throws.
@@ -305,6 +325,7 @@ class attachment : public std::enable_shared_from_this<attachment> {
       out.optimizer_reserve_bytes = 2 * out.gradient_bytes;
     } else {
       // Chains planned earlier keep their forward bytes while this one runs.
+      out.earlier_chains_bytes = 0;
       for (std::size_t c = 0; c < out.chains.size(); ++c)
         out.earlier_chains_bytes += project_chain(out.chains[c].slots, out.plan.units[c]).forward_end;
     }
@@ -377,7 +398,11 @@ class attachment : public std::enable_shared_from_this<attachment> {
 
 inline torch::Tensor PlanningProbeImpl::forward(torch::Tensor x) {
   auto keep_alive = shared_from_this();  // planning replaces this very slot
-  if (auto owner = owner_.lock()) return owner->plan_on_first_call(chain_, x);
+  // Plan from a training call: an evaluation or no-grad first call would measure
+  // nothing that backward keeps. Until then, the chain runs as it is.
+  auto owner = owner_.lock();
+  if (owner && owner->training_call() && torch::GradMode::is_enabled() && !c10::InferenceMode::is_enabled())
+    return owner->plan_on_first_call(chain_, x);
   return original_.forward<torch::Tensor>(std::move(x));
 }
 
@@ -403,10 +428,10 @@ class registry {
     entries_.push_back({root.get(), root, std::move(value)});
   }
 
-  [[nodiscard]] std::shared_ptr<attachment> remove(const torch::nn::Module* key) {
+  [[nodiscard]] std::shared_ptr<attachment> remove(const torch::nn::Module* key, const attachment* only = nullptr) {
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto it = entries_.begin(); it != entries_.end(); ++it)
-      if (it->key == key) {
+      if (it->key == key && (only == nullptr || it->value.get() == only)) {
         auto value = std::move(it->value);
         entries_.erase(it);
         return value;
@@ -431,8 +456,8 @@ class registry {
 
 /// The pipeline behind wrap(): validate, find chains, (capture), profile, plan,
 /// apply, register. `forward`: runs the example input through the model, or empty.
-inline Report attach(const std::shared_ptr<torch::nn::Module>& root, const Config& config,
-                     technique_set techniques, const std::function<void()>& forward) {
+inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Module>& root, const Config& config,
+                                          technique_set techniques, const std::function<void()>& forward) {
   config.validate();
   if (!root) throw UnsupportedModelError("memscale: the model is empty (a null module holder)");
   if (registry::global().find(root.get()))
@@ -463,19 +488,20 @@ inline Report attach(const std::shared_ptr<torch::nn::Module>& root, const Confi
     att->restore();
     throw;
   }
-  return att->report();
+  return att;
 }
 
-/// Undoes attach(); false when memscale does not manage `root`. Never throws.
-inline bool detach(const torch::nn::Module* root) noexcept {
-  std::shared_ptr<attachment> att;
+/// Undoes attach(); false when memscale does not manage `root` (or, with
+/// `only`, when what manages it is another attachment). Never throws.
+inline bool detach(const torch::nn::Module* root, const attachment* only = nullptr) noexcept {
+  std::shared_ptr<attachment> found;
   try {
-    att = registry::global().remove(root);
+    found = registry::global().remove(root, only);
   } catch (...) {
     return false;
   }
-  if (!att) return false;
-  att->restore();
+  if (!found) return false;
+  found->restore();
   return true;
 }
 

@@ -19,6 +19,7 @@ struct slot_cost {
   std::int64_t saved_bytes = 0;      ///< bytes saved for backward beyond its input and output
   bool saves_input = false;          ///< backward keeps the input alive
   bool saves_output = false;         ///< backward keeps the output alive
+  bool mutates_input = false;        ///< in place (ReLU(inplace), ...): no checkpoint may start here
   std::int64_t workspace_bytes = 0;  ///< transient bytes during forward, freed before it returns
   double forward_seconds = 0.0;      ///< one forward (= the recompute cost of checkpointing it)
   double backward_seconds = 0.0;

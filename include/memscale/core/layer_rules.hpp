@@ -254,6 +254,7 @@ inline rule_registry::rule_registry() {
     return e;
   });
   builtin<nn::DropoutImpl>([](const nn::DropoutImpl& m, const layer_input& in) -> std::optional<layer_estimate> {
+    if (m.options.inplace()) return std::nullopt;  // measured: it modifies its input
     if (!in.training || m.options.p() == 0.0) return identity_view(in);
     // LibTorch's CPU dropout is input * noise; the multiply keeps the noise tensor.
     auto e = elementwise(in, false, false, 3.0);

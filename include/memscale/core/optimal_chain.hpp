@@ -81,8 +81,8 @@ struct optimal_plan {
             best_choice = -1;
           }
         }
-        // Checkpoint [i, j].
-        for (int j = i; j < n; ++j) {
+        // Checkpoint [i, j], unless slot i modifies its input in place.
+        for (int j = i; j < n && !s[i].mutates_input; ++j) {
           if (live + run_peak[i * n + j] > budget) continue;
           const std::int64_t next = live + s[j].output_bytes;
           if (next > budget) continue;

@@ -22,6 +22,7 @@
 #include <memscale/core/graph.hpp>
 #include <memscale/core/layer_rules.hpp>
 #include <memscale/core/memory_tracker.hpp>
+#include <memscale/detail/buffers.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
 
@@ -62,26 +63,6 @@ inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-/// Restores every buffer of the given modules (BatchNorm running statistics, ...)
-/// when it ends, so a profiling forward in training mode leaves no trace.
-class buffer_restore {
- public:
-  explicit buffer_restore(const std::vector<torch::nn::AnyModule>& slots) {
-    torch::NoGradGuard no_grad;
-    for (const auto& slot : slots)
-      for (auto& b : slot.ptr()->buffers()) saved_.emplace_back(b, b.clone());
-  }
-  buffer_restore(const buffer_restore&) = delete;
-  buffer_restore& operator=(const buffer_restore&) = delete;
-  ~buffer_restore() {
-    torch::NoGradGuard no_grad;
-    for (auto& [live, copy] : saved_) live.copy_(copy);
-  }
-
- private:
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> saved_;
-};
-
 inline torch::Tensor synthetic_input(const layer_input& in, const c10::Device& device) {
   auto options = torch::TensorOptions().dtype(in.dtype).device(device);
   return c10::isFloatingType(in.dtype) ? torch::randn(in.shape, options) : torch::zeros(in.shape, options);
@@ -111,6 +92,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       x = input.detach().clone();
     }
     cost.input_bytes = static_cast<std::int64_t>(x.nbytes());
+    const auto version = x._version();
     synchronize(device);
     torch::Tensor y;
     std::int64_t live_before = 0, live_after = 0, peak = 0;
@@ -130,6 +112,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       live_after = memory_tracker::current_bytes(device);
       peak = scope.peak();
     }
+    cost.mutates_input = x._version() != version;
     cost.output_bytes = static_cast<std::int64_t>(y.nbytes());
     cost.output_is_view = y.storage().is_alias_of(x.storage());
     cost.workspace_bytes = std::max<std::int64_t>(0, peak - live_after);

@@ -6,14 +6,21 @@
 #pragma once
 
 #include <concepts>
+#include <algorithm>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <torch/torch.h>
 
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
+#include <memscale/detail/buffers.hpp>
 #include <memscale/detail/rng.hpp>
+#include <memscale/errors.hpp>
 
 namespace memscale {
 namespace detail {
@@ -30,6 +37,61 @@ struct checkpoint_rng : torch::CustomClassHolder {
   rng_state state;
   std::vector<c10::Device> devices;
 };
+
+/// Open while a checkpoint's backward recomputes its forward and computes the
+/// gradients; state the recompute must not change (BatchNorm statistics) is put
+/// back when it closes, after the gradients, so no saved tensor sees a new
+/// version. Thread-local: the autograd engine runs a CPU backward on the thread
+/// that called it.
+class recompute_scope {
+ public:
+  recompute_scope() : previous_(current()) { current() = this; }
+  recompute_scope(const recompute_scope&) = delete;
+  recompute_scope& operator=(const recompute_scope&) = delete;
+  ~recompute_scope() {
+    restores_.clear();  // restores, in reverse order of registration
+    current() = previous_;
+  }
+  void restore_on_close(const std::vector<torch::nn::AnyModule>& slots) {
+    restores_.push_back(std::make_unique<buffer_restore>(slots));
+  }
+  static recompute_scope*& current() {
+    thread_local recompute_scope* scope = nullptr;
+    return scope;
+  }
+
+ private:
+  recompute_scope* previous_;
+  std::vector<std::unique_ptr<buffer_restore>> restores_;
+};
+
+/// Leaf tensors requiring grad that the graph behind `outputs` reaches, other
+/// than `known` (by identity).
+inline std::vector<torch::Tensor> reachable_leaves(const std::vector<torch::Tensor>& outputs,
+                                                   const std::vector<torch::Tensor>& known) {
+  std::vector<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& o : outputs)
+    if (o.grad_fn()) stack.push_back(o.grad_fn().get());
+  std::vector<torch::Tensor> leaves;
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (std::find(seen.begin(), seen.end(), node) != seen.end()) continue;
+    seen.push_back(node);
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      const auto& leaf = acc->variable;
+      const bool is_known = std::any_of(known.begin(), known.end(), [&](const torch::Tensor& k) {
+        return k.unsafeGetTensorImpl() == leaf.unsafeGetTensorImpl();
+      });
+      if (!is_known && leaf.requires_grad()) leaves.push_back(leaf);
+      continue;
+    }
+    for (const auto& edge : node->next_edges())
+      if (edge.function) stack.push_back(edge.function.get());
+  }
+  return leaves;
+}
 
 inline std::vector<c10::Device> devices_of(at::TensorList tensors) {
   std::vector<c10::Device> devices;
@@ -58,7 +120,15 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     ctx->saved_data["body"] = c10::IValue::make_capsule(body);
     ctx->saved_data["rng"] = c10::IValue::make_capsule(rng);
     std::vector<torch::Tensor> args(inputs.begin(), inputs.end());
-    return body->fn(args);  // grad mode is off here: nothing inside is kept
+    std::vector<std::int64_t> versions;
+    for (const auto& x : args) versions.push_back(x.defined() ? static_cast<std::int64_t>(x._version()) : 0);
+    auto outputs = body->fn(args);  // grad mode is off here: nothing inside is kept
+    for (std::size_t i = 0; i < args.size(); ++i)
+      if (args[i].defined() && static_cast<std::int64_t>(args[i]._version()) != versions[i])
+        throw Error("memscale::checkpoint: the checkpointed function modified its input " + std::to_string(i) +
+                    " in place, so backward could not recompute it; start the checkpoint before the in-place "
+                    "operation (or make it out of place)");
+    return outputs;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -75,6 +145,7 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
       inputs.push_back(std::move(x));
     }
     std::vector<torch::Tensor> outputs;
+    recompute_scope recompute;
     {
       rng_fork keep_training_stream(rng->devices);  // backward must not shift the RNG sequence
       restore_rng(rng->state);
@@ -97,11 +168,28 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
       targets.push_back(i < input_count ? inputs[i] : saved[i]);
       target_slot.push_back(i);
     }
+    // Leaves the body reads but was not given (a weight registered outside the
+    // segment, a tied weight): their gradients cannot flow through this node, so
+    // they are accumulated here, as AccumulateGrad would. (Under autograd::grad
+    // rather than backward(), such a weight's .grad would be written: pass it in params.)
+    std::vector<torch::Tensor> known(saved.begin() + static_cast<std::ptrdiff_t>(input_count), saved.end());
+    known.insert(known.end(), inputs.begin(), inputs.end());
+    const auto extra = reachable_leaves(differentiable_outputs, known);
+    const std::size_t own_targets = targets.size();
+    targets.insert(targets.end(), extra.begin(), extra.end());
+
     torch::autograd::variable_list result(1 + saved.size());  // [body, inputs..., params...]
     if (differentiable_outputs.empty() || targets.empty()) return result;
     auto grads = torch::autograd::grad(differentiable_outputs, targets, output_grads,
                                        /*retain_graph=*/false, /*create_graph=*/false, /*allow_unused=*/true);
-    for (std::size_t t = 0; t < targets.size(); ++t) result[1 + target_slot[t]] = grads[t];
+    for (std::size_t t = 0; t < own_targets; ++t) result[1 + target_slot[t]] = grads[t];
+    torch::NoGradGuard no_grad;
+    for (std::size_t t = own_targets; t < targets.size(); ++t) {
+      if (!grads[t].defined()) continue;
+      auto leaf = targets[t];
+      if (leaf.grad().defined()) leaf.mutable_grad().add_(grads[t]);
+      else leaf.mutable_grad() = grads[t].clone();
+    }
     return result;
   }
 };
@@ -166,6 +254,8 @@ class CheckpointSegmentImpl : public torch::nn::Module {
     for (const auto& slot : slots_)
       for (const auto& p : slot.ptr()->parameters()) params_.push_back(p);
     body_ = c10::make_intrusive<detail::checkpoint_body>([slots = slots_](const std::vector<torch::Tensor>& in) mutable {
+      // The recompute in backward must not update BatchNorm statistics a second time.
+      if (auto* recompute = detail::recompute_scope::current()) recompute->restore_on_close(slots);
       torch::Tensor x = in[0];
       for (auto& slot : slots) x = slot.forward<torch::Tensor>(std::move(x));
       return std::vector<torch::Tensor>{x};

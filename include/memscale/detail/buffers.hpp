@@ -1,0 +1,39 @@
+// memscale::detail — save and restore module buffers (BatchNorm running
+// statistics, ...): a profiling pass or a checkpoint's recompute in training mode
+// must not update them a second time. Internal.
+#pragma once
+
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace memscale::detail {
+
+/// Restores every buffer of the given modules to its value at construction.
+class buffer_restore {
+ public:
+  explicit buffer_restore(const std::vector<torch::nn::AnyModule>& slots) {
+    for (const auto& slot : slots) add(*slot.ptr());
+  }
+  explicit buffer_restore(const torch::nn::Module& module) { add(module); }
+  buffer_restore(const buffer_restore&) = delete;
+  buffer_restore& operator=(const buffer_restore&) = delete;
+  ~buffer_restore() {
+    torch::NoGradGuard no_grad;
+    // Only what changed: a copy bumps the version of a buffer autograd may have saved.
+    for (auto& [live, copy] : saved_)
+      if (!live.equal(copy)) live.copy_(copy);
+  }
+
+ private:
+  void add(const torch::nn::Module& module) {
+    torch::NoGradGuard no_grad;
+    for (const auto& b : module.buffers())
+      if (b.defined()) saved_.emplace_back(b, b.clone());
+  }
+
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> saved_;
+};
+
+}  // namespace memscale::detail
