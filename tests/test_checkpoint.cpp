@@ -185,3 +185,47 @@ TEST_CASE("plans never start a checkpoint at an in-place layer; gradients stay e
     CHECK(test::bit_equal(plain_buffers[i].value(), model_buffers[i].value()));
   }
 }
+
+namespace {
+/// CPU bf16 autocast for a scope (restored even when the scope throws).
+class cpu_autocast {
+ public:
+  cpu_autocast() : before_(memscale::detail::compat::current_autocast()) {
+    auto on = before_;
+    on.cpu = true;
+    on.cpu_dtype = at::kBFloat16;
+    memscale::detail::compat::set_autocast(on);
+  }
+  cpu_autocast(const cpu_autocast&) = delete;
+  cpu_autocast& operator=(const cpu_autocast&) = delete;
+  ~cpu_autocast() { memscale::detail::compat::set_autocast(before_); }
+
+ private:
+  memscale::detail::compat::autocast_state before_;
+};
+}  // namespace
+
+TEST_CASE("the recompute runs under the autocast state of the forward", "[checkpoint]") {
+  torch::manual_seed(8);
+  torch::nn::Sequential seq(torch::nn::Linear(32, 64), torch::nn::GELU(), torch::nn::Linear(64, 32));
+  auto x = torch::randn({8, 32}, torch::requires_grad());
+  auto plain = test::step(*seq, [&] {
+    torch::Tensor y;
+    {
+      cpu_autocast bf16;
+      y = seq->forward(x);
+    }
+    return y.to(torch::kFloat).pow(2).mean();
+  });
+  auto checkpointed = test::step(*seq, [&] {
+    torch::Tensor y;
+    {
+      cpu_autocast bf16;
+      y = memscale::checkpoint([&](const torch::Tensor& t) { return seq->forward(t); }, x, seq->parameters());
+    }
+    REQUIRE(y.scalar_type() == torch::kBFloat16);
+    return y.to(torch::kFloat).pow(2).mean();
+  });  // backward runs outside autocast: the recompute must switch it back on
+  CHECK(test::bit_equal(plain.first, checkpointed.first));
+  CHECK(test::bit_equal(plain.second, checkpointed.second));
+}

@@ -2,6 +2,7 @@
 // Internal; see ../shared/LIBTORCH_NOTES.md for what each line papers over.
 #pragma once
 
+#include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
 #if TORCH_VERSION_MAJOR >= 2
@@ -19,6 +20,39 @@ using std::holds_alternative;
 #else
 using c10::get_if;
 using c10::holds_alternative;
+#endif
+
+/// Autocast switches for CPU and CUDA: LibTorch 2.4 replaced the per-device
+/// functions with ones taking a DeviceType (the old ones are deprecated).
+struct autocast_state {
+  bool cpu = false;
+  bool cuda = false;
+  at::ScalarType cpu_dtype = at::kBFloat16;
+  at::ScalarType cuda_dtype = at::kHalf;
+};
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+inline autocast_state current_autocast() {
+  return {at::autocast::is_autocast_enabled(at::kCPU), at::autocast::is_autocast_enabled(at::kCUDA),
+          at::autocast::get_autocast_dtype(at::kCPU), at::autocast::get_autocast_dtype(at::kCUDA)};
+}
+inline void set_autocast(const autocast_state& s) {
+  at::autocast::set_autocast_enabled(at::kCPU, s.cpu);
+  at::autocast::set_autocast_enabled(at::kCUDA, s.cuda);
+  at::autocast::set_autocast_dtype(at::kCPU, s.cpu_dtype);
+  at::autocast::set_autocast_dtype(at::kCUDA, s.cuda_dtype);
+}
+#else
+inline autocast_state current_autocast() {
+  return {at::autocast::is_cpu_enabled(), at::autocast::is_enabled(), at::autocast::get_autocast_cpu_dtype(),
+          at::autocast::get_autocast_gpu_dtype()};
+}
+inline void set_autocast(const autocast_state& s) {
+  at::autocast::set_cpu_enabled(s.cpu);
+  at::autocast::set_enabled(s.cuda);
+  at::autocast::set_autocast_cpu_dtype(s.cpu_dtype);
+  at::autocast::set_autocast_gpu_dtype(s.cuda_dtype);
+}
 #endif
 
 }  // namespace memscale::detail::compat

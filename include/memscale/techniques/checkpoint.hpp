@@ -19,6 +19,7 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <memscale/detail/buffers.hpp>
+#include <memscale/detail/compat.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
 
@@ -33,9 +34,11 @@ struct checkpoint_body : torch::CustomClassHolder {
   tensors_fn fn;
 };
 
+/// What the recompute must reproduce of the forward's context.
 struct checkpoint_rng : torch::CustomClassHolder {
   rng_state state;
   std::vector<c10::Device> devices;
+  compat::autocast_state autocast;
 };
 
 /// Open while a checkpoint's backward recomputes its forward and computes the
@@ -113,6 +116,7 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     auto rng = c10::make_intrusive<checkpoint_rng>();
     rng->devices = devices_of(inputs);
     rng->state = capture_rng(rng->devices);
+    rng->autocast = compat::current_autocast();
     std::vector<torch::Tensor> to_save(inputs.begin(), inputs.end());
     to_save.insert(to_save.end(), params.begin(), params.end());
     ctx->save_for_backward(to_save);
@@ -149,8 +153,16 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     {
       rng_fork keep_training_stream(rng->devices);  // backward must not shift the RNG sequence
       restore_rng(rng->state);
+      const auto autocast_outside = compat::current_autocast();  // recompute as forward ran: same casts
+      compat::set_autocast(rng->autocast);
       torch::AutoGradMode grad_on(true);
-      outputs = body->fn(inputs);
+      try {
+        outputs = body->fn(inputs);
+      } catch (...) {
+        compat::set_autocast(autocast_outside);
+        throw;
+      }
+      compat::set_autocast(autocast_outside);
     }
 
     std::vector<torch::Tensor> differentiable_outputs, output_grads;
