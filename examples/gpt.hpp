@@ -123,9 +123,13 @@ inline void register_memscale_rule() {
         // qkv output itself dies once q, k and v are copied out of it.
         std::int64_t saved = act /*ln1*/ + 2 * act /*q, k*/ + scores /*softmax*/ + act /*v*/ + act /*y*/ +
                              act /*x1*/ + act /*ln2*/ + 4 * act /*fc*/ + 4 * act /*gelu*/ + 2 * rows;
-        // Dropout (input * noise on CPU) keeps its noise; attention dropout's output
-        // is kept by the next matmul as well.
-        if (dropout) saved += 2 * scores /*attention dropout: noise + output*/ + 2 * act /*residual noise*/;
+        // Dropout keeps its noise (input * noise on CPU) or a 1-byte mask (CUDA's
+        // fused kernel); attention dropout's output is kept by the next matmul as well.
+        if (dropout) {
+          const bool mask = in.device == c10::kCUDA;
+          saved += scores /*attention dropout output*/ + (mask ? scores / elt : scores) +
+                   (mask ? 2 * act / elt : 2 * act) /*residual dropouts*/;
+        }
         e.saved_bytes = saved;
         e.workspace_bytes = 2 * scores;  // raw and scaled scores before softmax
         e.flops = 2.0 * static_cast<double>(B * T) * (12.0 * static_cast<double>(C * C)) +

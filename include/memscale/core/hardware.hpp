@@ -26,7 +26,7 @@ struct gpu_info {
   int index = 0;
   std::string name;
   std::int64_t total_bytes = 0;
-  std::int64_t free_bytes = 0;
+  std::int64_t free_bytes = -1;  ///< -1: not queried (only the current device is)
 };
 
 struct HardwareInfo {
@@ -78,17 +78,19 @@ inline HardwareInfo detect_hardware() {
 #if MEMSCALE_HAS_CUDA()
   if (torch::cuda::is_available()) {
     const auto count = static_cast<int>(torch::cuda::device_count());
+    // Free memory only for the current device: asking another one would create a
+    // CUDA context (hundreds of MiB) on it.
+    int current = 0;
+    cudaGetDevice(&current);
     for (int i = 0; i < count; ++i) {
       cudaDeviceProp prop{};
       cudaGetDeviceProperties(&prop, i);
-      std::size_t free_bytes = 0, total_bytes = 0;
-      int previous = 0;
-      cudaGetDevice(&previous);
-      cudaSetDevice(i);
-      cudaMemGetInfo(&free_bytes, &total_bytes);
-      cudaSetDevice(previous);
-      info.gpus.push_back({i, prop.name, static_cast<std::int64_t>(total_bytes),
-                           static_cast<std::int64_t>(free_bytes)});
+      std::int64_t free_bytes = -1;
+      if (i == current) {
+        std::size_t free_now = 0, total = 0;
+        if (cudaMemGetInfo(&free_now, &total) == cudaSuccess) free_bytes = static_cast<std::int64_t>(free_now);
+      }
+      info.gpus.push_back({i, prop.name, static_cast<std::int64_t>(prop.totalGlobalMem), free_bytes});
     }
   }
 #endif
@@ -100,8 +102,8 @@ inline std::ostream& operator<<(std::ostream& os, const HardwareInfo& hw) {
      << " RAM (" << detail::format_bytes(hw.host_available_bytes) << " available)\n";
   if (hw.gpus.empty()) os << "gpus: none (CPU-only host)\n";
   for (const auto& g : hw.gpus)
-    os << "gpu " << g.index << ": " << g.name << ", " << detail::format_bytes(g.total_bytes) << " ("
-       << detail::format_bytes(g.free_bytes) << " free)\n";
+    os << "gpu " << g.index << ": " << g.name << ", " << detail::format_bytes(g.total_bytes)
+       << (g.free_bytes >= 0 ? " (" + detail::format_bytes(g.free_bytes) + " free)" : std::string()) << "\n";
   return os;
 }
 

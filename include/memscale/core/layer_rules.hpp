@@ -24,6 +24,7 @@ struct layer_input {
   std::vector<std::int64_t> shape;
   c10::ScalarType dtype = c10::kFloat;
   bool training = true;
+  c10::DeviceType device = c10::kCPU;  ///< kernels differ (CUDA dropout keeps a 1-byte mask)
 
   [[nodiscard]] std::int64_t numel() const {
     std::int64_t n = 1;
@@ -256,9 +257,10 @@ inline rule_registry::rule_registry() {
   builtin<nn::DropoutImpl>([](const nn::DropoutImpl& m, const layer_input& in) -> std::optional<layer_estimate> {
     if (m.options.inplace()) return std::nullopt;  // measured: it modifies its input
     if (!in.training || m.options.p() == 0.0) return identity_view(in);
-    // LibTorch's CPU dropout is input * noise; the multiply keeps the noise tensor.
+    // On CPU, dropout is input * noise and the multiply keeps the noise tensor; on
+    // CUDA the fused kernel keeps a boolean mask.
     auto e = elementwise(in, false, false, 3.0);
-    e.saved_bytes = in.bytes();
+    e.saved_bytes = in.device == c10::kCUDA ? in.numel() : in.bytes();
     return e;
   });
   builtin<nn::ReLUImpl>([](const nn::ReLUImpl& m, const layer_input& in) -> std::optional<layer_estimate> {
@@ -338,7 +340,7 @@ inline std::optional<layer_estimate> estimate_sequential(const torch::nn::Sequen
     whole.flops += e->flops;
     whole.output_shape = e->output_shape;
     whole.output_dtype = e->output_dtype;
-    current = layer_input{e->output_shape, e->output_dtype, in.training};
+    current = layer_input{e->output_shape, e->output_dtype, in.training, in.device};
     first = false;
   }
   const auto out = whole.output_is_view ? 0 : whole.output_bytes();

@@ -147,8 +147,9 @@ class memory_tracker {
     throw Error("memscale::memory_tracker: no memory statistics for device " + device.str());
   }
 
-  /// Measures the peak within a scope; nested scopes compose (on CPU an outer
-  /// scope still sees an inner scope's peak after it ends).
+  /// Measures the peak within a scope. On CPU nested scopes compose (an outer
+  /// scope still sees an inner scope's peak); on CUDA the caching allocator has
+  /// one resettable peak, so an inner scope resets the outer one's.
   class peak_scope {
    public:
     explicit peak_scope(c10::Device device = c10::kCPU)
