@@ -380,7 +380,8 @@ TEST_CASE("a first slot that does not take one Tensor gets UnsupportedModelError
   auto call = [&] { return model->forward(x); };
   CHECK_NOTHROW(call());
   std::function<void()> forward = [&] { (void)call(); };
-  CHECK_THROWS_AS(memscale::core::attach(model, test::quiet(), {}, forward), memscale::UnsupportedModelError);
+  memscale::core::technique_set techniques{&memscale::Checkpoint::wrap};
+  CHECK_THROWS_AS(memscale::core::attach(model, test::quiet(), techniques, forward), memscale::UnsupportedModelError);
   CHECK(test::slot_identity(*model->seq) == slots);
   CHECK_FALSE(memscale::is_optimized(model));
 }

@@ -42,8 +42,12 @@ std::shared_ptr<torch::nn::Module> root_of(const M& model) {
 
 template <StrategyType S>
 core::technique_set techniques_for(const Config& config) {
-  return {S::applies(technique_id::checkpoint), config.enable_offloading && S::contains(technique_id::offload),
-          config.enable_tiling && S::contains(technique_id::tile)};
+  core::technique_set set;
+  if constexpr (S::applies(technique_id::checkpoint)) set.checkpoint = &Checkpoint::wrap;
+  else set.checkpoint = nullptr;
+  set.offload_requested = config.enable_offloading && S::contains(technique_id::offload);
+  set.tile_requested = config.enable_tiling && S::contains(technique_id::tile);
+  return set;
 }
 
 /// Runs the example input through the model, when the model's forward takes one Tensor.

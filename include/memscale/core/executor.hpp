@@ -33,9 +33,11 @@
 
 namespace memscale::core {
 
-/// Which techniques the Strategy and the Config allow, and which this build applies.
+/// What the Strategy and the Config allow: the Strategy's way to wrap a
+/// checkpointed run of slots (empty when it excludes checkpointing), and which
+/// techniques this release does not apply yet were asked for.
 struct technique_set {
-  bool checkpoint = true;
+  std::function<torch::nn::AnyModule(std::vector<torch::nn::AnyModule>)> checkpoint;
   bool offload_requested = false;
   bool tile_requested = false;
 };
@@ -338,7 +340,7 @@ class attachment : public std::enable_shared_from_this<attachment> {
     }
     engine_input in;
     in.mode = config_.mode;
-    in.checkpointing_allowed = config_.enable_checkpointing && techniques_.checkpoint;
+    in.checkpointing_allowed = config_.enable_checkpointing && static_cast<bool>(techniques_.checkpoint);
     in.force_optimize = config_.force_optimize;
     in.usable_bytes = out.usable_bytes;
     in.static_bytes = out.static_bytes();
@@ -374,8 +376,8 @@ class attachment : public std::enable_shared_from_this<attachment> {
       if (!u.checkpointed) continue;
       std::vector<torch::nn::AnyModule> segment(chain.originals.begin() + u.first,
                                                 chain.originals.begin() + u.last + 1);
-      target[static_cast<std::size_t>(u.first)] =
-          torch::nn::AnyModule(std::make_shared<CheckpointSegmentImpl>(std::move(segment)));
+      MEMSCALE_ASSERT(techniques_.checkpoint, "a plan checkpoints although the Strategy excludes it");
+      target[static_cast<std::size_t>(u.first)] = techniques_.checkpoint(std::move(segment));
       for (int k = u.first + 1; k <= u.last; ++k)
         target[static_cast<std::size_t>(k)] = torch::nn::AnyModule(std::make_shared<PassThroughImpl>());
     }

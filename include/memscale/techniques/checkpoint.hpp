@@ -22,6 +22,7 @@
 #include <memscale/detail/compat.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
+#include <memscale/techniques/concepts.hpp>
 
 namespace memscale {
 namespace detail {
@@ -285,6 +286,16 @@ class CheckpointSegmentImpl : public torch::nn::Module {
   std::vector<torch::nn::AnyModule> slots_;
   std::vector<torch::Tensor> params_;
   c10::intrusive_ptr<detail::checkpoint_body> body_;
+};
+
+/// The checkpointing technique: a run of slots becomes one CheckpointSegment.
+struct Checkpoint {
+  static constexpr technique_id id = technique_id::checkpoint;
+  static constexpr std::string_view name = "checkpoint";
+  static constexpr bool available = true;
+  static torch::nn::AnyModule wrap(std::vector<torch::nn::AnyModule> slots) {
+    return torch::nn::AnyModule(std::make_shared<CheckpointSegmentImpl>(std::move(slots)));
+  }
 };
 
 }  // namespace memscale

@@ -1,5 +1,6 @@
-// memscale — the Technique concept and the technique tag types. A technique is
-// a small tag type with static constexpr knobs; the executor applies it by id.
+// memscale — the Technique concept. A technique is a small tag type with static
+// constexpr knobs and a static wrap() for a run of chain slots; each lives beside
+// its implementation (techniques/checkpoint.hpp, offload.hpp, tile.hpp).
 // Strategy<Ts...> (techniques/strategy.hpp) composes techniques at compile time.
 #pragma once
 
@@ -7,6 +8,10 @@
 #include <cstdint>
 #include <string_view>
 #include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <torch/nn/modules/container/any.h>
 
 namespace memscale {
 
@@ -34,35 +39,22 @@ template <class T>
 concept has_availability = requires {
   { T::available } -> std::convertible_to<bool>;
 };
+/// How a technique takes over a run of chain slots: one module for the first slot
+/// (the executor fills the others with pass-throughs).
+template <class T>
+concept wraps_slots = requires(std::vector<torch::nn::AnyModule> slots) {
+  { T::wrap(std::move(slots)) } -> std::same_as<torch::nn::AnyModule>;
+};
+template <class T>
+concept applicable = has_availability<T> && (!T::available || wraps_slots<T>);
 }  // namespace detail
 
-/// Satisfied by a tag type with a static `id` (technique_id), `name` and
-/// `available` (whether this build's executor can apply it).
+/// Satisfied by a tag type with a static `id` (technique_id), `name`, `available`
+/// (whether this release's executor applies it) and, when available, a static
+/// `wrap(std::vector<torch::nn::AnyModule>)` that turns a run of slots into one.
+/// The tags: Checkpoint, Offload, Tile (techniques/checkpoint.hpp, offload.hpp, tile.hpp).
 template <class T>
-concept Technique = detail::has_technique_id<T> && detail::has_technique_name<T> && detail::has_availability<T>;
-
-/// Activation checkpointing of segments (techniques/checkpoint.hpp).
-struct Checkpoint {
-  static constexpr technique_id id = technique_id::checkpoint;
-  static constexpr std::string_view name = "checkpoint";
-  static constexpr bool available = true;
-};
-
-/// Offloading saved activations to a lower memory tier. Not applied by this
-/// release's executor (the offload engine is tracked separately); plans say so.
-struct Offload {
-  static constexpr technique_id id = technique_id::offload;
-  static constexpr std::string_view name = "offload";
-  static constexpr bool available = false;
-};
-
-/// Tiling row-independent layers over chunks. Not applied by this release's
-/// executor (tracked separately); plans say so.
-struct Tile {
-  static constexpr technique_id id = technique_id::tile;
-  static constexpr std::string_view name = "tile";
-  static constexpr bool available = false;
-};
+concept Technique = detail::has_technique_id<T> && detail::has_technique_name<T> && detail::applicable<T>;
 
 /// Reads as a sentence when a type is not a Technique.
 template <class T>
@@ -74,6 +66,10 @@ constexpr bool check_technique() {
                 "member");
   static_assert(detail::has_availability<T>,
                 "memscale: this type is not a Technique: it has no `static constexpr bool available` member");
+  if constexpr (detail::has_availability<T>)
+    static_assert(detail::applicable<T>,
+                  "memscale: this type is not a Technique: it is `available` but has no "
+                  "`static torch::nn::AnyModule wrap(std::vector<torch::nn::AnyModule>)` member");
   return Technique<T>;
 }
 

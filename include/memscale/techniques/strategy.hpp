@@ -6,7 +6,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <memscale/techniques/checkpoint.hpp>
 #include <memscale/techniques/concepts.hpp>
+#include <memscale/techniques/offload.hpp>
+#include <memscale/techniques/tile.hpp>
 
 namespace memscale {
 
