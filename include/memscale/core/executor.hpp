@@ -1,4 +1,4 @@
-// memscale — the Executor: swaps forward slots of each torch::nn::Sequential chain
+// memscale — executor, part 3: the Executor. It swaps forward slots of each torch::nn::Sequential chain
 // for technique wrappers and puts the originals back on detach. The chain's
 // registered children never change, so parameters(), named_parameters(), state
 // dicts and optimizers see the same tensors under the same names. An attachment
@@ -24,6 +24,8 @@
 #include <memscale/core/hardware.hpp>
 #include <memscale/core/plan.hpp>
 #include <memscale/core/profiler.hpp>
+#include <memscale/core/registry.hpp>
+#include <memscale/core/slots.hpp>
 #include <memscale/detail/assert.hpp>
 #include <memscale/detail/fault_injection.hpp>
 #include <memscale/detail/rng.hpp>
@@ -40,29 +42,6 @@ struct technique_set {
   std::function<torch::nn::AnyModule(std::vector<torch::nn::AnyModule>)> checkpoint;
   bool offload_requested = false;
   bool tile_requested = false;
-};
-
-/// Fills a slot that belongs to a checkpointed segment starting earlier.
-class PassThroughImpl : public torch::nn::Module {
- public:
-  PassThroughImpl() : torch::nn::Module("memscale::PassThrough") {}
-  torch::Tensor forward(torch::Tensor x) { return x; }
-};
-
-/// Slot 0 while wrap() runs the example input: records what the chain receives.
-class InputCaptureImpl : public torch::nn::Module {
- public:
-  explicit InputCaptureImpl(torch::nn::AnyModule original)
-      : torch::nn::Module("memscale::InputCapture"), original_(std::move(original)) {}
-  torch::Tensor forward(torch::Tensor x) {
-    if (!captured_.defined()) captured_ = x.detach();
-    return original_.forward<torch::Tensor>(std::move(x));
-  }
-  [[nodiscard]] const torch::Tensor& captured() const noexcept { return captured_; }
-
- private:
-  torch::nn::AnyModule original_;
-  torch::Tensor captured_;
 };
 
 class attachment;
@@ -94,35 +73,6 @@ struct managed_chain {
   chain_ref ref;
   std::vector<torch::nn::AnyModule> originals;
   bool planned = false;
-};
-
-/// Slot replacements done so far; undone in reverse unless committed.
-class slot_transaction {
- public:
-  slot_transaction() = default;
-  slot_transaction(const slot_transaction&) = delete;
-  slot_transaction& operator=(const slot_transaction&) = delete;
-  ~slot_transaction() { rollback(); }
-
-  void replace(torch::nn::SequentialImpl& seq, std::size_t index, torch::nn::AnyModule next) {
-    auto it = seq.begin() + static_cast<std::ptrdiff_t>(index);
-    undo_.push_back({&seq, index, std::move(*it)});
-    *it = std::move(next);
-  }
-  void commit() noexcept { undo_.clear(); }
-  void rollback() noexcept {
-    for (auto it = undo_.rbegin(); it != undo_.rend(); ++it)
-      *(it->seq->begin() + static_cast<std::ptrdiff_t>(it->index)) = std::move(it->previous);
-    undo_.clear();
-  }
-
- private:
-  struct entry {
-    torch::nn::SequentialImpl* seq;
-    std::size_t index;
-    torch::nn::AnyModule previous;
-  };
-  std::vector<entry> undo_;
 };
 
 class attachment : public std::enable_shared_from_this<attachment> {
@@ -407,54 +357,6 @@ inline torch::Tensor PlanningProbeImpl::forward(torch::Tensor x) {
     return owner->plan_on_first_call(chain_, x);
   return original_.forward<torch::Tensor>(std::move(x));
 }
-
-/// Models memscale manages, keyed by their root module.
-class registry {
- public:
-  static registry& global() {
-    static registry instance;
-    return instance;
-  }
-
-  [[nodiscard]] std::shared_ptr<attachment> find(const torch::nn::Module* key) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    prune();
-    for (const auto& e : entries_)
-      if (e.key == key) return e.value;
-    return nullptr;
-  }
-
-  void add(const std::shared_ptr<torch::nn::Module>& root, std::shared_ptr<attachment> value) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    prune();
-    entries_.push_back({root.get(), root, std::move(value)});
-  }
-
-  [[nodiscard]] std::shared_ptr<attachment> remove(const torch::nn::Module* key, const attachment* only = nullptr) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto it = entries_.begin(); it != entries_.end(); ++it)
-      if (it->key == key && (only == nullptr || it->value.get() == only)) {
-        auto value = std::move(it->value);
-        entries_.erase(it);
-        return value;
-      }
-    return nullptr;
-  }
-
- private:
-  struct entry {
-    const torch::nn::Module* key;
-    std::weak_ptr<torch::nn::Module> root;  // a model dropped without detach() is pruned
-    std::shared_ptr<attachment> value;
-  };
-  void prune() {
-    entries_.erase(std::remove_if(entries_.begin(), entries_.end(), [](const entry& e) { return e.root.expired(); }),
-                   entries_.end());
-  }
-
-  std::mutex mutex_;
-  std::vector<entry> entries_;
-};
 
 /// The pipeline behind wrap(): validate, find chains, (capture), profile, plan,
 /// apply, register. `forward`: runs the example input through the model, or empty.

@@ -1,0 +1,66 @@
+// memscale — executor, part 1: the modules memscale puts into chain slots
+// besides technique wrappers, and the transaction that swaps slots and undoes
+// the swaps unless committed (the strong guarantee of wrap()).
+#pragma once
+
+#include <cstddef>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace memscale::core {
+
+/// Fills a slot that belongs to a checkpointed segment starting earlier.
+class PassThroughImpl : public torch::nn::Module {
+ public:
+  PassThroughImpl() : torch::nn::Module("memscale::PassThrough") {}
+  torch::Tensor forward(torch::Tensor x) { return x; }
+};
+
+/// Slot 0 while wrap() runs the example input: records what the chain receives.
+class InputCaptureImpl : public torch::nn::Module {
+ public:
+  explicit InputCaptureImpl(torch::nn::AnyModule original)
+      : torch::nn::Module("memscale::InputCapture"), original_(std::move(original)) {}
+  torch::Tensor forward(torch::Tensor x) {
+    if (!captured_.defined()) captured_ = x.detach();
+    return original_.forward<torch::Tensor>(std::move(x));
+  }
+  [[nodiscard]] const torch::Tensor& captured() const noexcept { return captured_; }
+
+ private:
+  torch::nn::AnyModule original_;
+  torch::Tensor captured_;
+};
+
+/// Slot replacements done so far; undone in reverse unless committed.
+class slot_transaction {
+ public:
+  slot_transaction() = default;
+  slot_transaction(const slot_transaction&) = delete;
+  slot_transaction& operator=(const slot_transaction&) = delete;
+  ~slot_transaction() { rollback(); }
+
+  void replace(torch::nn::SequentialImpl& seq, std::size_t index, torch::nn::AnyModule next) {
+    auto it = seq.begin() + static_cast<std::ptrdiff_t>(index);
+    undo_.push_back({&seq, index, std::move(*it)});
+    *it = std::move(next);
+  }
+  void commit() noexcept { undo_.clear(); }
+  void rollback() noexcept {
+    for (auto it = undo_.rbegin(); it != undo_.rend(); ++it)
+      *(it->seq->begin() + static_cast<std::ptrdiff_t>(it->index)) = std::move(it->previous);
+    undo_.clear();
+  }
+
+ private:
+  struct entry {
+    torch::nn::SequentialImpl* seq;
+    std::size_t index;
+    torch::nn::AnyModule previous;
+  };
+  std::vector<entry> undo_;
+};
+
+}  // namespace memscale::core
