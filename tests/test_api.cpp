@@ -385,3 +385,15 @@ TEST_CASE("a first slot that does not take one Tensor gets UnsupportedModelError
   CHECK(test::slot_identity(*model->seq) == slots);
   CHECK_FALSE(memscale::is_optimized(model));
 }
+
+TEST_CASE("a budget checkpointing cannot meet is reported, and the plan still does its best", "[api][engine]") {
+  auto seq = test::flat_chain(3);
+  auto x = torch::randn({8, 64});
+  memscale::Config cfg = test::quiet({.mode = OptimizationMode::Balanced});
+  cfg.memory_budget_gb = 1e-6;  // about 1 KiB: less than the parameters
+  auto guard = memscale::optimize(seq, x, cfg);
+  const auto report = guard.report();
+  CHECK(report.checkpointed_segments() > 0);
+  CHECK(report.planned_peak_bytes() < report.baseline_peak_bytes());
+  CHECK_THAT(report.str(), Catch::Contains("cannot meet this budget"));
+}

@@ -250,8 +250,10 @@ constexpr bool better(const candidate& x, const candidate& y) {
       const auto& s = chains[c];
       for (const auto& u : plan.units[c]) {
         if (u.checkpointed || s[u.first].mutates_input) continue;
-        // u is one kept slot; extend over the following kept slots.
-        for (int last = u.first; last < static_cast<int>(s.size()); ++last) {
+        // u is one kept slot; extend over the following kept slots, up to twice the
+        // chain's segment length (longer runs recompute more than they free).
+        const int longest = std::min(static_cast<int>(s.size()), u.first + 2 * plan.segment_length[c]);
+        for (int last = u.first; last < longest; ++last) {
           bool all_kept = true;
           for (const auto& v : plan.units[c])
             if (v.first <= last && v.last >= u.first && v.checkpointed) all_kept = false;
