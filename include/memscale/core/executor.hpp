@@ -94,8 +94,6 @@ class attachment : public std::enable_shared_from_this<attachment> {
     std::lock_guard<std::mutex> lock(mutex_);
     return report_;
   }
-  [[nodiscard]] std::size_t chain_count() const noexcept { return chains_.size(); }
-  [[nodiscard]] const Config& config() const noexcept { return config_; }
 
   /// Runs `forward` once (no grad, no visible RNG draws, buffers restored) to learn
   /// what each chain receives. Chains the forward never reaches get no input.
@@ -137,50 +135,17 @@ class attachment : public std::enable_shared_from_this<attachment> {
     std::vector<std::size_t> ready;
     for (std::size_t c = 0; c < chains_.size(); ++c)
       if (c < inputs.size() && inputs[c].defined()) ready.push_back(c);
-    Report next = report_;
-    std::vector<std::vector<unit>> units;
-    if (!ready.empty()) units = plan(ready, inputs, next);
-    slot_transaction tx;
-    bool first_change = true;
-    for (std::size_t i = 0; i < ready.size(); ++i) {
-      apply_units(ready[i], units[i], tx, first_change);
-    }
-    for (std::size_t c = 0; c < chains_.size(); ++c) {
-      if (std::find(ready.begin(), ready.end(), c) != ready.end()) continue;
-      tx.replace(*chains_[c].ref.sequential, 0,
-                 torch::nn::AnyModule(std::make_shared<PlanningProbeImpl>(weak_from_this(), c,
-                                                                           chains_[c].originals.front())));
-      after_first_change(first_change);
-    }
-    detail::fault_point(detail::pipeline_stage::commit);
-    tx.commit();
-    for (auto c : ready) chains_[c].planned = true;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      report_ = std::move(next);
-    }
-    observability::log_report(config_, report());
+    commit_plan(ready, inputs, /*probe_the_others=*/true);
   }
 
-  /// Called by a chain's planning probe on its first input.
+  /// Called by a chain's planning probe on its first training input.
   torch::Tensor plan_on_first_call(std::size_t c, const torch::Tensor& x) {
     std::lock_guard<std::mutex> planning(plan_mutex_);
     if (!chains_[c].planned) {
       std::vector<torch::Tensor> inputs(chains_.size());
       inputs[c] = x.detach();
       try {
-        Report next = report_;
-        auto units = plan({c}, inputs, next);
-        slot_transaction tx;
-        bool first_change = true;
-        apply_units(c, units.front(), tx, first_change);
-        tx.commit();
-        chains_[c].planned = true;
-        {
-          std::lock_guard<std::mutex> lock(mutex_);
-          report_ = std::move(next);
-        }
-        observability::log_report(config_, report());
+        commit_plan({c}, inputs, /*probe_the_others=*/false);
       } catch (...) {
         // Leave the chain as it was before wrap(), then report the failure.
         *chains_[c].ref.sequential->begin() = chains_[c].originals.front();
@@ -228,6 +193,33 @@ class attachment : public std::enable_shared_from_this<attachment> {
       report_.notes.emplace_back("observability_port: the metrics endpoint is not implemented in this release");
     if (config_.verify_correctness)
       report_.notes.emplace_back("verify_correctness: not implemented in this release");
+  }
+
+  /// Plans chains `ready`, applies the plan (and probes on the other chains when
+  /// asked) in one transaction, then publishes the report.
+  void commit_plan(const std::vector<std::size_t>& ready, const std::vector<torch::Tensor>& inputs,
+                   bool probe_the_others) {
+    Report next = report_;
+    std::vector<std::vector<unit>> units;
+    if (!ready.empty()) units = plan(ready, inputs, next);
+    slot_transaction swaps;
+    bool first_change = true;
+    for (std::size_t i = 0; i < ready.size(); ++i) apply_units(ready[i], units[i], swaps, first_change);
+    for (std::size_t c = 0; probe_the_others && c < chains_.size(); ++c) {
+      if (std::find(ready.begin(), ready.end(), c) != ready.end()) continue;
+      swaps.replace(*chains_[c].ref.sequential, 0,
+                    torch::nn::AnyModule(std::make_shared<PlanningProbeImpl>(weak_from_this(), c,
+                                                                              chains_[c].originals.front())));
+      after_first_change(first_change);
+    }
+    detail::fault_point(detail::pipeline_stage::commit);
+    swaps.commit();
+    for (auto c : ready) chains_[c].planned = true;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      report_ = std::move(next);
+    }
+    observability::log_report(config_, report());
   }
 
   void after_first_change(bool& first_change) {
@@ -323,7 +315,7 @@ class attachment : public std::enable_shared_from_this<attachment> {
   }
 
   /// Replaces chain c's slots as `units` say (originals where a unit is kept).
-  void apply_units(std::size_t c, const std::vector<unit>& units, slot_transaction& tx, bool& first_change) {
+  void apply_units(std::size_t c, const std::vector<unit>& units, slot_transaction& swaps, bool& first_change) {
     auto& chain = chains_[c];
     auto& seq = *chain.ref.sequential;
     std::vector<torch::nn::AnyModule> target = chain.originals;
@@ -339,7 +331,7 @@ class attachment : public std::enable_shared_from_this<attachment> {
     auto it = seq.begin();
     for (std::size_t k = 0; k < target.size(); ++k, ++it) {
       if (it->ptr() == target[k].ptr()) continue;
-      tx.replace(seq, k, std::move(target[k]));
+      swaps.replace(seq, k, std::move(target[k]));
       after_first_change(first_change);
     }
   }
@@ -387,17 +379,17 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
                                     "' is already managed by memscale (through another model that contains "
                                     "it); detach that model first");
   memory_tracker::install();
-  auto att = std::make_shared<attachment>(root, std::move(chains), config, techniques);
+  auto attached = std::make_shared<attachment>(root, std::move(chains), config, techniques);
   std::vector<torch::Tensor> inputs;
-  if (forward) inputs = att->capture_inputs(forward);
-  att->plan_and_apply(inputs);
+  if (forward) inputs = attached->capture_inputs(forward);
+  attached->plan_and_apply(inputs);
   try {
-    registry::global().add(root, att);
+    registry::global().add(root, attached);
   } catch (...) {
-    att->restore();
+    attached->restore();
     throw;
   }
-  return att;
+  return attached;
 }
 
 /// Undoes attach(); false when memscale does not manage `root` (or, with
