@@ -190,18 +190,16 @@ namespace {
 /// CPU bf16 autocast for a scope (restored even when the scope throws).
 class cpu_autocast {
  public:
-  cpu_autocast() : before_(memscale::detail::compat::current_autocast()) {
-    auto on = before_;
-    on.cpu = true;
-    on.cpu_dtype = at::kBFloat16;
-    memscale::detail::compat::set_autocast(on);
-  }
-  cpu_autocast(const cpu_autocast&) = delete;
-  cpu_autocast& operator=(const cpu_autocast&) = delete;
-  ~cpu_autocast() { memscale::detail::compat::set_autocast(before_); }
+  cpu_autocast() : scope_(bf16_on_cpu()) {}
 
  private:
-  memscale::detail::compat::autocast_state before_;
+  static memscale::detail::compat::autocast_state bf16_on_cpu() {
+    auto on = memscale::detail::compat::current_autocast();
+    on.cpu = true;
+    on.cpu_dtype = at::kBFloat16;
+    return on;
+  }
+  memscale::detail::compat::autocast_as scope_;
 };
 }  // namespace
 

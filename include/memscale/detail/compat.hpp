@@ -55,4 +55,16 @@ inline void set_autocast(const autocast_state& s) {
 }
 #endif
 
+/// Sets an autocast state for a scope and puts the previous one back at its end.
+class autocast_as {
+ public:
+  explicit autocast_as(const autocast_state& state) : previous_(current_autocast()) { set_autocast(state); }
+  autocast_as(const autocast_as&) = delete;
+  autocast_as& operator=(const autocast_as&) = delete;
+  ~autocast_as() { set_autocast(previous_); }
+
+ private:
+  autocast_state previous_;
+};
+
 }  // namespace memscale::detail::compat

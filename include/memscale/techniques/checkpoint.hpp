@@ -35,8 +35,8 @@ struct checkpoint_body : torch::CustomClassHolder {
   tensors_fn fn;
 };
 
-/// What the recompute must reproduce of the forward's context.
-struct checkpoint_rng : torch::CustomClassHolder {
+/// What the recompute must reproduce of the forward: RNG and autocast state.
+struct forward_context : torch::CustomClassHolder {
   rng_state state;
   std::vector<c10::Device> devices;
   compat::autocast_state autocast;
@@ -114,16 +114,16 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 c10::intrusive_ptr<checkpoint_body> body, at::TensorList inputs,
                                                 at::TensorList params) {
-    auto rng = c10::make_intrusive<checkpoint_rng>();
-    rng->devices = devices_of(inputs);
-    rng->state = capture_rng(rng->devices);
-    rng->autocast = compat::current_autocast();
+    auto context = c10::make_intrusive<forward_context>();
+    context->devices = devices_of(inputs);
+    context->state = capture_rng(context->devices);
+    context->autocast = compat::current_autocast();
     std::vector<torch::Tensor> to_save(inputs.begin(), inputs.end());
     to_save.insert(to_save.end(), params.begin(), params.end());
     ctx->save_for_backward(to_save);
     ctx->saved_data["inputs"] = static_cast<int64_t>(inputs.size());
     ctx->saved_data["body"] = c10::IValue::make_capsule(body);
-    ctx->saved_data["rng"] = c10::IValue::make_capsule(rng);
+    ctx->saved_data["context"] = c10::IValue::make_capsule(context);
     std::vector<torch::Tensor> args(inputs.begin(), inputs.end());
     std::vector<std::int64_t> versions;
     for (const auto& x : args) versions.push_back(x.defined() ? static_cast<std::int64_t>(x._version()) : 0);
@@ -141,7 +141,7 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     const auto saved = ctx->get_saved_variables();
     const auto input_count = static_cast<std::size_t>(ctx->saved_data["inputs"].toInt());
     auto body = c10::static_intrusive_pointer_cast<checkpoint_body>(ctx->saved_data["body"].toCapsule());
-    auto rng = c10::static_intrusive_pointer_cast<checkpoint_rng>(ctx->saved_data["rng"].toCapsule());
+    auto context = c10::static_intrusive_pointer_cast<forward_context>(ctx->saved_data["context"].toCapsule());
 
     std::vector<torch::Tensor> inputs;
     for (std::size_t i = 0; i < input_count; ++i) {
@@ -152,18 +152,11 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     std::vector<torch::Tensor> outputs;
     recompute_scope recompute;
     {
-      rng_fork keep_training_stream(rng->devices);  // backward must not shift the RNG sequence
-      restore_rng(rng->state);
-      const auto autocast_outside = compat::current_autocast();  // recompute as forward ran: same casts
-      compat::set_autocast(rng->autocast);
+      rng_fork keep_training_stream(context->devices);  // backward must not shift the RNG sequence
+      restore_rng(context->state);
+      compat::autocast_as same_casts(context->autocast);
       torch::AutoGradMode grad_on(true);
-      try {
-        outputs = body->fn(inputs);
-      } catch (...) {
-        compat::set_autocast(autocast_outside);
-        throw;
-      }
-      compat::set_autocast(autocast_outside);
+      outputs = body->fn(inputs);
     }
 
     std::vector<torch::Tensor> differentiable_outputs, output_grads;
