@@ -397,3 +397,36 @@ TEST_CASE("a budget checkpointing cannot meet is reported, and the plan still do
   CHECK(report.planned_peak_bytes() < report.baseline_peak_bytes());
   CHECK_THAT(report.str(), Catch::Contains("cannot meet this budget"));
 }
+
+namespace {
+struct TwoChainsImpl : torch::nn::Module {
+  TwoChainsImpl() {
+    first = register_module("first", test::flat_chain(2));
+    second = register_module("second", test::flat_chain(2));
+  }
+  torch::Tensor forward(torch::Tensor x) { return second->forward(torch::tanh(first->forward(x))); }
+  torch::nn::Sequential first{nullptr}, second{nullptr};
+};
+TORCH_MODULE(TwoChains);
+}  // namespace
+
+TEST_CASE("several chains planned at their first calls: each sees the earlier ones once", "[api][executor]") {
+  torch::manual_seed(15);
+  TwoChains reference;
+  torch::manual_seed(15);
+  TwoChains model;
+  auto x = torch::randn({16, 64}, torch::requires_grad());
+  auto guard = memscale::optimize(model, test::quiet({.mode = OptimizationMode::Aggressive}));
+  const auto expected = test::step(*reference, [&] { return reference->forward(x).pow(2).sum(); });
+  const auto got = test::step(*model, [&] { return model->forward(x).pow(2).sum(); });
+  CHECK(test::bit_equal(expected.first, got.first));
+  CHECK(test::bit_equal(expected.second, got.second));
+  const auto report = guard.report();
+  REQUIRE(report.chains.size() == 2);
+  CHECK(report.chains[0].path == "first");
+  CHECK(report.chains[1].path == "second");
+  // While 'second' was planned, 'first' kept exactly its planned forward bytes.
+  CHECK(report.earlier_chains_bytes ==
+        memscale::core::project_chain(report.chains[0].slots, report.plan.units[0]).forward_end);
+  CHECK(report.checkpointed_segments() >= 2);
+}
