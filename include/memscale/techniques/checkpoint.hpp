@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -73,7 +74,7 @@ class recompute_scope {
 /// than `known` (by identity).
 inline std::vector<torch::Tensor> reachable_leaves(const std::vector<torch::Tensor>& outputs,
                                                    const std::vector<torch::Tensor>& known) {
-  std::vector<const torch::autograd::Node*> seen;
+  std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<torch::autograd::Node*> stack;
   for (const auto& o : outputs)
     if (o.grad_fn()) stack.push_back(o.grad_fn().get());
@@ -81,8 +82,7 @@ inline std::vector<torch::Tensor> reachable_leaves(const std::vector<torch::Tens
   while (!stack.empty()) {
     auto* node = stack.back();
     stack.pop_back();
-    if (std::find(seen.begin(), seen.end(), node) != seen.end()) continue;
-    seen.push_back(node);
+    if (!seen.insert(node).second) continue;
     if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
       const auto& leaf = acc->variable;
       const bool is_known = std::any_of(known.begin(), known.end(), [&](const torch::Tensor& k) {
