@@ -26,7 +26,7 @@ constexpr std::int64_t baseline_peak(slot_cost s, int n) {
 }
 constexpr std::int64_t all_checkpointed_peak(slot_cost s, int n, int length) {
   const auto c = chain_of(s, n);
-  return project_chain(c, uniform_segments(n, length)).peak;
+  return project_chain(c, segments_of_length(c, length)).peak;
 }
 
 // Four blocks kept: 4 x (10 + 90) = 400 live at the end of forward, plus the

@@ -60,6 +60,13 @@ std::function<void()> example_forward(M& model, const torch::Tensor& example) {
   }
 }
 
+/// The one way the entry points attach: `example` empty means plan at the first call.
+template <StrategyType S, class M>
+std::shared_ptr<core::attachment> attach(M& model, const Config& config, const torch::Tensor* example) {
+  return core::attach(root_of(model), config, techniques_for<S>(config),
+                      example ? example_forward(model, *example) : std::function<void()>{});
+}
+
 }  // namespace detail
 
 /// Satisfied by what wrap/optimize/detach accept: a module holder or a shared_ptr to a Module.
@@ -70,7 +77,7 @@ concept Model = detail::module_holder<M> || detail::module_pointer<M>;
 /// first forward call. Throws (leaving the model as it was) on bad input.
 template <StrategyType S = DefaultStrategy, Model M>
 Report wrap(M& model, const Config& config = {}) {
-  return core::attach(detail::root_of(model), config, detail::techniques_for<S>(config), {})->report();
+  return detail::attach<S>(model, config, nullptr)->report();
 }
 
 /// Attaches memscale and plans now, from one forward pass of `example_input`
@@ -78,9 +85,7 @@ Report wrap(M& model, const Config& config = {}) {
 /// and leaves the model's buffers as they were).
 template <StrategyType S = DefaultStrategy, Model M>
 Report wrap(M& model, const torch::Tensor& example_input, const Config& config = {}) {
-  return core::attach(detail::root_of(model), config, detail::techniques_for<S>(config),
-                      detail::example_forward(model, example_input))
-      ->report();
+  return detail::attach<S>(model, config, &example_input)->report();
 }
 
 /// Restores the model exactly as it was before wrap(). Returns false (and does
@@ -147,18 +152,15 @@ class [[nodiscard]] OptimizationGuard {
 /// wrap() for the lifetime of the returned guard.
 template <StrategyType S = DefaultStrategy, Model M>
 [[nodiscard]] OptimizationGuard optimize(M& model, const Config& config = {}) {
-  auto root = detail::root_of(model);
-  auto attached = core::attach(root, config, detail::techniques_for<S>(config), {});
-  return OptimizationGuard(std::move(root), std::move(attached));
+  auto attached = detail::attach<S>(model, config, nullptr);
+  return OptimizationGuard(detail::root_of(model), std::move(attached));
 }
 
 /// wrap(model, example_input, config) for the lifetime of the returned guard.
 template <StrategyType S = DefaultStrategy, Model M>
 [[nodiscard]] OptimizationGuard optimize(M& model, const torch::Tensor& example_input, const Config& config = {}) {
-  auto root = detail::root_of(model);
-  auto attached =
-      core::attach(root, config, detail::techniques_for<S>(config), detail::example_forward(model, example_input));
-  return OptimizationGuard(std::move(root), std::move(attached));
+  auto attached = detail::attach<S>(model, config, &example_input);
+  return OptimizationGuard(detail::root_of(model), std::move(attached));
 }
 
 }  // namespace memscale

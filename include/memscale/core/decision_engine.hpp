@@ -96,14 +96,6 @@ struct engine_plan {
   return plain.forward_end - s[b].output_bytes;
 }
 
-/// Uniform segments of `length` slots, all checkpointed.
-[[nodiscard]] constexpr std::vector<unit> uniform_segments(int slot_count, int length) {
-  std::vector<unit> units;
-  for (int first = 0; first < slot_count; first += length)
-    units.push_back({first, std::min(first + length, slot_count) - 1, true});
-  return units;
-}
-
 /// Segments of `length` slots, checkpointed, except that a segment is extended
 /// rather than let the next one start at a slot that modifies its input in place
 /// (its recompute would read the modified input); a chain starting with such a

@@ -108,11 +108,8 @@ class attachment : public std::enable_shared_from_this<attachment> {
     {
       auto root = root_.lock();
       MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
-      std::vector<c10::Device> devices;
-      for (const auto& p : root->parameters())
-        if (std::find(devices.begin(), devices.end(), p.device()) == devices.end()) devices.push_back(p.device());
       torch::NoGradGuard no_grad;
-      detail::rng_fork no_visible_draws(devices);
+      detail::rng_fork no_visible_draws(detail::devices_of(root->parameters()));
       detail::buffer_restore keep_buffers(*root);
       try {
         forward();

@@ -190,7 +190,10 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
 
   detail::rng_fork no_visible_draws({device});
   detail::buffer_restore keep_buffers(slots);
-  layer_input current{chain_input.sizes().vec(), chain_input.scalar_type(), options.training, device.type()};
+  auto input_of = [&](std::vector<std::int64_t> shape, c10::ScalarType dtype) {
+    return layer_input{std::move(shape), dtype, options.training, device.type()};
+  };
+  layer_input current = input_of(chain_input.sizes().vec(), chain_input.scalar_type());
   torch::Tensor current_tensor = chain_input;  // real data while we have it
 
   for (std::size_t k = 0; k < slots.size(); ++k) {
@@ -212,7 +215,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       profile.slots.push_back(cost);
       profile.sources.push_back(profile_source::static_rule);
       profile.notes.emplace_back("static rule");
-      current = layer_input{estimate->output_shape, estimate->output_dtype, options.training, device.type()};
+      current = input_of(estimate->output_shape, estimate->output_dtype);
       current_tensor = torch::Tensor();
       continue;
     }
@@ -240,8 +243,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
     profile.slots.push_back(measured.cost);
     profile.sources.push_back(profile_source::empirical);
     profile.notes.emplace_back(options.use_static ? "no static rule: measured" : "measured");
-    current = layer_input{measured.output.sizes().vec(), measured.output.scalar_type(), options.training,
-                          device.type()};
+    current = input_of(measured.output.sizes().vec(), measured.output.scalar_type());
     current_tensor = measured.output;
   }
   return profile;

@@ -24,6 +24,16 @@ inline at::Generator default_generator(c10::Device device) {
   return at::globalContext().defaultGenerator(device);
 }
 
+/// The non-CPU devices the tensors live on, each once: whose generators to capture.
+inline std::vector<c10::Device> devices_of(at::TensorList tensors) {
+  std::vector<c10::Device> devices;
+  for (const auto& t : tensors)
+    if (t.defined() && !t.device().is_cpu() &&
+        std::find(devices.begin(), devices.end(), t.device()) == devices.end())
+      devices.push_back(t.device());
+  return devices;
+}
+
 /// The CPU generator's state plus that of each listed non-CPU device.
 inline rng_state capture_rng(const std::vector<c10::Device>& devices = {}) {
   rng_state state;

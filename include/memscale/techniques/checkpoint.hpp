@@ -97,15 +97,6 @@ inline std::vector<torch::Tensor> reachable_leaves(const std::vector<torch::Tens
   return leaves;
 }
 
-inline std::vector<c10::Device> devices_of(at::TensorList tensors) {
-  std::vector<c10::Device> devices;
-  for (const auto& t : tensors)
-    if (t.defined() && !t.device().is_cpu() &&
-        std::find(devices.begin(), devices.end(), t.device()) == devices.end())
-      devices.push_back(t.device());
-  return devices;
-}
-
 /// Inputs: the body (not differentiable), the segment inputs, and the parameters
 /// the body uses. Passing the parameters makes the outputs require grad even when
 /// no input does (the classic reentrant-checkpoint pitfall) and routes their
