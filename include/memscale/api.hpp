@@ -6,6 +6,7 @@
 #include <concepts>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <utility>
 
@@ -44,8 +45,8 @@ template <StrategyType S>
 core::technique_set techniques_for(const Config& config) {
   core::technique_set set;
   if constexpr (S::applies(technique_id::checkpoint)) set.checkpoint = &Checkpoint::wrap;
-  else set.checkpoint = nullptr;
-  set.offload_requested = config.enable_offloading && S::contains(technique_id::offload);
+  if constexpr (S::applies(technique_id::offload))
+    if (config.enable_offloading) set.offload = &Offload::wrap;
   set.tile_requested = config.enable_tiling && S::contains(technique_id::tile);
   return set;
 }
@@ -108,6 +109,17 @@ template <Model M>
   return root && core::registry::global().find(root.get()) != nullptr;
 }
 
+/// The offload engine's statistics for a model memscale manages (nullopt when
+/// it does not, or when its plan offloads nothing).
+template <Model M>
+[[nodiscard]] std::optional<offload::engine_stats> offload_stats(const M& model) {
+  auto root = detail::root_of(model);
+  auto attached = root ? core::registry::global().find(root.get()) : nullptr;
+  auto engine = attached ? attached->offload_engine() : nullptr;
+  if (!engine) return std::nullopt;
+  return engine->stats();
+}
+
 /// Scope of an optimization: detaches in its destructor (which never throws).
 /// It detaches only what it attached: after detach() and a new wrap() of the
 /// same model, ending an old guard leaves the new attachment alone.
@@ -133,6 +145,13 @@ class [[nodiscard]] OptimizationGuard {
 
   /// The current plan (complete once every chain has seen its first training input).
   [[nodiscard]] Report report() const { return attachment_ ? attachment_->report() : Report{}; }
+  /// What the offload engine did so far (tiers, bytes, prefetch hits, warnings);
+  /// nullopt until a plan offloads something.
+  [[nodiscard]] std::optional<offload::engine_stats> offload_stats() const {
+    auto engine = attachment_ ? attachment_->offload_engine() : nullptr;
+    if (!engine) return std::nullopt;
+    return engine->stats();
+  }
   /// Whether the guard's attachment still manages its model.
   [[nodiscard]] bool active() const {
     return root_ && attachment_ && core::registry::global().find(root_.get()) == attachment_;

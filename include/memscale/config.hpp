@@ -40,6 +40,9 @@ struct AsyncOffloadConfig {
   double pinned_pool_mb = 256.0;           ///< reusable pinned staging buffers
   int io_threads = 2;                      ///< disk-tier worker threads
   std::optional<std::string> disk_dir{};   ///< disk tier directory (default: a temp dir)
+  /// memscale additions (not in the Python original):
+  std::optional<double> max_disk_offload_gb{};  ///< cap on the disk tier; unset = what the disk takes
+  double min_offload_kb = 64.0;                 ///< saved tensors smaller than this stay where they are
 
   void validate() const {
     if (prefetch_depth < 1)
@@ -52,6 +55,12 @@ struct AsyncOffloadConfig {
       throw ConfigError("async_config.io_threads", "must be >= 1, got " + std::to_string(io_threads));
     if (disk_dir && disk_dir->empty())
       throw ConfigError("async_config.disk_dir", "must be a directory path or unset, got \"\"");
+    if (max_disk_offload_gb && (!std::isfinite(*max_disk_offload_gb) || *max_disk_offload_gb < 0.0))
+      throw ConfigError("async_config.max_disk_offload_gb",
+                        "must be a finite number of GB >= 0 or unset, got " + std::to_string(*max_disk_offload_gb));
+    if (!(min_offload_kb >= 0.0) || !std::isfinite(min_offload_kb))
+      throw ConfigError("async_config.min_offload_kb",
+                        "must be a finite number >= 0, got " + std::to_string(min_offload_kb));
   }
 };
 

@@ -26,6 +26,8 @@ enum class rule_id : std::uint8_t {
   keep_fits,               ///< kept: the projected peak already fits the target
   keep_no_gain,            ///< kept: checkpointing it would not lower the projected peak
   refine_segment,          ///< checkpointed part of a kept run: the uniform segments were not enough
+  offload_segment,         ///< offloaded: cheapest transfer per compute second, lowers the projected peak
+  offload_no_room,         ///< would lower the peak, but the offload tiers' budget is spent
 };
 
 [[nodiscard]] constexpr std::string_view to_string(rule_id r) noexcept {
@@ -37,6 +39,8 @@ enum class rule_id : std::uint8_t {
     case rule_id::keep_fits: return "R5 keep-fits";
     case rule_id::keep_no_gain: return "R6 keep-no-gain";
     case rule_id::refine_segment: return "R7 refine-segment";
+    case rule_id::offload_segment: return "R8 offload-segment";
+    case rule_id::offload_no_room: return "R9 offload-no-room";
   }
   return "?";
 }
@@ -63,6 +67,10 @@ struct engine_input {
   bool force_optimize = false;
   std::int64_t usable_bytes = 0;      ///< budget (or device memory) x target_gpu_utilization
   std::int64_t static_bytes = 0;      ///< parameters, gradients, optimizer state, buffers
+  bool offload_allowed = false;       ///< Config::enable_offloading, the Strategy, and a tier to go to
+  std::int64_t offload_budget_bytes = 0;    ///< room in the offload tiers (host cap + disk)
+  double offload_bytes_per_second = 1e9;    ///< one-way transfer rate to the offload tier
+  std::int64_t offload_min_bytes = 0;       ///< the engine keeps smaller saved tensors where they are
 };
 
 /// One decision about one run of slots, in the order the engine made it.
@@ -72,10 +80,12 @@ struct segment_decision {
   int last = 0;
   bool checkpointed = false;
   rule_id rule = rule_id::keep_fits;
-  std::int64_t freed_bytes = 0;       ///< forward bytes the run would no longer keep
-  double recompute_seconds = 0.0;
+  std::int64_t freed_bytes = 0;       ///< forward bytes the run would no longer keep (offload: moves)
+  double recompute_seconds = 0.0;     ///< offload: transfer seconds (out and back)
   std::int64_t peak_before = 0;       ///< projected step peak before this decision
   std::int64_t peak_after = 0;        ///< ... and after it
+  bool offloaded = false;
+  double compute_seconds = 0.0;       ///< offload: the run's forward + backward time the transfer overlaps
 };
 
 struct engine_plan {
@@ -106,7 +116,7 @@ struct engine_plan {
   for (int first = 0; first < n;) {
     int last = std::min(first + length, n) - 1;
     while (last + 1 < n && s[last + 1].mutates_input) ++last;
-    units.push_back({first, last, !s[first].mutates_input});
+    units.push_back({first, last, !s[first].mutates_input, false});
     first = last + 1;
   }
   return units;
@@ -149,6 +159,69 @@ constexpr bool better(const candidate& x, const candidate& y) {
 }
 }  // namespace detail_engine
 
+/// Offload phase: while the projected peak is above the target, offload the
+/// units (checkpointed runs or single slots) whose transfer is cheapest relative
+/// to the compute it can hide behind, as long as that lowers the peak and the
+/// tiers have room. Two passes, as for checkpointing.
+constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains, const std::vector<bool>& supported,
+                              const engine_input& in, engine_plan& plan) {
+  if (!in.offload_allowed || plan.planned_peak <= plan.target_bytes) return;
+  struct option {
+    int chain;
+    std::size_t index;  // into plan.units[chain] (stable: offloading does not split units)
+    double ratio;       // transfer seconds / compute seconds
+    double transfer;
+    double compute;
+  };
+  std::vector<option> options;
+  for (int c = 0; c < static_cast<int>(chains.size()); ++c) {
+    if (!supported[c]) continue;
+    const auto& s = chains[c];
+    for (std::size_t i = 0; i < plan.units[c].size(); ++i) {
+      const auto& u = plan.units[c][i];
+      auto alone = plan.units[c];
+      alone[i].offloaded = true;
+      const auto moved = project_chain(s, alone).offloaded_bytes - project_chain(s, plan.units[c]).offloaded_bytes;
+      if (moved <= 0 || moved < in.offload_min_bytes) continue;  // nothing of its own the engine would move
+      double compute = 0.0;
+      for (int k = u.first; k <= u.last; ++k)
+        compute += s[k].forward_seconds * (u.checkpointed ? 2.0 : 1.0) + s[k].backward_seconds;
+      const double transfer = 2.0 * static_cast<double>(moved) / in.offload_bytes_per_second;
+      options.push_back({c, i, transfer / (compute + 1e-12), transfer, compute});
+    }
+  }
+  std::sort(options.begin(), options.end(), [](const option& x, const option& y) {
+    if (x.ratio != y.ratio) return x.ratio < y.ratio;
+    if (x.chain != y.chain) return x.chain < y.chain;
+    return x.index < y.index;
+  });
+  std::vector<bool> settled(options.size(), false);
+  for (int pass = 0; pass < 2 && plan.planned_peak > plan.target_bytes; ++pass) {
+    for (std::size_t o = 0; o < options.size() && plan.planned_peak > plan.target_bytes; ++o) {
+      if (settled[o]) continue;
+      const auto& opt = options[o];
+      const unit u = plan.units[opt.chain][opt.index];
+      auto trial = plan.units;
+      trial[opt.chain][opt.index].offloaded = true;
+      const auto peak = project_model_peak(chains, trial, in.static_bytes);
+      if (peak >= plan.planned_peak) continue;
+      const auto total = offloaded_bytes(chains, trial);
+      const auto moved = total - offloaded_bytes(chains, plan.units);
+      settled[o] = true;
+      if (total > in.offload_budget_bytes) {
+        plan.decisions.push_back({opt.chain, u.first, u.last, u.checkpointed, rule_id::offload_no_room, moved,
+                                  opt.transfer, plan.planned_peak, peak, false, opt.compute});
+        continue;
+      }
+      plan.decisions.push_back({opt.chain, u.first, u.last, u.checkpointed, rule_id::offload_segment, moved,
+                                opt.transfer, plan.planned_peak, peak, true, opt.compute});
+      plan.units = std::move(trial);
+      plan.planned_peak = peak;
+      plan.overall = rule_id::offload_segment;
+    }
+  }
+}
+
 /// The rule engine. `supported[c]` false leaves chain c alone.
 [[nodiscard]] constexpr engine_plan decide(const std::vector<std::vector<slot_cost>>& chains,
                                            const std::vector<bool>& supported, const engine_input& in) {
@@ -172,7 +245,7 @@ constexpr bool better(const candidate& x, const candidate& y) {
                                   supported[c] ? rule : rule_id::unsupported_chain, 0, 0.0,
                                   plan.baseline_peak, plan.baseline_peak});
   };
-  if (!in.checkpointing_allowed) {
+  if (!in.checkpointing_allowed && !in.offload_allowed) {
     plan.overall = rule_id::checkpointing_disabled;
     whole_chain_decisions(rule_id::checkpointing_disabled);
     return plan;
@@ -180,6 +253,12 @@ constexpr bool better(const candidate& x, const candidate& y) {
   if (!in.force_optimize && plan.pressure < policy.act_at_pressure) {
     plan.overall = rule_id::low_pressure_skip;
     whole_chain_decisions(rule_id::low_pressure_skip);
+    return plan;
+  }
+  if (!in.checkpointing_allowed) {
+    whole_chain_decisions(rule_id::checkpointing_disabled);
+    plan.overall = rule_id::checkpointing_disabled;
+    assign_offload(chains, supported, in, plan);
     return plan;
   }
 
@@ -272,6 +351,7 @@ constexpr bool better(const candidate& x, const candidate& y) {
     plan.decisions.push_back(best);
   }
   plan.overall = rule_id::checkpoint_segment;
+  assign_offload(chains, supported, in, plan);
   return plan;
 }
 

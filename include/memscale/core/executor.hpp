@@ -10,6 +10,7 @@
 #pragma once
 
 #include <algorithm>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -31,18 +32,26 @@
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/observability/log.hpp>
+#include <memscale/offload/engine.hpp>
 #include <memscale/techniques/checkpoint.hpp>
+#include <memscale/techniques/offload.hpp>
 
 namespace memscale::core {
 
-/// What the Strategy and the Config allow: the Strategy's way to wrap a
-/// checkpointed run of slots (empty when it excludes checkpointing), and which
-/// techniques this release does not apply yet were asked for.
+/// What the Strategy and the Config allow: the Strategy's way to wrap a run of
+/// slots per technique (empty when the Strategy or the Config excludes it), and
+/// whether a technique this release does not apply yet was asked for.
 struct technique_set {
-  std::function<torch::nn::AnyModule(std::vector<torch::nn::AnyModule>)> checkpoint;
-  bool offload_requested = false;
+  using wrap_fn = std::function<torch::nn::AnyModule(std::vector<torch::nn::AnyModule>, const wrap_context&)>;
+  wrap_fn checkpoint;
+  wrap_fn offload;
   bool tile_requested = false;
 };
+
+/// Nominal one-way rates the planner assumes for an offload transfer (the
+/// engine's statistics report what a step really took).
+inline constexpr double nominal_host_link_bytes_per_second = 16e9;  // pinned PCIe copies
+inline constexpr double nominal_disk_bytes_per_second = 1e9;        // a local SSD
 
 class attachment;
 
@@ -65,7 +74,8 @@ class PlanningProbeImpl : public torch::nn::Module {
 /// Whether a slot holds one of memscale's wrappers.
 inline bool is_memscale_slot(const torch::nn::AnyModule& slot) {
   const auto& p = slot.ptr();
-  return std::dynamic_pointer_cast<CheckpointSegmentImpl>(p) || std::dynamic_pointer_cast<PassThroughImpl>(p) ||
+  return std::dynamic_pointer_cast<CheckpointSegmentImpl>(p) || std::dynamic_pointer_cast<OffloadSegmentImpl>(p) ||
+         std::dynamic_pointer_cast<PassThroughImpl>(p) ||
          std::dynamic_pointer_cast<PlanningProbeImpl>(p) || std::dynamic_pointer_cast<InputCaptureImpl>(p);
 }
 
@@ -93,6 +103,12 @@ class attachment : public std::enable_shared_from_this<attachment> {
   [[nodiscard]] Report report() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return report_;
+  }
+
+  /// The offload engine, once a plan offloaded something (else null).
+  [[nodiscard]] std::shared_ptr<offload::engine> offload_engine() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return engine_;
   }
 
   /// Runs `forward` once (no grad, no visible RNG draws, buffers restored) to learn
@@ -172,10 +188,6 @@ class attachment : public std::enable_shared_from_this<attachment> {
   static constexpr double gib = 1024.0 * 1024.0 * 1024.0;
 
   void add_technique_notes() {
-    if (techniques_.offload_requested)
-      report_.notes.emplace_back(
-          "offload: requested, but this release does not apply it yet (tracked in the offload issue); "
-          "plans use checkpointing only");
     if (techniques_.tile_requested)
       report_.notes.emplace_back("tile: requested, but this release does not apply it yet; plans use "
                                  "checkpointing only");
@@ -283,6 +295,13 @@ class attachment : public std::enable_shared_from_this<attachment> {
     in.force_optimize = config_.force_optimize;
     in.usable_bytes = out.usable_bytes;
     in.static_bytes = out.static_bytes();
+    in.offload_allowed = static_cast<bool>(techniques_.offload);
+    if (in.offload_allowed) {
+      const auto tiers = offload_room(device, hw);
+      in.offload_budget_bytes = tiers.first;
+      in.offload_bytes_per_second = tiers.second;
+      in.offload_min_bytes = offload::options_from(config_).min_bytes;
+    }
     auto decided = decide(costs, supported, in);
 
     // Merge into the report: chains planned earlier stay; indices shift.
@@ -311,17 +330,56 @@ class attachment : public std::enable_shared_from_this<attachment> {
     return decided.units;
   }
 
+  /// Room in the offload tiers for tensors on `device`, and the transfer rate
+  /// to the tier they would reach: host tiers (capped by max_cpu_offload_gb, else
+  /// half the available RAM) for CUDA, then the disk tier (capped by
+  /// max_disk_offload_gb, else its free space). CPU tensors go to disk only.
+  std::pair<std::int64_t, double> offload_room(const c10::Device& device, const HardwareInfo& hw) const {
+    const auto async = config_.async_config.value_or(AsyncOffloadConfig{});
+    std::int64_t disk = 0;
+    if (async.max_disk_offload_gb) {
+      disk = static_cast<std::int64_t>(*async.max_disk_offload_gb * gib);
+    } else {
+      std::error_code ec;
+      const auto dir = async.disk_dir ? std::filesystem::path(*async.disk_dir)
+                                       : std::filesystem::temp_directory_path(ec);
+      const auto space = std::filesystem::space(dir, ec);
+      disk = ec ? 0 : static_cast<std::int64_t>(space.available / 2);  // leave the disk half its free space
+    }
+    if (!device.is_cuda()) return {disk, nominal_disk_bytes_per_second};
+    const std::int64_t host = config_.max_cpu_offload_gb
+                                  ? static_cast<std::int64_t>(*config_.max_cpu_offload_gb * gib)
+                                  : hw.host_available_bytes / 2;
+    return {host + disk, host > 0 ? nominal_host_link_bytes_per_second : nominal_disk_bytes_per_second};
+  }
+
+  /// The engine offloaded units share; created at the first plan that offloads.
+  std::shared_ptr<offload::engine> engine_for_plan() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!engine_) engine_ = std::make_shared<offload::engine>(offload::options_from(config_));
+    return engine_;
+  }
+
   /// Replaces chain c's slots as `units` say (originals where a unit is kept).
   void apply_units(std::size_t c, const std::vector<unit>& units, slot_transaction& swaps, bool& first_change) {
     auto& chain = chains_[c];
     auto& seq = *chain.ref.sequential;
     std::vector<torch::nn::AnyModule> target = chain.originals;
     for (const auto& u : units) {
-      if (!u.checkpointed) continue;
+      if (!u.checkpointed && !u.offloaded) continue;
       std::vector<torch::nn::AnyModule> segment(chain.originals.begin() + u.first,
                                                 chain.originals.begin() + u.last + 1);
-      MEMSCALE_ASSERT(techniques_.checkpoint, "a plan checkpoints although the Strategy excludes it");
-      target[static_cast<std::size_t>(u.first)] = techniques_.checkpoint(std::move(segment));
+      wrap_context context;
+      if (u.checkpointed) {
+        MEMSCALE_ASSERT(techniques_.checkpoint, "a plan checkpoints although the Strategy excludes it");
+        segment = {techniques_.checkpoint(std::move(segment), context)};
+      }
+      if (u.offloaded) {
+        MEMSCALE_ASSERT(techniques_.offload, "a plan offloads although the Strategy or Config excludes it");
+        context.offload_engine = engine_for_plan();
+        segment = {techniques_.offload(std::move(segment), context)};
+      }
+      target[static_cast<std::size_t>(u.first)] = std::move(segment.front());
       for (int k = u.first + 1; k <= u.last; ++k)
         target[static_cast<std::size_t>(k)] = torch::nn::AnyModule(std::make_shared<PassThroughImpl>());
     }
@@ -337,7 +395,8 @@ class attachment : public std::enable_shared_from_this<attachment> {
   Config config_;
   technique_set techniques_;
   std::vector<managed_chain> chains_;
-  mutable std::mutex mutex_;  // guards report_
+  std::shared_ptr<offload::engine> engine_;  // guarded by mutex_
+  mutable std::mutex mutex_;  // guards report_ and engine_
   std::mutex plan_mutex_;     // serializes lazy planning and restore
   Report report_;
 };

@@ -14,27 +14,34 @@
 
 namespace memscale::core {
 
-/// A run of consecutive slots [first, last] of one chain; checkpointed or kept as is.
+/// A run of consecutive slots [first, last] of one chain; checkpointed or kept
+/// as is, and offloaded or not. An offloaded unit's saved tensors (for a
+/// checkpoint: the input it keeps) leave the device after its forward and come
+/// back for its backward.
 struct unit {
   int first = 0;
   int last = 0;
   bool checkpointed = false;
+  bool offloaded = false;
   friend constexpr bool operator==(const unit&, const unit&) = default;
   friend std::ostream& operator<<(std::ostream& os, const unit& u) {
-    return os << (u.checkpointed ? "checkpoint " : "keep ") << u.first << ".." << u.last;
+    return os << (u.checkpointed ? "checkpoint " : "keep ") << u.first << ".." << u.last
+              << (u.offloaded ? " +offload" : "");
   }
 };
 
-/// Bytes live (relative to the chain's start) at the end of forward, and the peak.
+/// Bytes live (relative to the chain's start) at the end of forward, the peak,
+/// and the bytes offloaded units move off the device per step.
 struct chain_projection {
   std::int64_t forward_end = 0;
   std::int64_t peak = 0;
+  std::int64_t offloaded_bytes = 0;
 };
 
 /// The plan that checkpoints nothing.
 [[nodiscard]] constexpr std::vector<unit> keep_all(std::size_t slot_count) {
   std::vector<unit> units;
-  for (int k = 0; k < static_cast<int>(slot_count); ++k) units.push_back({k, k, false});
+  for (int k = 0; k < static_cast<int>(slot_count); ++k) units.push_back({k, k, false, false});
   return units;
 }
 
@@ -87,40 +94,70 @@ struct range_projection {
 }
 
 /// Projects one chain under a plan. `units` must cover the slots in order.
+/// Offloaded units keep nothing on the device after their forward but their
+/// output; in backward their saved bytes return, and (prefetching) so do those
+/// of the offloaded unit before them.
 [[nodiscard]] constexpr chain_projection project_chain(std::span<const slot_cost> s,
                                                        std::span<const unit> units) {
   std::int64_t live = 0;
   std::int64_t peak = 0;
+  std::int64_t moved = 0;
   bool previous_keeps = true;
   std::vector<std::int64_t> before(units.size(), 0);
+  std::vector<std::int64_t> restored(units.size(), 0);  // bytes an offloaded unit brings back
   for (std::size_t i = 0; i < units.size(); ++i) {
     const auto& u = units[i];
     before[i] = live;
     if (u.checkpointed) {
       peak = std::max(peak, live + checkpointed_forward_extra(s, u.first, u.last));
       live += s[u.last].output_bytes;  // only the run's output survives forward
-      previous_keeps = false;          // a checkpoint does not save its output
+      // Offloaded, the kept input leaves too, unless someone else holds it.
+      if (u.offloaded && u.first > 0 && !previous_keeps) {
+        restored[i] = s[u.first].input_bytes;
+        live -= restored[i];
+      }
+      previous_keeps = false;  // a checkpoint does not save its output
     } else {
       const int k = u.first;
       peak = std::max(peak, live + s[k].kept_bytes() + s[k].workspace_bytes);
-      live += s[k].kept_bytes() - freed_input_bytes(s, k, previous_keeps);
-      previous_keeps = keeps_output(s[k]);
+      if (u.offloaded) {
+        // Everything it saved leaves; its input dies unless the previous slot keeps it.
+        const std::int64_t freed = (k > 0 && !previous_keeps && !s[k].output_is_view) ? s[k].input_bytes : 0;
+        live += (s[k].output_is_view ? 0 : s[k].output_bytes) - freed;
+        restored[i] = s[k].saved_bytes + (s[k].saves_input ? s[k].input_bytes : 0) +
+                      (s[k].saves_output ? s[k].output_bytes : 0);
+        previous_keeps = false;
+      } else {
+        live += s[k].kept_bytes() - freed_input_bytes(s, k, previous_keeps);
+        previous_keeps = keeps_output(s[k]);
+      }
     }
+    moved += restored[i];
   }
   const std::int64_t forward_end = live;
   for (std::size_t i = units.size(); i-- > 0;) {
     const auto& u = units[i];
+    const std::int64_t prefetched = (i > 0 && units[i - 1].offloaded) ? restored[i - 1] : 0;
     if (u.checkpointed) {
       // Backward of a checkpoint recomputes the run with grad, then runs its backward.
-      const auto r = project_plain_range(s, u.first, u.last, before[i]);
-      peak = std::max({peak, r.forward_peak, r.backward_peak});
+      const auto r = project_plain_range(s, u.first, u.last, before[i] + restored[i]);
+      peak = std::max({peak, r.forward_peak + prefetched, r.backward_peak + prefetched});
     } else {
       const int k = u.first;
       const std::int64_t after = (i + 1 < units.size()) ? before[i + 1] : forward_end;
-      peak = std::max(peak, after + s[k].output_bytes + s[k].input_bytes + s[k].workspace_bytes);
+      peak = std::max(peak, after + restored[i] + prefetched + s[k].output_bytes + s[k].input_bytes +
+                                s[k].workspace_bytes);
     }
   }
-  return {forward_end, peak};
+  return {forward_end, peak, moved};
+}
+
+/// Bytes a plan's offloaded units move off the device (and back) per step.
+[[nodiscard]] constexpr std::int64_t offloaded_bytes(const std::vector<std::vector<slot_cost>>& chains,
+                                                    const std::vector<std::vector<unit>>& plans) {
+  std::int64_t bytes = 0;
+  for (std::size_t c = 0; c < chains.size(); ++c) bytes += project_chain(chains[c], plans[c]).offloaded_bytes;
+  return bytes;
 }
 
 /// Peak of the whole step: chains run one after another; what earlier chains
@@ -148,15 +185,15 @@ struct range_projection {
   return seconds;
 }
 
-/// Replaces the units covering [first, last] by one checkpointed unit. The range
-/// must not overlap another checkpointed unit.
+/// Replaces the units covering [first, last] by one checkpointed unit (not
+/// offloaded). The range must not overlap another checkpointed unit.
 [[nodiscard]] constexpr std::vector<unit> with_checkpoint(std::span<const unit> units, int first, int last) {
   std::vector<unit> out;
   for (const auto& u : units) {
     if (u.last < first || u.first > last) {
       out.push_back(u);
     } else if (u.first == first) {
-      out.push_back({first, last, true});
+      out.push_back({first, last, true, false});
     }
   }
   return out;

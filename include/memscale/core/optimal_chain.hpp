@@ -105,12 +105,12 @@ struct optimal_plan {
     const int c = choice[index(i, level_of(live), keeps)];
     live = static_cast<std::int64_t>(level_of(live)) * quantum;
     if (c == -1) {
-      result.units.push_back({i, i, false});
+      result.units.push_back({i, i, false, false});
       live += s[i].kept_bytes() - freed_input_bytes(s, i, keeps == 1);
       keeps = keeps_output(s[i]) ? 1 : 0;
       ++i;
     } else {
-      result.units.push_back({i, c, true});
+      result.units.push_back({i, c, true, false});
       live += s[c].output_bytes;
       keeps = 0;
       i = c + 1;

@@ -47,6 +47,13 @@ struct Report {
       for (const auto& u : units) n += u.checkpointed ? 1 : 0;
     return n;
   }
+  /// Number of offloaded units (single slots or checkpointed runs) over all chains.
+  [[nodiscard]] int offloaded_units() const {
+    int n = 0;
+    for (const auto& units : plan.units)
+      for (const auto& u : units) n += u.offloaded ? 1 : 0;
+    return n;
+  }
   /// Projected recompute seconds the plan adds to a step.
   [[nodiscard]] double recompute_seconds() const {
     double s = 0.0;
@@ -83,6 +90,10 @@ struct Report {
        << std::setprecision(2) << plan.pressure << "), planned " << format_bytes(plan.planned_peak)
        << ", target " << format_bytes(plan.target_bytes) << ", recompute +" << std::setprecision(2)
        << recompute_seconds() * 1e3 << " ms/step\n";
+    std::vector<std::vector<slot_cost>> costs;
+    for (const auto& chain : chains) costs.push_back(chain.slots);
+    os << "applied: " << checkpointed_segments() << " checkpointed segment(s), " << offloaded_units()
+       << " offloaded unit(s) moving " << format_bytes(core::offloaded_bytes(costs, plan.units)) << " per step\n";
     for (std::size_t c = 0; c < chains.size(); ++c) print_chain(os, static_cast<int>(c));
     print_notes(os);
   }
@@ -118,7 +129,8 @@ struct Report {
       slots << d.first;
       if (d.last != d.first) slots << ".." << d.last;
       os << "    slots " << std::left << std::setw(8) << slots.str() << std::setw(11)
-         << (d.checkpointed ? "checkpoint" : "none") << std::setw(26) << to_string(d.rule) << std::right;
+         << (d.checkpointed ? (d.offloaded ? "ckpt+offl" : "checkpoint") : (d.offloaded ? "offload" : "none"))
+         << std::setw(26) << to_string(d.rule) << std::right;
       switch (d.rule) {
         case core::rule_id::checkpoint_segment:
         case core::rule_id::refine_segment:
@@ -141,6 +153,14 @@ struct Report {
           os << "checkpointing excluded by Config::enable_checkpointing or the Strategy";
           break;
         case core::rule_id::unsupported_chain: os << chain.unsupported_reason; break;
+        case core::rule_id::offload_segment:
+        case core::rule_id::offload_no_room:
+          os << (d.rule == core::rule_id::offload_no_room ? "would move " : "moves ") << format_bytes(d.freed_bytes)
+             << " (" << std::setprecision(3) << d.recompute_seconds * 1e3 << " ms transfer behind "
+             << d.compute_seconds * 1e3 << " ms compute); peak " << format_bytes(d.peak_before) << " -> "
+             << format_bytes(d.peak_after)
+             << (d.rule == core::rule_id::offload_no_room ? ", but the offload tiers have no room left" : "");
+          break;
       }
       os << "\n";
     }

@@ -1,5 +1,7 @@
-// memscale::detail — a test seam: make one pipeline stage throw, to show that a
-// failing wrap() leaves the model exactly as it was. Internal; process-wide.
+// memscale::detail — test seams: make one pipeline stage throw, to show that a
+// failing wrap() leaves the model exactly as it was; and make one offload-tier
+// operation fail (pinned allocation, disk directory, disk space), to show that
+// the offload engine degrades without losing a tensor. Internal; process-wide.
 #pragma once
 
 #include <atomic>
@@ -41,6 +43,28 @@ class inject_fault {
   inject_fault(const inject_fault&) = delete;
   inject_fault& operator=(const inject_fault&) = delete;
   ~inject_fault() { injected_fault() = 0; }
+};
+
+/// Offload-tier operations a test can make fail.
+enum class offload_fault : int { none, pinned_alloc, disk_unwritable, disk_full };
+
+inline std::atomic<int>& injected_offload_fault() {
+  static std::atomic<int> fault{0};
+  return fault;
+}
+
+/// Whether a test made `f` fail.
+[[nodiscard]] inline bool offload_fault_injected(offload_fault f) noexcept {
+  return injected_offload_fault().load() == static_cast<int>(f);
+}
+
+/// Makes one offload-tier operation fail for the guard's lifetime.
+class inject_offload_fault {
+ public:
+  explicit inject_offload_fault(offload_fault f) { injected_offload_fault() = static_cast<int>(f); }
+  inject_offload_fault(const inject_offload_fault&) = delete;
+  inject_offload_fault& operator=(const inject_offload_fault&) = delete;
+  ~inject_offload_fault() { injected_offload_fault() = 0; }
 };
 
 }  // namespace memscale::detail

@@ -15,7 +15,8 @@ inline std::string summary_line(const Report& r) {
   std::string line = "[memscale] mode " + std::string(to_string(r.mode)) + ", device " + r.device;
   if (!r.planned) return line + ": planning deferred to the first forward call";
   return line + ": pressure " + std::to_string(r.memory_pressure()).substr(0, 5) + ", " +
-         std::to_string(r.checkpointed_segments()) + " checkpointed segment(s), projected peak " +
+         std::to_string(r.checkpointed_segments()) + " checkpointed segment(s), " +
+         std::to_string(r.offloaded_units()) + " offloaded unit(s), projected peak " +
          detail::format_bytes(r.baseline_peak_bytes()) + " -> " + detail::format_bytes(r.planned_peak_bytes());
 }
 

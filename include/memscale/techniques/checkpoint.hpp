@@ -71,9 +71,14 @@ class recompute_scope {
 };
 
 /// Leaf tensors requiring grad that the graph behind `outputs` reaches, other
-/// than `known` (by identity).
+/// than `known`: the same tensor, or one sharing its gradient accumulator (a
+/// saved leaf unpacked through saved-tensor hooks is a new tensor object).
 inline std::vector<torch::Tensor> reachable_leaves(const std::vector<torch::Tensor>& outputs,
                                                    const std::vector<torch::Tensor>& known) {
+  std::unordered_set<const torch::autograd::Node*> known_accumulators;
+  for (const auto& k : known)
+    if (k.defined())
+      if (auto acc = torch::autograd::impl::try_get_grad_accumulator(k)) known_accumulators.insert(acc.get());
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<torch::autograd::Node*> stack;
   for (const auto& o : outputs)
@@ -85,9 +90,10 @@ inline std::vector<torch::Tensor> reachable_leaves(const std::vector<torch::Tens
     if (!seen.insert(node).second) continue;
     if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
       const auto& leaf = acc->variable;
-      const bool is_known = std::any_of(known.begin(), known.end(), [&](const torch::Tensor& k) {
-        return k.unsafeGetTensorImpl() == leaf.unsafeGetTensorImpl();
-      });
+      const bool is_known = known_accumulators.count(acc) != 0 ||
+                            std::any_of(known.begin(), known.end(), [&](const torch::Tensor& k) {
+                              return k.unsafeGetTensorImpl() == leaf.unsafeGetTensorImpl();
+                            });
       if (!is_known && leaf.requires_grad()) leaves.push_back(leaf);
       continue;
     }
@@ -277,7 +283,7 @@ struct Checkpoint {
   static constexpr technique_id id = technique_id::checkpoint;
   static constexpr std::string_view name = "checkpoint";
   static constexpr bool available = true;
-  static torch::nn::AnyModule wrap(std::vector<torch::nn::AnyModule> slots) {
+  static torch::nn::AnyModule wrap(std::vector<torch::nn::AnyModule> slots, const wrap_context& = {}) {
     return torch::nn::AnyModule(std::make_shared<CheckpointSegmentImpl>(std::move(slots)));
   }
 };

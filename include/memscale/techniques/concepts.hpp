@@ -6,6 +6,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <memory>
 #include <string_view>
 #include <type_traits>
 #include <utility>
@@ -14,6 +15,16 @@
 #include <torch/nn/modules/container/any.h>
 
 namespace memscale {
+
+namespace offload {
+class engine;
+}
+
+/// What the executor hands a technique's wrap(): the attachment's offload
+/// engine (null unless the plan offloads something).
+struct wrap_context {
+  std::shared_ptr<offload::engine> offload_engine;
+};
 
 enum class technique_id : std::uint8_t { checkpoint, offload, tile };
 
@@ -42,8 +53,8 @@ concept has_availability = requires {
 /// How a technique takes over a run of chain slots: one module for the first slot
 /// (the executor fills the others with pass-throughs).
 template <class T>
-concept wraps_slots = requires(std::vector<torch::nn::AnyModule> slots) {
-  { T::wrap(std::move(slots)) } -> std::same_as<torch::nn::AnyModule>;
+concept wraps_slots = requires(std::vector<torch::nn::AnyModule> slots, const wrap_context& context) {
+  { T::wrap(std::move(slots), context) } -> std::same_as<torch::nn::AnyModule>;
 };
 template <class T>
 concept applicable = has_availability<T> && (!T::available || wraps_slots<T>);
@@ -51,7 +62,8 @@ concept applicable = has_availability<T> && (!T::available || wraps_slots<T>);
 
 /// Satisfied by a tag type with a static `id` (technique_id), `name`, `available`
 /// (whether this release's executor applies it) and, when available, a static
-/// `wrap(std::vector<torch::nn::AnyModule>)` that turns a run of slots into one.
+/// `wrap(std::vector<torch::nn::AnyModule>, const wrap_context&)` that turns a
+/// run of slots into one.
 /// The tags: Checkpoint, Offload, Tile (techniques/checkpoint.hpp, offload.hpp, tile.hpp).
 template <class T>
 concept Technique = detail::has_technique_id<T> && detail::has_technique_name<T> && detail::applicable<T>;
@@ -69,7 +81,8 @@ constexpr bool check_technique() {
   if constexpr (detail::has_availability<T>)
     static_assert(detail::applicable<T>,
                   "memscale: this type is not a Technique: it is `available` but has no "
-                  "`static torch::nn::AnyModule wrap(std::vector<torch::nn::AnyModule>)` member");
+                  "`static torch::nn::AnyModule wrap(std::vector<torch::nn::AnyModule>, const wrap_context&)` "
+                  "member");
   return Technique<T>;
 }
 

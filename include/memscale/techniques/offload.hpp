@@ -1,19 +1,117 @@
-// memscale — the Offload technique tag: saved activations moved to a lower memory
-// tier (pinned host, pageable host, disk) and prefetched back for backward. This
-// release's executor does not apply it yet (available = false); plans and the
-// report say so when a Strategy or Config asks for it.
+// memscale — the Offload technique: while a wrapped run of slots runs its
+// forward, every tensor autograd saves (above the engine's size threshold, and
+// not a parameter, buffer or view of one) goes to the offload engine, and comes
+// back when backward needs it. Wrapped around a CheckpointSegment it offloads
+// the input the checkpoint keeps. Saved-tensor hooks: offload/hooks.hpp.
 #pragma once
 
+#include <memory>
 #include <string_view>
+#include <unordered_set>
+#include <utility>
+#include <vector>
 
+#include <torch/torch.h>
+
+#include <memscale/errors.hpp>
+#include <memscale/offload/engine.hpp>
+#include <memscale/offload/hooks.hpp>
+#include <memscale/techniques/checkpoint.hpp>
 #include <memscale/techniques/concepts.hpp>
 
 namespace memscale {
 
+namespace detail {
+
+/// What an offload scope saved for one tensor: the tensor itself (kept on the
+/// device) or the engine's record of where it went.
+struct offload_packed {
+  at::Tensor kept;
+  offload::stored_handle stored;
+};
+
+/// Storages the scope must not offload: its parameters and buffers (they stay
+/// alive anyway, so moving them would only cost transfers).
+using storage_set = std::unordered_set<const c10::StorageImpl*>;
+
+inline void add_storages(const std::vector<torch::nn::AnyModule>& slots, storage_set& set) {
+  for (const auto& slot : slots) {
+    // A CheckpointSegment registers nothing: look at the slots it runs.
+    if (auto segment = std::dynamic_pointer_cast<CheckpointSegmentImpl>(slot.ptr())) {
+      add_storages(segment->slots(), set);
+      continue;
+    }
+    for (const auto& p : slot.ptr()->parameters())
+      if (p.defined() && p.has_storage()) set.insert(p.storage().unsafeGetStorageImpl());
+    for (const auto& b : slot.ptr()->buffers())
+      if (b.defined() && b.has_storage()) set.insert(b.storage().unsafeGetStorageImpl());
+  }
+}
+
+inline std::shared_ptr<const storage_set> storages_of(const std::vector<torch::nn::AnyModule>& slots) {
+  auto set = std::make_shared<storage_set>();
+  add_storages(slots, *set);
+  return set;
+}
+
+}  // namespace detail
+
+/// Runs `fn()` with every tensor autograd saves in it (except `keep` storages
+/// and tensors below the engine's min_bytes) handed to `engine`, as one prefetch
+/// group. The building block of OffloadSegment; usable from a custom forward.
+template <class Fn>
+decltype(auto) with_offload(const std::shared_ptr<offload::engine>& engine, Fn&& fn,
+                            std::shared_ptr<const detail::storage_set> keep = {}) {
+  if (!engine) throw Error("memscale: with_offload needs an offload engine, got none");
+  engine->begin_group();
+  const auto min_bytes = engine->options().min_bytes;
+  offload::saved_tensors_hooks scope(
+      [engine, keep = std::move(keep), min_bytes](const at::Tensor& t) -> detail::offload_packed {
+        const bool stays = !t.defined() || t.layout() != c10::kStrided || !t.has_storage() ||
+                           static_cast<std::int64_t>(t.nbytes()) < min_bytes ||
+                           (keep && keep->count(t.storage().unsafeGetStorageImpl()) != 0);
+        if (stays) return {t, nullptr};
+        return {at::Tensor(), engine->store(t)};
+      },
+      [engine](detail::offload_packed& p) -> at::Tensor { return p.stored ? engine->load(p.stored) : p.kept; });
+  return std::forward<Fn>(fn)();
+}
+
+/// A chain slot that runs consecutive original slots (or one memscale wrapper)
+/// with their saved tensors offloaded. Registers nothing, like CheckpointSegment.
+class OffloadSegmentImpl : public torch::nn::Module {
+ public:
+  OffloadSegmentImpl(std::vector<torch::nn::AnyModule> slots, std::shared_ptr<offload::engine> engine)
+      : torch::nn::Module("memscale::OffloadSegment"), slots_(std::move(slots)), engine_(std::move(engine)) {
+    if (!engine_) throw Error("memscale: an OffloadSegment needs an offload engine, got none");
+  }
+
+  torch::Tensor forward(torch::Tensor x) {
+    auto run = [&] {
+      for (auto& slot : slots_) x = slot.forward<torch::Tensor>(std::move(x));
+      return x;
+    };
+    if (!torch::GradMode::is_enabled()) return run();  // nothing is saved
+    return with_offload(engine_, run, detail::storages_of(slots_));
+  }
+
+  [[nodiscard]] const std::vector<torch::nn::AnyModule>& slots() const noexcept { return slots_; }
+  [[nodiscard]] const std::shared_ptr<offload::engine>& engine() const noexcept { return engine_; }
+
+ private:
+  std::vector<torch::nn::AnyModule> slots_;
+  std::shared_ptr<offload::engine> engine_;
+};
+
+/// The offload technique: a run of slots becomes one OffloadSegment using the
+/// attachment's engine.
 struct Offload {
   static constexpr technique_id id = technique_id::offload;
   static constexpr std::string_view name = "offload";
-  static constexpr bool available = false;
+  static constexpr bool available = true;
+  static torch::nn::AnyModule wrap(std::vector<torch::nn::AnyModule> slots, const wrap_context& context) {
+    return torch::nn::AnyModule(std::make_shared<OffloadSegmentImpl>(std::move(slots), context.offload_engine));
+  }
 };
 
 }  // namespace memscale

@@ -1,0 +1,543 @@
+// memscale — the tier-aware offload engine. store() moves a tensor to the first
+// tier with room (CUDA tensors: pinned host, pageable host, disk; CPU tensors:
+// disk), load() brings it back bit-identical on its own device. A full or
+// failing tier spills to the next; when none is left the tensor stays where it
+// is, so a step never fails for want of offload room.
+//
+// With async (Config::async_offload), device->host copies run on side streams
+// ordered by events, disk writes and reads on a small I/O pool, and load()
+// prefetches the groups (wrapped layers) that backward needs next. Without it
+// every copy is synchronous.
+//
+// Ownership: hooks own the engine, records (stored_tensor) own only the shared
+// core (budgets, statistics, pinned pool, disk directory). I/O jobs own records
+// and the core, never the engine, so the engine (and its I/O pool) is never
+// destroyed on one of its own threads. The disk directory goes with the core.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/config.hpp>
+#include <memscale/offload/cuda_copy.hpp>
+#include <memscale/offload/io_pool.hpp>
+#include <memscale/offload/tiers.hpp>
+
+namespace memscale::offload {
+
+/// What the engine may use. options_from(Config) fills it from the user's Config.
+struct engine_options {
+  std::int64_t min_bytes = 64 * 1024;           ///< smaller saved tensors stay where they are
+  std::int64_t pinned_bytes = 256LL << 20;      ///< pinned pool capacity
+  std::optional<std::int64_t> host_bytes{};     ///< pinned + pageable together; unset: no cap
+  std::optional<std::int64_t> disk_bytes{};     ///< unset: as much as the file system takes
+  std::optional<std::string> disk_dir{};        ///< parent of the disk tier's directory; unset: temp dir
+  bool async = false;
+  int io_threads = 2;
+  int prefetch_depth = 2;                       ///< groups fetched ahead of backward
+  bool log_warnings = true;                     ///< also print each distinct warning once to stderr
+};
+
+inline engine_options options_from(const Config& config) {
+  constexpr double gib = 1024.0 * 1024.0 * 1024.0;
+  const AsyncOffloadConfig async = config.async_config.value_or(AsyncOffloadConfig{});
+  engine_options o;
+  o.min_bytes = static_cast<std::int64_t>(async.min_offload_kb * 1024.0);
+  o.pinned_bytes = static_cast<std::int64_t>(async.pinned_pool_mb * 1024.0 * 1024.0);
+  if (config.max_cpu_offload_gb) o.host_bytes = static_cast<std::int64_t>(*config.max_cpu_offload_gb * gib);
+  if (async.max_disk_offload_gb) o.disk_bytes = static_cast<std::int64_t>(*async.max_disk_offload_gb * gib);
+  o.disk_dir = async.disk_dir;
+  o.async = config.async_offload;
+  o.io_threads = async.io_threads;
+  o.prefetch_depth = async.prefetch_depth;
+  o.log_warnings = config.enable_logging;
+  return o;
+}
+
+struct tier_usage {
+  std::int64_t bytes = 0;    ///< held now
+  std::int64_t peak = 0;     ///< most ever held at once
+  std::int64_t tensors = 0;  ///< tensors ever placed here
+};
+
+struct engine_stats {
+  std::array<tier_usage, tier_count> tiers{};  ///< indexed by tier; device: kept for lack of room
+  std::int64_t spills = 0;                     ///< tensors that went past their first tier
+  std::int64_t pinned_failures = 0;            ///< pinned allocations that failed (-> pageable)
+  std::int64_t disk_failures = 0;              ///< disk directory or writes that failed (-> stays)
+  std::int64_t bytes_written = 0;              ///< to host tiers and disk
+  std::int64_t bytes_read = 0;
+  double transfer_seconds = 0.0;               ///< time spent copying, in jobs or inline
+  double wait_seconds = 0.0;                   ///< time load() blocked on a copy
+  std::int64_t prefetch_hits = 0;              ///< loads served by a prefetch
+  std::int64_t prefetch_misses = 0;            ///< loads that had to read inline
+  std::vector<std::string> warnings;           ///< each distinct warning once
+
+  [[nodiscard]] const tier_usage& at(tier t) const { return tiers[static_cast<std::size_t>(t)]; }
+  /// Share of the transfer time load() did not wait for (1 when nothing was transferred).
+  [[nodiscard]] double hidden_fraction() const {
+    if (transfer_seconds <= 0.0) return 1.0;
+    return std::clamp(1.0 - wait_seconds / transfer_seconds, 0.0, 1.0);
+  }
+};
+
+namespace detail {
+
+using clock = std::chrono::steady_clock;
+inline double seconds_since(clock::time_point start) {
+  return std::chrono::duration<double>(clock::now() - start).count();
+}
+
+/// What records share with the engine: budgets, statistics, the pinned pool and
+/// the disk directory. Outlives the engine while records remain.
+class engine_core {
+ public:
+  explicit engine_core(const engine_options& o) : options(o), pool(o.pinned_bytes), disk(o.disk_dir) {}
+
+  /// Takes `bytes` of tier `t`'s budget; false when it has no room.
+  bool reserve(tier t, std::int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const bool host = t == tier::pinned_host || t == tier::pageable_host;
+    if (host && options.host_bytes && host_used_ + bytes > *options.host_bytes) return false;
+    if (t == tier::disk && options.disk_bytes && stats_.at(tier::disk).bytes + bytes > *options.disk_bytes)
+      return false;
+    if (host) host_used_ += bytes;
+    auto& u = stats_.tiers[static_cast<std::size_t>(t)];
+    u.bytes += bytes;
+    u.peak = std::max(u.peak, u.bytes);
+    ++u.tensors;
+    return true;
+  }
+
+  void release(tier t, std::int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (t == tier::pinned_host || t == tier::pageable_host) host_used_ -= bytes;
+    stats_.tiers[static_cast<std::size_t>(t)].bytes -= bytes;
+  }
+
+  /// Records a warning once (and prints it once when logging is on).
+  void warn(const std::string& message) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (std::find(stats_.warnings.begin(), stats_.warnings.end(), message) != stats_.warnings.end()) return;
+    stats_.warnings.push_back(message);
+    if (options.log_warnings) std::clog << "[memscale] warning: " << message << "\n";
+  }
+
+  template <class F>
+  void update(F&& f) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    f(stats_);
+  }
+
+  [[nodiscard]] engine_stats snapshot() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stats_;
+  }
+
+  const engine_options options;
+  pinned_pool pool;
+  disk_store disk;
+
+ private:
+  mutable std::mutex mutex_;
+  engine_stats stats_;
+  std::int64_t host_used_ = 0;
+};
+
+}  // namespace detail
+
+/// One tensor in the engine's care. Destroying it frees its tier (budget, pinned
+/// block, file). Thread-safe: loads may come from autograd worker threads.
+class stored_tensor {
+ public:
+  stored_tensor(std::shared_ptr<detail::engine_core> core, const at::Tensor& t, int group)
+      : core_(std::move(core)), layout_(detail::tensor_layout::of(t)), device_(t.device()), group_(group) {}
+  stored_tensor(const stored_tensor&) = delete;
+  stored_tensor& operator=(const stored_tensor&) = delete;
+  ~stored_tensor() {
+    if (where_ != tier::device) core_->release(where_, layout_.bytes);
+    if (pinned_block_) core_->pool.release(std::move(*pinned_block_));
+    if (!file_.empty()) {
+      std::error_code ignored;
+      std::filesystem::remove(file_, ignored);
+    }
+  }
+
+  [[nodiscard]] tier where() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return where_;
+  }
+  [[nodiscard]] std::int64_t bytes() const noexcept { return layout_.bytes; }
+  [[nodiscard]] int group() const noexcept { return group_; }
+  [[nodiscard]] c10::Device device() const noexcept { return device_; }
+
+ private:
+  friend class engine;
+
+  std::shared_ptr<detail::engine_core> core_;
+  detail::tensor_layout layout_;
+  c10::Device device_;
+  int group_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  tier where_ = tier::device;
+  at::Tensor held_;                      // device: the tensor; host tiers: the copy; disk: the source while writing
+  std::optional<at::Tensor> pinned_block_;
+  detail::cuda_ready ready_;             // the device->host copy into held_ (async CUDA)
+  std::filesystem::path file_;
+  bool writing_ = false;
+  bool reading_ = false;
+  at::Tensor prefetched_;
+};
+
+using stored_handle = std::shared_ptr<stored_tensor>;
+
+class engine {
+ public:
+  explicit engine(engine_options options = {})
+      : core_(std::make_shared<detail::engine_core>(options)),
+        io_(options.async ? std::make_unique<io_pool>(options.io_threads) : nullptr) {}
+  engine(const engine&) = delete;
+  engine& operator=(const engine&) = delete;
+  ~engine() { io_.reset(); }  // finishes queued writes and reads first
+
+  [[nodiscard]] const engine_options& options() const noexcept { return core_->options; }
+  [[nodiscard]] engine_stats stats() const { return core_->snapshot(); }
+  /// The disk tier's directory (empty until first used, or when it could not be created).
+  [[nodiscard]] std::filesystem::path disk_directory() const { return core_->disk.directory(); }
+
+  /// Tiers a tensor on `device` can go to, in order, starting at `first` when given.
+  [[nodiscard]] static std::vector<tier> tiers_for(const c10::Device& device, std::optional<tier> first) {
+    std::vector<tier> order;
+    if (first) {
+      for (int t = static_cast<int>(*first); t < tier_count; ++t) order.push_back(static_cast<tier>(t));
+      return order;
+    }
+    if (device.is_cpu()) return {tier::disk};  // host memory is where it already is
+    return {tier::pinned_host, tier::pageable_host, tier::disk};
+  }
+
+  /// Moves `t` to the first tier with room (or `first` and after). Never throws
+  /// for lack of room or an I/O failure: the tensor then stays where it is.
+  stored_handle store(const at::Tensor& t, std::optional<tier> first = {}) {
+    auto rec = std::make_shared<stored_tensor>(core_, t, group_.load());
+    const auto order = tiers_for(t.device(), first);
+    const auto start = detail::clock::now();
+    // The placement functions fill `rec` before an I/O job may see it; after
+    // one was queued (async disk write), only local values are read here.
+    std::optional<tier> placed;
+    for (std::size_t i = 0; i < order.size() && !placed; ++i) {
+      bool ok = false;
+      switch (order[i]) {
+        case tier::device: ok = keep(*rec, t); break;
+        case tier::pinned_host: ok = to_pinned(*rec, t); break;
+        case tier::pageable_host: ok = to_pageable(*rec, t); break;
+        case tier::disk: ok = to_disk(rec, t); break;
+      }
+      if (ok) placed = order[i];
+      if (ok && i > 0) core_->update([](engine_stats& s) { ++s.spills; });
+    }
+    if (!placed) {
+      keep(*rec, t);
+      return rec;
+    }
+    if (*placed == tier::device) return rec;
+    const bool written_by_job = *placed == tier::disk && io_;
+    const bool async_copy = *placed == tier::pinned_host && core_->options.async && t.is_cuda();
+    if (!written_by_job) {
+      const double took = detail::seconds_since(start);
+      core_->update([&](engine_stats& s) {
+        s.bytes_written += rec->layout_.bytes;
+        if (!async_copy) s.transfer_seconds += took;
+      });
+    }
+    track(rec);
+    return rec;
+  }
+
+  /// The tensor `rec` holds, on its own device, with its dtype, sizes and (dense) strides.
+  at::Tensor load(const stored_handle& rec) {
+    at::Tensor out = fetch(*rec);
+    prefetch_before(rec->group_);
+    return out;
+  }
+
+  /// Saved tensors stored between begin_group() calls form a group (one wrapped
+  /// layer's forward); backward prefetches groups in reverse order.
+  void begin_group() {
+    ++group_;
+    std::lock_guard<std::mutex> lock(groups_mutex_);
+    for (auto it = groups_.begin(); it != groups_.end();) {
+      const bool alive = std::any_of(it->second.begin(), it->second.end(), [](const auto& w) { return !w.expired(); });
+      it = alive ? std::next(it) : groups_.erase(it);
+    }
+  }
+
+  /// Blocks until every queued disk write and prefetch finished (tests, benchmarks).
+  void wait_idle() {
+    std::vector<stored_handle> alive;
+    {
+      std::lock_guard<std::mutex> lock(groups_mutex_);
+      for (auto& [g, members] : groups_)
+        for (auto& w : members)
+          if (auto r = w.lock()) alive.push_back(std::move(r));
+    }
+    for (auto& r : alive) {
+      std::unique_lock<std::mutex> lock(r->mutex_);
+      r->changed_.wait(lock, [&] { return !r->writing_ && !r->reading_; });
+    }
+  }
+
+ private:
+  static bool keep(stored_tensor& rec, const at::Tensor& t) {
+    rec.where_ = tier::device;
+    rec.held_ = t;
+    rec.core_->update([&](engine_stats& s) { ++s.tiers[static_cast<std::size_t>(tier::device)].tensors; });
+    return true;
+  }
+
+  /// The host copy of `t` in `dst`: asynchronous from CUDA when async, else synchronous.
+  void copy_to_host(stored_tensor& rec, const at::Tensor& t, at::Tensor& dst, bool pinned) {
+#if MEMSCALE_HAS_CUDA()
+    if (t.is_cuda() && pinned && core_->options.async) {
+      rec.ready_ = detail::copy_to_host_async(t, dst);
+      return;
+    }
+#endif
+    (void)rec;
+    (void)pinned;
+    dst.copy_(t);
+  }
+
+  bool to_pinned(stored_tensor& rec, const at::Tensor& t) {
+    const auto bytes = rec.layout_.bytes;
+    if (!core_->reserve(tier::pinned_host, bytes)) return false;
+    bool failed = false;
+    auto block = core_->pool.acquire(bytes, failed);
+    if (!block) {
+      core_->release(tier::pinned_host, bytes);
+      if (failed) {
+        core_->update([](engine_stats& s) { ++s.pinned_failures; });
+        core_->warn("pinned host memory could not be allocated; offloading to pageable host memory instead");
+      }
+      return false;
+    }
+    // A typed view of the block with the tensor's layout.
+    at::Tensor host = at::from_blob(block->data_ptr(), rec.layout_.sizes, rec.layout_.strides,
+                                    rec.layout_.options.device(c10::kCPU).pinned_memory(false));
+    copy_to_host(rec, t, host, /*pinned=*/true);
+    rec.pinned_block_ = std::move(block);
+    rec.held_ = host;
+    rec.where_ = tier::pinned_host;
+    return true;
+  }
+
+  bool to_pageable(stored_tensor& rec, const at::Tensor& t) {
+    if (!core_->reserve(tier::pageable_host, rec.layout_.bytes)) return false;
+    at::Tensor host = rec.layout_.empty_on(c10::kCPU);
+    host.copy_(t);
+    rec.held_ = host;
+    rec.where_ = tier::pageable_host;
+    return true;
+  }
+
+  /// The bytes to write: `t` itself when it is a dense CPU tensor, else a dense host copy.
+  static at::Tensor dense_host_source(const stored_tensor& rec, const at::Tensor& t) {
+    if (t.is_cpu() && rec.layout_.dense) return t;
+    at::Tensor host = rec.layout_.empty_on(c10::kCPU);
+    host.copy_(t);
+    return host;
+  }
+
+  bool to_disk(const stored_handle& rec, const at::Tensor& t) {
+    if (const auto why = core_->disk.prepare(); !why.empty()) {
+      core_->update([](engine_stats& s) { ++s.disk_failures; });
+      core_->warn("disk offload tier unavailable (" + why + "); tensors stay where they are");
+      return false;
+    }
+    const auto bytes = rec->layout_.bytes;
+    if (!core_->reserve(tier::disk, bytes)) return false;
+    rec->file_ = core_->disk.next_file();
+    at::Tensor source = dense_host_source(*rec, t);
+    if (io_) {
+      rec->where_ = tier::disk;
+      rec->held_ = source;  // alive (and loadable) until written
+      rec->writing_ = true;
+      io_->submit([rec, core = core_, source] {
+        const auto start = detail::clock::now();
+        const auto error = disk_store::write(rec->file_, source.data_ptr(), rec->layout_.bytes);
+        const double took = detail::seconds_since(start);
+        std::lock_guard<std::mutex> lock(rec->mutex_);
+        rec->writing_ = false;
+        if (error.empty()) {
+          rec->held_ = at::Tensor();  // the bytes are on disk: the memory goes
+          core->update([&](engine_stats& s) {
+            s.bytes_written += rec->layout_.bytes;
+            s.transfer_seconds += took;
+          });
+        } else {
+          // Nothing is lost: the tensor stays in memory (on the host).
+          core->release(tier::disk, rec->layout_.bytes);
+          rec->where_ = tier::device;
+          rec->file_.clear();
+          core->update([](engine_stats& s) {
+            ++s.disk_failures;
+            ++s.tiers[static_cast<std::size_t>(tier::device)].tensors;
+          });
+          core->warn("disk offload write failed (" + error + "); the tensor stays in memory");
+        }
+        rec->changed_.notify_all();
+      });
+      return true;
+    }
+    if (const auto error = disk_store::write(rec->file_, source.data_ptr(), bytes); !error.empty()) {
+      core_->release(tier::disk, bytes);
+      rec->file_.clear();
+      core_->update([](engine_stats& s) { ++s.disk_failures; });
+      core_->warn("disk offload write failed (" + error + "); the tensor stays where it is");
+      return false;
+    }
+    rec->where_ = tier::disk;
+    return true;
+  }
+
+  /// Reads `rec`'s file into a new host tensor of its layout.
+  static at::Tensor read_back(const stored_tensor& rec) {
+    at::Tensor host = rec.layout_.empty_on(c10::kCPU);
+    if (const auto error = disk_store::read(rec.file_, host.data_ptr(), rec.layout_.bytes); !error.empty())
+      TORCH_CHECK(false, "memscale: an offloaded tensor could not be read back from disk (", error,
+                  "); was the offload directory removed while training?");
+    return host;
+  }
+
+  /// The host tensor (or the device tensor) `rec` holds, without moving it back yet.
+  at::Tensor fetch(stored_tensor& rec) {
+    std::unique_lock<std::mutex> lock(rec.mutex_);
+    at::Tensor host;
+    switch (rec.where_) {
+      case tier::device: return rec.held_;
+      case tier::pinned_host:
+      case tier::pageable_host: host = rec.held_; break;
+      case tier::disk: {
+        if (rec.writing_) {
+          host = rec.held_;  // still in memory
+        } else if (rec.prefetched_.defined() || rec.reading_) {
+          const auto start = detail::clock::now();
+          rec.changed_.wait(lock, [&] { return !rec.reading_; });
+          const double waited = detail::seconds_since(start);
+          host = std::move(rec.prefetched_);
+          rec.prefetched_ = at::Tensor();
+          core_->update([&](engine_stats& s) {
+            ++s.prefetch_hits;
+            s.wait_seconds += waited;
+          });
+        }
+        if (!host.defined()) {
+          const auto start = detail::clock::now();
+          host = read_back(rec);
+          const double took = detail::seconds_since(start);
+          core_->update([&](engine_stats& s) {
+            ++s.prefetch_misses;
+            s.wait_seconds += took;
+            s.transfer_seconds += took;
+            s.bytes_read += rec.layout_.bytes;
+          });
+        }
+        break;
+      }
+    }
+    if (rec.device_.is_cpu()) return host;
+    return to_device(rec, host);
+  }
+
+  /// Brings a host copy back to `rec`'s device; the current stream waits for it.
+  at::Tensor to_device(stored_tensor& rec, const at::Tensor& host) {
+    at::Tensor out = rec.layout_.empty_on(rec.device_);
+#if MEMSCALE_HAS_CUDA()
+    if (rec.device_.is_cuda() && core_->options.async && rec.where_ == tier::pinned_host) {
+      if (rec.ready_) detail::stream_waits(rec.ready_, rec.device_.index());  // the offload copy finished first
+      auto done = detail::copy_to_device_async(host, out);
+      detail::stream_waits(done, rec.device_.index());
+      return out;
+    }
+    detail::host_waits(rec.ready_);
+#endif
+    const auto start = detail::clock::now();
+    out.copy_(host);
+    const double took = detail::seconds_since(start);
+    core_->update([&](engine_stats& s) {
+      s.wait_seconds += took;
+      s.transfer_seconds += took;
+      s.bytes_read += rec.layout_.bytes;
+    });
+    return out;
+  }
+
+  void track(const stored_handle& rec) {
+    std::lock_guard<std::mutex> lock(groups_mutex_);
+    groups_[rec->group_].push_back(rec);
+  }
+
+  /// Queues reads of the disk-tier tensors of the `prefetch_depth` groups before `group`.
+  void prefetch_before(int group) {
+    if (!io_) return;
+    std::vector<stored_handle> wanted;
+    {
+      std::lock_guard<std::mutex> lock(groups_mutex_);
+      for (auto it = groups_.lower_bound(group - core_->options.prefetch_depth); it != groups_.end() && it->first < group;
+           ++it)
+        for (auto& w : it->second)
+          if (auto r = w.lock()) wanted.push_back(std::move(r));
+    }
+    for (auto& rec : wanted) {
+      {
+        std::lock_guard<std::mutex> lock(rec->mutex_);
+        if (rec->where_ != tier::disk || rec->writing_ || rec->reading_ || rec->prefetched_.defined()) continue;
+        rec->reading_ = true;
+      }
+      io_->submit([rec, core = core_] {
+        const auto start = detail::clock::now();
+        at::Tensor host;
+        try {
+          host = read_back(*rec);
+        } catch (const std::exception& e) {
+          core->warn(e.what());  // load() reads again inline and reports it there
+        }
+        const double took = detail::seconds_since(start);
+        std::lock_guard<std::mutex> lock(rec->mutex_);
+        rec->prefetched_ = host;
+        rec->reading_ = false;
+        core->update([&](engine_stats& s) {
+          s.transfer_seconds += took;
+          s.bytes_read += rec->layout_.bytes;
+        });
+        rec->changed_.notify_all();
+      });
+    }
+  }
+
+  std::shared_ptr<detail::engine_core> core_;
+  std::atomic<int> group_{0};
+  std::mutex groups_mutex_;
+  std::map<int, std::vector<std::weak_ptr<stored_tensor>>> groups_;
+  std::unique_ptr<io_pool> io_;  // last: destroyed first, after its queue drained
+};
+
+}  // namespace memscale::offload

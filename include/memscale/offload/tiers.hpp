@@ -1,0 +1,252 @@
+// memscale — offload tiers: where a saved tensor can live (device, pinned host,
+// pageable host, disk), the budget of each host tier, the reusable pinned
+// buffer pool, and the disk tier's memory-mapped files.
+#pragma once
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <atomic>
+#include <stdexcept>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <torch/torch.h>
+
+#include <memscale/detail/fault_injection.hpp>
+
+namespace memscale::offload {
+
+/// Memory tiers, fastest first. A saved tensor goes to the first tier after its
+/// own that has room, and stays on `device` when none has.
+enum class tier : std::uint8_t { device, pinned_host, pageable_host, disk };
+
+inline constexpr int tier_count = 4;
+
+[[nodiscard]] constexpr std::string_view to_string(tier t) noexcept {
+  switch (t) {
+    case tier::device: return "device";
+    case tier::pinned_host: return "pinned host";
+    case tier::pageable_host: return "pageable host";
+    case tier::disk: return "disk";
+  }
+  return "?";
+}
+
+namespace detail {
+
+/// A tensor's layout: dense tensors (contiguous or permuted) keep their strides
+/// through any tier; other views come back contiguous, with the same values.
+struct tensor_layout {
+  std::vector<std::int64_t> sizes;
+  std::vector<std::int64_t> strides;
+  at::TensorOptions options;
+  bool dense = true;
+  std::int64_t bytes = 0;
+
+  static tensor_layout of(const at::Tensor& t) {
+    tensor_layout l;
+    l.sizes = t.sizes().vec();
+    l.dense = t.is_non_overlapping_and_dense();
+    if (l.dense) {
+      l.strides = t.strides().vec();
+    } else {
+      const auto contiguous = c10::contiguous_strides(t.sizes());
+      l.strides.assign(contiguous.begin(), contiguous.end());
+    }
+    l.options = t.options();
+    l.bytes = t.numel() * static_cast<std::int64_t>(t.element_size());
+    return l;
+  }
+
+  /// An uninitialized tensor of this layout on `device` (pinned when asked).
+  [[nodiscard]] at::Tensor empty_on(c10::Device device, bool pinned = false) const {
+    return at::empty_strided(sizes, strides, options.device(device).pinned_memory(pinned));
+  }
+};
+
+}  // namespace detail
+
+/// Pinned host buffers for the pinned tier, reused across steps: freed blocks
+/// wait in per-size-class free lists (powers of two from 64 KiB). In use plus
+/// cached never exceeds the capacity. Allocation failures (no CUDA, cudaHostAlloc
+/// refusing) are reported to the caller, which spills to pageable memory.
+class pinned_pool {
+ public:
+  explicit pinned_pool(std::int64_t capacity_bytes) : capacity_(capacity_bytes) {}
+
+  /// A pinned uint8 block of at least `bytes`, or nullopt (over capacity, or failed).
+  /// `failed` is set when the allocation itself failed.
+  std::optional<at::Tensor> acquire(std::int64_t bytes, bool& failed) {
+    failed = false;
+    const std::int64_t size = size_class(bytes);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (auto it = free_.find(size); it != free_.end() && !it->second.empty()) {
+      at::Tensor block = std::move(it->second.back());
+      it->second.pop_back();
+      cached_ -= size;
+      in_use_ += size;
+      return block;
+    }
+    while (in_use_ + cached_ + size > capacity_ && cached_ > 0) drop_one_cached();
+    if (in_use_ + size > capacity_) return std::nullopt;
+    try {
+      if (memscale::detail::offload_fault_injected(memscale::detail::offload_fault::pinned_alloc))
+        throw std::runtime_error("pinned allocation failure injected by a test");
+      at::Tensor block = at::empty({size}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      in_use_ += size;
+      return block;
+    } catch (const std::exception&) {
+      failed = true;
+      return std::nullopt;
+    }
+  }
+
+  /// Returns a block from acquire() for reuse.
+  void release(at::Tensor block) {
+    const std::int64_t size = block.numel();
+    std::lock_guard<std::mutex> lock(mutex_);
+    in_use_ -= size;
+    if (in_use_ + cached_ + size <= capacity_) {
+      free_[size].push_back(std::move(block));
+      cached_ += size;
+    }
+  }
+
+  [[nodiscard]] std::int64_t in_use_bytes() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return in_use_;
+  }
+  [[nodiscard]] std::int64_t cached_bytes() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return cached_;
+  }
+  [[nodiscard]] std::int64_t capacity_bytes() const noexcept { return capacity_; }
+
+  static constexpr std::int64_t size_class(std::int64_t bytes) noexcept {
+    std::int64_t size = 64 * 1024;
+    while (size < bytes) size *= 2;
+    return size;
+  }
+
+ private:
+  void drop_one_cached() {
+    for (auto& [size, blocks] : free_) {
+      if (blocks.empty()) continue;
+      blocks.pop_back();
+      cached_ -= size;
+      return;
+    }
+  }
+
+  mutable std::mutex mutex_;
+  std::int64_t capacity_;
+  std::int64_t in_use_ = 0;
+  std::int64_t cached_ = 0;
+  std::map<std::int64_t, std::vector<at::Tensor>> free_;
+};
+
+/// The disk tier's files: one memory-mapped file per tensor in a directory of
+/// its own (created on first use under the configured directory or the system
+/// temp directory, removed with everything in it on destruction).
+class disk_store {
+ public:
+  explicit disk_store(std::optional<std::string> parent) : parent_(std::move(parent)) {}
+  disk_store(const disk_store&) = delete;
+  disk_store& operator=(const disk_store&) = delete;
+  ~disk_store() {
+    if (dir_.empty()) return;
+    std::error_code ignored;
+    std::filesystem::remove_all(dir_, ignored);
+  }
+
+  /// Creates the directory if needed; on failure returns why (empty: ready).
+  std::string prepare() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!dir_.empty()) return {};
+    if (!failure_.empty()) return failure_;
+    std::error_code ec;
+    const std::filesystem::path parent =
+        parent_ ? std::filesystem::path(*parent_) : std::filesystem::temp_directory_path(ec);
+    if (memscale::detail::offload_fault_injected(memscale::detail::offload_fault::disk_unwritable)) {
+      return "cannot create a directory under " + parent.string() + ": unwritable (injected by a test)";
+    }
+    static std::atomic<int> counter{0};
+    const auto dir = parent / ("memscale-offload-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+    if (ec || !std::filesystem::create_directories(dir, ec) || ec) {
+      failure_ = "cannot create " + dir.string() + ": " + (ec ? ec.message() : std::string("it already exists"));
+      return failure_;
+    }
+    dir_ = dir;
+    return {};
+  }
+
+  [[nodiscard]] std::filesystem::path directory() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return dir_;
+  }
+
+  /// A fresh file name in the directory.
+  std::filesystem::path next_file() { return directory() / ("t" + std::to_string(next_id_++) + ".bin"); }
+
+  /// Writes `bytes` from `data` into a new memory-mapped file; returns the error
+  /// (empty: written). A failed write leaves no file behind.
+  static std::string write(const std::filesystem::path& file, const void* data, std::int64_t bytes) {
+    if (memscale::detail::offload_fault_injected(memscale::detail::offload_fault::disk_full))
+      return "no space left on device (injected by a test)";
+    const int fd = ::open(file.c_str(), O_CREAT | O_RDWR | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return "cannot create " + file.string() + ": " + std::strerror(errno);
+    std::string error;
+    if (bytes > 0) {
+      // posix_fallocate reports a full disk now, not as SIGBUS on a later page fault.
+      if (const int rc = ::posix_fallocate(fd, 0, bytes); rc != 0) {
+        error = "cannot reserve " + std::to_string(bytes) + " bytes in " + file.string() + ": " + std::strerror(rc);
+      } else if (void* map = ::mmap(nullptr, static_cast<std::size_t>(bytes), PROT_WRITE, MAP_SHARED, fd, 0);
+                 map == MAP_FAILED) {
+        error = "cannot map " + file.string() + ": " + std::strerror(errno);
+      } else {
+        std::memcpy(map, data, static_cast<std::size_t>(bytes));
+        ::munmap(map, static_cast<std::size_t>(bytes));
+      }
+    }
+    ::close(fd);
+    if (!error.empty()) ::unlink(file.c_str());
+    return error;
+  }
+
+  /// Reads `bytes` of `file` into `data`; returns the error (empty: read).
+  static std::string read(const std::filesystem::path& file, void* data, std::int64_t bytes) {
+    if (bytes == 0) return {};
+    const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return "cannot open " + file.string() + ": " + std::strerror(errno);
+    std::string error;
+    void* map = ::mmap(nullptr, static_cast<std::size_t>(bytes), PROT_READ, MAP_PRIVATE, fd, 0);
+    if (map == MAP_FAILED) {
+      error = "cannot map " + file.string() + ": " + std::strerror(errno);
+    } else {
+      std::memcpy(data, map, static_cast<std::size_t>(bytes));
+      ::munmap(map, static_cast<std::size_t>(bytes));
+    }
+    ::close(fd);
+    return error;
+  }
+
+ private:
+  std::optional<std::string> parent_;
+  mutable std::mutex mutex_;
+  std::filesystem::path dir_;
+  std::string failure_;
+  std::atomic<std::uint64_t> next_id_{0};
+};
+
+}  // namespace memscale::offload
