@@ -59,7 +59,7 @@ check_one() {
     mkdir -p "$logs/cuda_stub/c10/cuda/impl"
     echo '#define C10_CUDA_BUILD_SHARED_LIBS' > "$logs/cuda_stub/c10/cuda/impl/cuda_cmake_macros.h"
     printf '#include <%s>\nint main() {\n  const c10::Device gpu("cuda:0");\n  (void)memscale::memory_tracker::current_bytes(gpu);\n  (void)memscale::memory_tracker::peak_bytes(gpu);\n  memscale::memory_tracker::reset_peak(gpu);\n  (void)memscale::detect_hardware();\n}\n' "${header#cuda:}" \
-      | "${CXX:-g++}" "${flags[@]}" -DMEMSCALE_WITH_CUDA=1 -idirafter "$logs/cuda_stub" -isystem "$cuda_include" \
+      | "${CXX:-g++}" "${flags[@]}" -DMEMSCALE_WITH_CUDA=1 -DMEMSCALE_WITH_CUDA_KERNELS=1 -idirafter "$logs/cuda_stub" -isystem "$cuda_include" \
           -x c++ - >"$log" 2>&1
   elif [[ $header == *.cpp ]]; then
     "${CXX:-g++}" "${flags[@]}" "$repo/$header" >"$log" 2>&1

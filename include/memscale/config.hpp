@@ -43,6 +43,7 @@ struct AsyncOffloadConfig {
   /// memscale additions (not in the Python original):
   std::optional<double> max_disk_offload_gb{};  ///< cap on the disk tier; unset = what the disk takes
   double min_offload_kb = 64.0;                 ///< saved tensors smaller than this stay where they are
+  double batch_below_kb = 1024.0;               ///< smaller ones travel together, one transfer per layer
 
   void validate() const {
     if (prefetch_depth < 1)
@@ -58,6 +59,9 @@ struct AsyncOffloadConfig {
     if (max_disk_offload_gb && (!std::isfinite(*max_disk_offload_gb) || *max_disk_offload_gb < 0.0))
       throw ConfigError("async_config.max_disk_offload_gb",
                         "must be a finite number of GB >= 0 or unset, got " + std::to_string(*max_disk_offload_gb));
+    if (!(batch_below_kb >= 0.0) || !std::isfinite(batch_below_kb))
+      throw ConfigError("async_config.batch_below_kb",
+                        "must be a finite number >= 0, got " + std::to_string(batch_below_kb));
     if (!(min_offload_kb >= 0.0) || !std::isfinite(min_offload_kb))
       throw ConfigError("async_config.min_offload_kb",
                         "must be a finite number >= 0, got " + std::to_string(min_offload_kb));

@@ -39,11 +39,16 @@
 #include <memscale/offload/io_pool.hpp>
 #include <memscale/offload/tiers.hpp>
 
+#if MEMSCALE_HAS_CUDA() && defined(MEMSCALE_WITH_CUDA_KERNELS)
+#include <memscale/cuda/kernels.hpp>
+#endif
+
 namespace memscale::offload {
 
 /// What the engine may use. options_from(Config) fills it from the user's Config.
 struct engine_options {
   std::int64_t min_bytes = 64 * 1024;           ///< smaller saved tensors stay where they are
+  std::int64_t batch_below_bytes = 1 << 20;     ///< smaller ones travel together: one transfer per group
   std::int64_t pinned_bytes = 256LL << 20;      ///< pinned pool capacity
   std::optional<std::int64_t> host_bytes{};     ///< pinned + pageable together; unset: no cap
   std::optional<std::int64_t> disk_bytes{};     ///< unset: as much as the file system takes
@@ -59,6 +64,7 @@ inline engine_options options_from(const Config& config) {
   const AsyncOffloadConfig async = config.async_config.value_or(AsyncOffloadConfig{});
   engine_options o;
   o.min_bytes = static_cast<std::int64_t>(async.min_offload_kb * 1024.0);
+  o.batch_below_bytes = static_cast<std::int64_t>(async.batch_below_kb * 1024.0);
   o.pinned_bytes = static_cast<std::int64_t>(async.pinned_pool_mb * 1024.0 * 1024.0);
   if (config.max_cpu_offload_gb) o.host_bytes = static_cast<std::int64_t>(*config.max_cpu_offload_gb * gib);
   if (async.max_disk_offload_gb) o.disk_bytes = static_cast<std::int64_t>(*async.max_disk_offload_gb * gib);
@@ -87,6 +93,9 @@ struct engine_stats {
   double wait_seconds = 0.0;                   ///< time load() blocked on a copy
   std::int64_t prefetch_hits = 0;              ///< loads served by a prefetch
   std::int64_t prefetch_misses = 0;            ///< loads that had to read inline
+  std::int64_t batches = 0;                    ///< staging buffers that carried small tensors together
+  std::int64_t batched_tensors = 0;            ///< tensors that travelled in one
+  std::int64_t kernel_gathers = 0;             ///< batches gathered by the memscale::cuda kernel
   std::vector<std::string> warnings;           ///< each distinct warning once
 
   [[nodiscard]] const tier_usage& at(tier t) const { return tiers[static_cast<std::size_t>(t)]; }
@@ -162,6 +171,31 @@ class engine_core {
 
 }  // namespace detail
 
+class stored_tensor;
+
+namespace detail {
+/// Small tensors of one group, gathered into one staging buffer that is stored
+/// (one transfer) as `blob`; each member knows its offset in it.
+struct batch {
+  std::shared_ptr<stored_tensor> blob;
+  std::int64_t members = 0;
+  std::mutex mutex;
+  at::Tensor staging;  // the blob back on its device while members are being loaded
+  std::int64_t served = 0;
+};
+
+/// Offsets in a staging buffer keep every member 64-byte aligned.
+constexpr std::int64_t staging_alignment = 64;
+constexpr std::int64_t aligned(std::int64_t bytes) {
+  return (bytes + staging_alignment - 1) / staging_alignment * staging_alignment;
+}
+
+/// The bytes of a dense tensor as a flat uint8 tensor on its device (no copy).
+inline at::Tensor byte_view(const at::Tensor& dense, std::int64_t bytes) {
+  return at::from_blob(dense.data_ptr(), {bytes}, dense.options().dtype(at::kByte));
+}
+}  // namespace detail
+
 /// One tensor in the engine's care. Destroying it frees its tier (budget, pinned
 /// block, file). Thread-safe: loads may come from autograd worker threads.
 class stored_tensor {
@@ -181,7 +215,12 @@ class stored_tensor {
 
   [[nodiscard]] tier where() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return where_;
+    return batch_ ? batch_->blob->where() : where_;
+  }
+  /// Whether it travelled inside a batch's staging buffer.
+  [[nodiscard]] bool batched() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return batch_ != nullptr;
   }
   [[nodiscard]] std::int64_t bytes() const noexcept { return layout_.bytes; }
   [[nodiscard]] int group() const noexcept { return group_; }
@@ -205,6 +244,9 @@ class stored_tensor {
   bool writing_ = false;
   bool reading_ = false;
   at::Tensor prefetched_;
+  bool pending_batch_ = false;           // deferred: waits in held_ for the group's flush
+  std::shared_ptr<detail::batch> batch_;
+  std::int64_t batch_offset_ = 0;
 };
 
 using stored_handle = std::shared_ptr<stored_tensor>;
@@ -274,9 +316,56 @@ class engine {
 
   /// The tensor `rec` holds, on its own device, with its dtype, sizes and (dense) strides.
   at::Tensor load(const stored_handle& rec) {
+    std::shared_ptr<detail::batch> in_batch;
+    {
+      std::lock_guard<std::mutex> lock(rec->mutex_);
+      if (rec->pending_batch_) return rec->held_;  // not flushed yet: still here
+      in_batch = rec->batch_;
+    }
+    if (in_batch) return from_batch(*rec, *in_batch);
     at::Tensor out = fetch(*rec);
     prefetch_before(rec->group_);
     return out;
+  }
+
+  /// Like store(), but a tensor below batch_below_bytes waits for flush(), which
+  /// sends all waiting tensors in one staging buffer (one transfer).
+  stored_handle store_or_defer(const at::Tensor& t) {
+    const auto bytes = static_cast<std::int64_t>(t.nbytes());
+    if (bytes >= core_->options.batch_below_bytes) return store(t);
+    auto rec = std::make_shared<stored_tensor>(core_, t, group_.load());
+    rec->held_ = t;
+    rec->pending_batch_ = true;
+    std::lock_guard<std::mutex> lock(pending_mutex_);
+    pending_.push_back(rec);
+    return rec;
+  }
+
+  /// Gathers the deferred tensors (per device) into staging buffers and stores
+  /// each buffer as one tensor. CUDA tensors are gathered by one memscale::cuda
+  /// kernel launch when that target is linked, by ATen copies otherwise. On any
+  /// failure the deferred tensors simply stay where they are.
+  void flush() {
+    std::vector<stored_handle> waiting;
+    {
+      std::lock_guard<std::mutex> lock(pending_mutex_);
+      waiting.swap(pending_);
+    }
+    while (!waiting.empty()) {
+      const auto device = waiting.front()->device_;
+      std::vector<stored_handle> same, rest;
+      for (auto& r : waiting) (r->device_ == device ? same : rest).push_back(std::move(r));
+      waiting = std::move(rest);
+      try {
+        flush_one_device(same);
+      } catch (const std::exception& e) {
+        core_->warn(std::string("batched offload failed (") + e.what() + "); those tensors stay where they are");
+        for (auto& r : same) {
+          std::lock_guard<std::mutex> lock(r->mutex_);
+          r->pending_batch_ = false;  // held_ keeps the tensor on its device
+        }
+      }
+    }
   }
 
   /// Saved tensors stored between begin_group() calls form a group (one wrapped
@@ -306,6 +395,83 @@ class engine {
   }
 
  private:
+  void flush_one_device(const std::vector<stored_handle>& members) {
+    std::vector<std::int64_t> offsets;
+    std::vector<at::Tensor> sources;
+    std::int64_t total = 0;
+    for (const auto& r : members) {
+      offsets.push_back(total);
+      sources.push_back(r->layout_.dense ? r->held_ : r->held_.contiguous());
+      total += detail::aligned(r->layout_.bytes);
+    }
+    at::Tensor staging = at::empty({total}, members.front()->held_.options().dtype(at::kByte));
+    if (!gather_with_kernel(members, sources, offsets, staging))
+      for (std::size_t i = 0; i < members.size(); ++i)
+        staging.narrow(0, offsets[i], members[i]->layout_.bytes)
+            .copy_(detail::byte_view(sources[i], members[i]->layout_.bytes));
+    auto shared = std::make_shared<detail::batch>();
+    shared->blob = store(staging);
+    shared->members = static_cast<std::int64_t>(members.size());
+    core_->update([&](engine_stats& s) {
+      ++s.batches;
+      s.batched_tensors += shared->members;
+    });
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      std::lock_guard<std::mutex> lock(members[i]->mutex_);
+      members[i]->batch_ = shared;
+      members[i]->batch_offset_ = offsets[i];
+      members[i]->pending_batch_ = false;
+      members[i]->held_ = at::Tensor();  // the staging buffer (or its copy) has the bytes now
+    }
+  }
+
+  /// One launch of memscale_cuda_batched_copy for CUDA members, when linked.
+  bool gather_with_kernel(const std::vector<stored_handle>& members, const std::vector<at::Tensor>& sources,
+                          const std::vector<std::int64_t>& offsets, at::Tensor& staging) {
+#if MEMSCALE_HAS_CUDA() && defined(MEMSCALE_WITH_CUDA_KERNELS)
+    if (!staging.is_cuda() || static_cast<int>(members.size()) > memscale::cuda::max_spans_per_launch) return false;
+    static_assert(sizeof(memscale_copy_span) == 3 * sizeof(std::int64_t));
+    at::Tensor table = at::empty({static_cast<std::int64_t>(members.size()), 3}, at::kLong);
+    auto* spans = reinterpret_cast<memscale_copy_span*>(table.data_ptr<std::int64_t>());
+    auto* base = static_cast<unsigned char*>(staging.data_ptr());
+    for (std::size_t i = 0; i < members.size(); ++i)
+      spans[i] = {sources[i].data_ptr(), base + offsets[i], members[i]->layout_.bytes};
+    at::Tensor on_device = table.to(staging.device());
+    const auto stream = c10::cuda::getCurrentCUDAStream(staging.device().index());
+    const auto status = memscale_cuda_batched_copy(
+        reinterpret_cast<const memscale_copy_span*>(on_device.data_ptr<std::int64_t>()),
+        static_cast<int>(members.size()), stream.stream());
+    TORCH_CHECK(status == cudaSuccess, "memscale: the batched copy kernel failed: ", cudaGetErrorString(status));
+    core_->update([](engine_stats& s) { ++s.kernel_gathers; });
+    return true;
+#else
+    (void)members;
+    (void)sources;
+    (void)offsets;
+    (void)staging;
+    return false;
+#endif
+  }
+
+  /// A batch member: the staging buffer comes back once (one transfer), each
+  /// member is copied out of it, and the buffer goes when the last one was.
+  at::Tensor from_batch(const stored_tensor& rec, detail::batch& b) {
+    at::Tensor staging;
+    {
+      std::lock_guard<std::mutex> lock(b.mutex);
+      if (!b.staging.defined()) b.staging = load(b.blob);
+      staging = b.staging;
+      if (++b.served >= b.members) {
+        b.staging = at::Tensor();  // every member has been served once
+        b.served = 0;
+      }
+    }
+    at::Tensor out = rec.layout_.empty_on(rec.device_);
+    if (rec.layout_.bytes > 0)
+      detail::byte_view(out, rec.layout_.bytes).copy_(staging.narrow(0, rec.batch_offset_, rec.layout_.bytes));
+    return out;
+  }
+
   static bool keep(stored_tensor& rec, const at::Tensor& t) {
     rec.where_ = tier::device;
     rec.held_ = t;
@@ -537,6 +703,8 @@ class engine {
   std::atomic<int> group_{0};
   std::mutex groups_mutex_;
   std::map<int, std::vector<std::weak_ptr<stored_tensor>>> groups_;
+  std::mutex pending_mutex_;
+  std::vector<stored_handle> pending_;  // deferred small tensors of the open group
   std::unique_ptr<io_pool> io_;  // last: destroyed first, after its queue drained
 };
 

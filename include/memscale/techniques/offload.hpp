@@ -65,13 +65,23 @@ decltype(auto) with_offload(const std::shared_ptr<offload::engine>& engine, Fn&&
   if (!engine) throw Error("memscale: with_offload needs an offload engine, got none");
   engine->begin_group();
   const auto min_bytes = engine->options().min_bytes;
+  // Small tensors wait for the end of the group and travel together.
+  struct flush_at_exit {
+    offload::engine& e;
+    ~flush_at_exit() {
+      try {
+        e.flush();  // on failure the tensors stay where they are
+      } catch (...) {
+      }
+    }
+  } flush{*engine};
   offload::saved_tensors_hooks scope(
       [engine, keep = std::move(keep), min_bytes](const at::Tensor& t) -> detail::offload_packed {
         const bool stays = !t.defined() || t.layout() != c10::kStrided || !t.has_storage() ||
                            static_cast<std::int64_t>(t.nbytes()) < min_bytes ||
                            (keep && keep->count(t.storage().unsafeGetStorageImpl()) != 0);
         if (stays) return {t, nullptr};
-        return {at::Tensor(), engine->store(t)};
+        return {at::Tensor(), engine->store_or_defer(t)};
       },
       [engine](detail::offload_packed& p) -> at::Tensor { return p.stored ? engine->load(p.stored) : p.kept; });
   return std::forward<Fn>(fn)();
