@@ -17,7 +17,11 @@
 // time of the rule engine's plan against the least recompute any one-level
 // segmentation needs to reach the same projected peak (core::optimal_segmentation).
 //
-//   memscale_bench [--steps N] [--only gpt|flat] [--csv]
+// A third workload shows the offload engine's disk tier on this CPU host: the
+// flat Sequential with checkpointing only, offloading only (synchronous, and
+// async with prefetch), and both; plus the engine's transfer statistics.
+//
+//   memscale_bench [--steps N] [--only gpt|flat|offload] [--csv]
 #include <algorithm>
 #include <bit>
 #include <charconv>
@@ -180,6 +184,8 @@ struct RowResult {
   bool dp_feasible = true;
   std::int64_t rule_peak = 0;  ///< projected chain peak of the rule plan (the DP's budget)
   std::int64_t dp_peak = 0;    ///< projected chain peak of the DP plan
+  std::optional<memscale::offload::engine_stats> offload;  ///< the offload engine's totals over all steps
+  int steps = 0;
 };
 
 /// A DP budget rounded up to a multiple of the bucket count: optimal_segmentation
@@ -187,9 +193,10 @@ struct RowResult {
 /// (levels = budget / quantum + 1 truncates), so the harness never makes one.
 std::int64_t dp_budget(std::int64_t bytes) { return (bytes + dp_buckets - 1) / dp_buckets * dp_buckets; }
 
-/// The optimal-DP yardstick for a memscale row's plan (projected figures).
+/// The optimal-DP yardstick for a memscale row's plan (projected figures). The
+/// DP knows checkpointing only: plans that offload get no yardstick.
 void add_yardstick(RowResult& row) {
-  if (!row.report) return;
+  if (!row.report || row.report->offloaded_units() > 0) return;
   const auto& r = *row.report;
   for (std::size_t c = 0; c < r.chains.size() && c < r.plan.units.size(); ++c) {
     const auto& slots = r.chains[c].slots;
@@ -270,6 +277,8 @@ class Runner {
 
   /// Medians, detach, yardstick.
   RowResult finish() {
+    if (guard_) row.offload = guard_->offload_stats();
+    row.steps = steps_taken_;
     row.growth = median(growth_);
     row.total_peak = static_cast<double>(resident) + row.growth;
     row.step_seconds = median(seconds_);
@@ -339,11 +348,49 @@ std::int64_t dp_min_peak(const std::vector<memscale::slot_cost>& slots) {
 /// Builds the baseline row, sets the Balanced budget from its measured total peak,
 /// builds the memscale rows, then measures `steps` rounds in which every row takes
 /// one step in turn (so a change in machine load hits all rows alike).
+/// The memscale rows of a workload, given the Balanced budget (GB) derived from the baseline.
+using row_configs = std::function<std::vector<std::pair<std::string, memscale::Config>>(double)>;
+
+/// Conservative (no budget), Balanced (the 60% budget), Aggressive.
+std::vector<std::pair<std::string, memscale::Config>> mode_rows(double balanced_budget_gb) {
+  std::vector<std::pair<std::string, memscale::Config>> rows;
+  for (auto mode : {memscale::OptimizationMode::Conservative, memscale::OptimizationMode::Balanced,
+                    memscale::OptimizationMode::Aggressive}) {
+    memscale::Config cfg;
+    cfg.enable_logging = false;
+    cfg.mode = mode;
+    if (mode == memscale::OptimizationMode::Balanced) cfg.memory_budget_gb = balanced_budget_gb;
+    rows.emplace_back(std::string(memscale::to_string(mode)), cfg);
+  }
+  return rows;
+}
+
+/// The offload rows: Aggressive with checkpointing only, offloading only
+/// (synchronous and async), and both.
+std::vector<std::pair<std::string, memscale::Config>> offload_rows(double) {
+  memscale::Config cfg;
+  cfg.enable_logging = false;
+  cfg.mode = memscale::OptimizationMode::Aggressive;
+  std::vector<std::pair<std::string, memscale::Config>> rows;
+  auto checkpoint = cfg;
+  checkpoint.enable_offloading = false;
+  rows.emplace_back("checkpoint", checkpoint);
+  auto offload = cfg;
+  offload.enable_checkpointing = false;
+  rows.emplace_back("offload sync", offload);
+  offload.async_offload = true;
+  rows.emplace_back("offload async", offload);
+  auto both = cfg;
+  both.async_offload = true;
+  rows.emplace_back("ckpt+offload async", both);
+  return rows;
+}
+
 template <class Model>
 Workload run_workload(const std::string& title, const std::string& description,
                       const std::function<Model()>& make_model,
                       const std::function<torch::Tensor(Model&, const Sample&)>& loss_of,
-                      const std::vector<Sample>& data, int steps) {
+                      const std::vector<Sample>& data, int steps, const row_configs& rows_for = mode_rows) {
   Workload w;
   w.title = title;
   w.description = description;
@@ -353,16 +400,9 @@ Workload run_workload(const std::string& title, const std::string& description,
   w.baseline_total = static_cast<double>(runners.front()->resident + runners.front()->calibration_growth);
   w.balanced_budget_gb = balanced_budget_fraction * w.baseline_total / gib;
 
-  memscale::Config base;
-  base.enable_logging = false;
-  for (auto mode : {memscale::OptimizationMode::Conservative, memscale::OptimizationMode::Balanced,
-                    memscale::OptimizationMode::Aggressive}) {
-    auto cfg = base;
-    cfg.mode = mode;
-    if (mode == memscale::OptimizationMode::Balanced) cfg.memory_budget_gb = w.balanced_budget_gb;
-    std::cerr << "[bench] " << title << ": " << mode << "\n";
-    runners.push_back(
-        std::make_unique<Runner<Model>>(std::string(memscale::to_string(mode)), make_model, loss_of, data, cfg));
+  for (const auto& [name, cfg] : rows_for(w.balanced_budget_gb)) {
+    std::cerr << "[bench] " << title << ": " << name << "\n";
+    runners.push_back(std::make_unique<Runner<Model>>(name, make_model, loss_of, data, cfg));
   }
   for (int s = 0; s < steps; ++s) {
     std::cerr << "[bench] " << title << ": round " << s + 1 << "/" << steps << "\n";
@@ -397,11 +437,12 @@ void print_workload(const Workload& w, int steps, std::ostream& os) {
      << " (" << mib(w.balanced_budget_gb * gib) << ") = " << std::setprecision(0) << balanced_budget_fraction * 100
      << "% of the measured baseline total peak " << mib(w.baseline_total) << "\n\n";
 
-  Table mem({"memory", "ckpt segs", "peak growth", "vs base", "1st step+plan", "planning", "total peak",
+  Table mem({"memory", "ckpt segs", "offl units", "peak growth", "vs base", "1st step+plan", "planning", "total peak",
              "projected", "proj/meas"});
   for (const auto& r : w.rows) {
     const double projected = static_cast<double>(r.report ? r.report->planned_peak_bytes() : base_projection);
-    mem.add({r.name, r.report ? std::to_string(r.report->checkpointed_segments()) : "-", mib(r.growth),
+    mem.add({r.name, r.report ? std::to_string(r.report->checkpointed_segments()) : "-",
+             r.report ? std::to_string(r.report->offloaded_units()) : "-", mib(r.growth),
              ratio(r.growth, base.growth), mib(static_cast<double>(r.first_growth)),
              r.memscale ? mib(static_cast<double>(r.planning_growth)) : "-", mib(r.total_peak),
              projected > 0.0 ? mib(projected) : "-", projected > 0.0 ? ratio(projected, r.total_peak) : "-"});
@@ -410,8 +451,8 @@ void print_workload(const Workload& w, int steps, std::ostream& os) {
   if (w.dp_min_peak > 0) {
     os << "lowest projected chain peak any one-level segmentation reaches (optimal DP): " << mib(static_cast<double>(w.dp_min_peak));
     for (const auto& r : w.rows)
-      if (r.report && r.report->mode == memscale::OptimizationMode::Aggressive)
-        os << "; Aggressive's rule plan: " << mib(static_cast<double>(r.rule_peak));
+      if (r.name == "Aggressive" || r.name == "checkpoint")
+        os << "; " << r.name << "'s rule plan: " << mib(static_cast<double>(r.rule_peak));
     os << "\n";
   }
   os << "\n";
@@ -420,7 +461,10 @@ void print_workload(const Workload& w, int steps, std::ostream& os) {
               "rule/DP", "DP peak", "bit-exact"});
   for (const auto& r : w.rows) {
     std::string rule = "-", dp = "-", gap = "-", dp_peak = "-";
-    if (r.report) {
+    if (r.report && r.report->offloaded_units() > 0) {
+      rule = ms(r.report->recompute_seconds(), 2);
+      dp = "n/a (offload)";
+    } else if (r.report) {
       rule = ms(r.rule_recompute, 2);
       dp = r.dp_feasible ? ms(r.dp_recompute, 2) : "infeasible";
       if (r.dp_feasible) {
@@ -437,6 +481,27 @@ void print_workload(const Workload& w, int steps, std::ostream& os) {
   }
   time.print(os);
   os << "\n";
+  if (std::any_of(w.rows.begin(), w.rows.end(), [](const RowResult& r) { return r.offload.has_value(); })) {
+    Table off({"offload", "written/step", "read/step", "disk peak", "transfer/step", "waited/step", "hidden",
+               "prefetch hit/miss", "batches/step", "warnings"});
+    for (const auto& r : w.rows) {
+      if (!r.offload) continue;
+      const auto& o = *r.offload;
+      const double n = std::max(1, r.steps);
+      off.add({r.name, mib(static_cast<double>(o.bytes_written) / n), mib(static_cast<double>(o.bytes_read) / n),
+               mib(static_cast<double>(o.at(memscale::offload::tier::disk).peak)), ms(o.transfer_seconds / n),
+               ms(o.wait_seconds / n), ratio(o.hidden_fraction(), 1.0),
+               std::to_string(o.prefetch_hits) + "/" + std::to_string(o.prefetch_misses),
+               std::to_string(o.batches / static_cast<std::int64_t>(n)), std::to_string(o.warnings.size())});
+    }
+    off.print(os);
+    os << "offload: the engine's totals over every step of the row (warm-up included) divided by the steps taken.\n"
+          "transfer: time spent writing and reading (in I/O jobs or inline); waited: the part backward blocked on;\n"
+          "hidden = 1 - waited/transfer (the share of transfer time prefetching and async writes overlapped).\n\n";
+    for (const auto& r : w.rows)
+      if (r.offload)
+        for (const auto& warning : r.offload->warnings) os << "warning: " << r.name << ": " << warning << "\n";
+  }
   os << "peak growth / step: medians over " << steps
      << " measured steps per row (rows take turns step by step), after one warm-up and\n"
         "one calibration step; planning excluded. 1st step+plan: the warm-up step (AdamW state created) plus, for\n"
@@ -448,7 +513,7 @@ void print_workload(const Workload& w, int steps, std::ostream& os) {
         "projected chain peak vs the rule plan's). bit-exact: every loss equal to the baseline's, bit for bit.\n";
   for (const auto& r : w.rows) {
     if (!r.detached) os << "ERROR: " << r.name << ": model still optimized after its guard ended\n";
-    if (r.report && !r.dp_feasible) os << "note: " << r.name << ": the DP found no plan within the rule plan's peak\n";
+    if (r.report && r.report->offloaded_units() == 0 && !r.dp_feasible) os << "note: " << r.name << ": the DP found no plan within the rule plan's peak\n";
   }
 }
 
@@ -524,6 +589,34 @@ Workload bench_flat(int steps) {
       data, steps);
 }
 
+Workload bench_offload(int steps) {
+  static constexpr int repeats = 8;
+  static constexpr std::int64_t width = 256, hidden = 1024;
+  torch::manual_seed(98);
+  std::vector<Sample> data;
+  for (int s = 0; s <= steps; ++s) data.push_back({torch::randn({32, 128, width}), torch::randn({32, 128, width})});
+  auto make = [] {
+    torch::nn::Sequential seq;
+    for (int i = 0; i < repeats; ++i) {
+      seq->push_back(torch::nn::Linear(width, hidden));
+      seq->push_back(torch::nn::GELU());
+      seq->push_back(torch::nn::Linear(hidden, width));
+      seq->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+      seq->push_back(torch::nn::Dropout(0.1));
+    }
+    return seq;
+  };
+  std::error_code ec;
+  const auto tmp = std::filesystem::temp_directory_path(ec);
+  return run_workload<torch::nn::Sequential>(
+      "offload to the disk tier (CPU)",
+      "the flat Sequential above, Aggressive, saved activations offloaded to the disk tier (memory-mapped files "
+      "under " + (ec ? std::string("?") : tmp.string()) + "); rows: checkpointing only, offloading only "
+      "(synchronous; async with prefetch), both",
+      make, [](torch::nn::Sequential& m, const Sample& s) { return torch::mse_loss(m->forward(s.input), s.target); },
+      data, steps, offload_rows);
+}
+
 int parse_steps(std::string_view text) {
   int value = 0;
   const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
@@ -546,11 +639,12 @@ int main(int argc, char** argv) {
       if (arg == "--csv") csv = true;
       else if (arg == "--steps" && i + 1 < argc) steps = parse_steps(argv[++i]);
       else if (arg == "--only" && i + 1 < argc && (std::string_view(argv[i + 1]) == "gpt" ||
-                                                   std::string_view(argv[i + 1]) == "flat"))
+                                                   std::string_view(argv[i + 1]) == "flat" ||
+                                                   std::string_view(argv[i + 1]) == "offload"))
         only = argv[++i];
       else if (arg == "-h" || arg == "--help") {
         std::cout << "usage: memscale_bench [--steps N (measured steps after 1 warm-up, default 5)] "
-                     "[--only gpt|flat] [--csv]\n";
+                     "[--only gpt|flat|offload] [--csv]\n";
         return 0;
       } else {
         std::cerr << "memscale_bench: unknown or incomplete argument '" << arg << "' (see --help)\n";
@@ -581,6 +675,7 @@ int main(int argc, char** argv) {
   try {
     if (only.empty() || only == "gpt") all.push_back(bench_gpt(steps));
     if (only.empty() || only == "flat") all.push_back(bench_flat(steps));
+    if (only.empty() || only == "offload") all.push_back(bench_offload(steps));
   } catch (const std::exception& e) {
     std::cerr << "memscale_bench: error: " << e.what() << "\n";
     return 1;

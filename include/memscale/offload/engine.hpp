@@ -90,7 +90,7 @@ struct engine_stats {
   std::int64_t bytes_written = 0;              ///< to host tiers and disk
   std::int64_t bytes_read = 0;
   double transfer_seconds = 0.0;               ///< time spent copying, in jobs or inline
-  double wait_seconds = 0.0;                   ///< time load() blocked on a copy
+  double wait_seconds = 0.0;                   ///< time store()/load() blocked on a copy
   std::int64_t prefetch_hits = 0;              ///< loads served by a prefetch
   std::int64_t prefetch_misses = 0;            ///< loads that had to read inline
   std::int64_t batches = 0;                    ///< staging buffers that carried small tensors together
@@ -99,7 +99,7 @@ struct engine_stats {
   std::vector<std::string> warnings;           ///< each distinct warning once
 
   [[nodiscard]] const tier_usage& at(tier t) const { return tiers[static_cast<std::size_t>(t)]; }
-  /// Share of the transfer time load() did not wait for (1 when nothing was transferred).
+  /// Share of the transfer time nobody waited for (1 when nothing was transferred).
   [[nodiscard]] double hidden_fraction() const {
     if (transfer_seconds <= 0.0) return 1.0;
     return std::clamp(1.0 - wait_seconds / transfer_seconds, 0.0, 1.0);
@@ -307,7 +307,10 @@ class engine {
       const double took = detail::seconds_since(start);
       core_->update([&](engine_stats& s) {
         s.bytes_written += rec->layout_.bytes;
-        if (!async_copy) s.transfer_seconds += took;
+        if (!async_copy) {
+          s.transfer_seconds += took;
+          s.wait_seconds += took;  // an inline copy is time the forward waited for
+        }
       });
     }
     track(rec);
