@@ -30,12 +30,15 @@ fi
 read -r -a extra <<< "${MEMSCALE_CHECK_FLAGS:-}"
 flags+=("${extra[@]}")
 
-mapfile -t headers < <(cd "$repo/include" && find memscale -name '*.hpp' | LC_ALL=C sort)
 # With the CUDA Toolkit's headers present, also compile the CUDA paths
-# (MEMSCALE_WITH_CUDA=1: allocator statistics, device queries) syntax-only.
+# (MEMSCALE_WITH_CUDA=1: allocator statistics, device queries, async offload
+# copies, the kernel calls) syntax-only; without them, skip memscale/cuda/.
 cuda_include=${CUDA_HOME:-/usr/local/cuda}/include
 if [[ -f $cuda_include/cuda_runtime_api.h ]]; then
+  mapfile -t headers < <(cd "$repo/include" && find memscale -name '*.hpp' | LC_ALL=C sort)
   headers+=("cuda:memscale/memscale.hpp")
+else
+  mapfile -t headers < <(cd "$repo/include" && find memscale -name '*.hpp' ! -path 'memscale/cuda/*' | LC_ALL=C sort)
 fi
 mapfile -t -O "${#headers[@]}" headers < <(cd "$repo" && find tests examples benchmarks -maxdepth 1 -name '*.cpp' \
                                              ! -name main.cpp | LC_ALL=C sort)
@@ -63,6 +66,9 @@ check_one() {
           -x c++ - >"$log" 2>&1
   elif [[ $header == *.cpp ]]; then
     "${CXX:-g++}" "${flags[@]}" "$repo/$header" >"$log" 2>&1
+  elif [[ $header == memscale/cuda/* ]]; then
+    # The kernel target's C interface needs the CUDA Toolkit's headers (and nothing of LibTorch).
+    printf '#include <%s>\n' "$header" | "${CXX:-g++}" "${flags[@]}" -isystem "$cuda_include" -x c++ - >"$log" 2>&1
   else
     printf '#include <%s>\n' "$header" | "${CXX:-g++}" "${flags[@]}" -x c++ - >"$log" 2>&1
   fi

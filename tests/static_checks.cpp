@@ -66,6 +66,44 @@ static_assert([] {
   return p.planned_peak <= 400 && p.planned_peak > 150;
 }());
 
+// Offload (R8/R9): it acts only after checkpointing, only while above the target.
+constexpr engine_plan offload_plan(memscale::OptimizationMode mode, std::int64_t usable, bool checkpointing,
+                                   std::int64_t room) {
+  engine_input in{mode, checkpointing, false, usable, 0};
+  in.offload_allowed = true;
+  in.offload_budget_bytes = room;
+  in.offload_bytes_per_second = 100.0;
+  return decide({chain_of(block, 4)}, {true}, in);
+}
+constexpr int offloaded(const engine_plan& p) {
+  int n = 0;
+  for (const auto& u : p.units[0]) n += u.offloaded ? 1 : 0;
+  return n;
+}
+constexpr bool has_rule(const engine_plan& p, rule_id r) {
+  for (const auto& d : p.decisions)
+    if (d.rule == r) return true;
+  return false;
+}
+// Aggressive: checkpointing reaches 150, offloading the kept block inputs goes lower.
+static_assert(offloaded(offload_plan(memscale::OptimizationMode::Aggressive, 1000, true, 1 << 20)) > 0);
+static_assert(offload_plan(memscale::OptimizationMode::Aggressive, 1000, true, 1 << 20).planned_peak < 150);
+static_assert(has_rule(offload_plan(memscale::OptimizationMode::Aggressive, 1000, true, 1 << 20),
+                       rule_id::offload_segment));
+// No room in the tiers: nothing offloaded, R9 says why, the checkpoint plan stands.
+static_assert(offloaded(offload_plan(memscale::OptimizationMode::Aggressive, 1000, true, 0)) == 0);
+static_assert(has_rule(offload_plan(memscale::OptimizationMode::Aggressive, 1000, true, 0), rule_id::offload_no_room));
+static_assert(offload_plan(memscale::OptimizationMode::Aggressive, 1000, true, 0).planned_peak == 150);
+// Balanced where checkpointing meets the target (pressure 0.84, target 450): no offload.
+static_assert(offloaded(offload_plan(memscale::OptimizationMode::Balanced, 500, true, 1 << 20)) == 0);
+// Checkpointing excluded: offloading alone lowers the peak below the baseline 420.
+static_assert([] {
+  const auto p = offload_plan(memscale::OptimizationMode::Aggressive, 1000, false, 1 << 20);
+  for (const auto& u : p.units[0])
+    if (u.checkpointed) return false;
+  return offloaded(p) > 0 && p.planned_peak < 420;
+}());
+
 // The DP: with a budget of 150 the optimum checkpoints three blocks (3 s).
 static_assert([] {
   const auto c = chain_of(block, 4);

@@ -60,11 +60,13 @@ inline cuda_ready copy_to_host_async(const at::Tensor& src, at::Tensor& dst) {
 }
 
 /// Copies `src` (host) into `dst` (CUDA, allocated on the current stream) on a
-/// side stream; the caller makes its stream wait on the result before reading `dst`.
-inline cuda_ready copy_to_device_async(const at::Tensor& src, at::Tensor& dst) {
+/// side stream, after `after` (the copy that filled `src`, if still pending);
+/// the caller makes its stream wait on the result before reading `dst`.
+inline cuda_ready copy_to_device_async(const at::Tensor& src, at::Tensor& dst, const cuda_ready& after = {}) {
   const auto device = dst.device().index();
   c10::cuda::CUDAGuard guard(device);
   auto side = side_stream(device, /*to_host=*/false);
+  if (after) after->block(side);
   {
     c10::cuda::CUDAStreamGuard on_side(side);
     dst.copy_(src, /*non_blocking=*/true);

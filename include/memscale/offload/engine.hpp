@@ -641,8 +641,7 @@ class engine {
     at::Tensor out = rec.layout_.empty_on(rec.device_);
 #if MEMSCALE_HAS_CUDA()
     if (rec.device_.is_cuda() && core_->options.async && rec.where_ == tier::pinned_host) {
-      if (rec.ready_) detail::stream_waits(rec.ready_, rec.device_.index());  // the offload copy finished first
-      auto done = detail::copy_to_device_async(host, out);
+      auto done = detail::copy_to_device_async(host, out, rec.ready_);  // after the offload copy
       detail::stream_waits(done, rec.device_.index());
       return out;
     }

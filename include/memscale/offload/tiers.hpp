@@ -208,8 +208,11 @@ class disk_store {
     if (fd < 0) return "cannot create " + file.string() + ": " + std::strerror(errno);
     std::string error;
     if (bytes > 0) {
-      // posix_fallocate reports a full disk now, not as SIGBUS on a later page fault.
-      if (const int rc = ::posix_fallocate(fd, 0, bytes); rc != 0) {
+      // posix_fallocate reports a full disk now, not as SIGBUS on a later page
+      // fault. File systems without it get plain writes, which report it too.
+      if (const int rc = ::posix_fallocate(fd, 0, bytes); rc == EOPNOTSUPP || rc == EINVAL) {
+        error = write_plainly(fd, data, bytes, file);
+      } else if (rc != 0) {
         error = "cannot reserve " + std::to_string(bytes) + " bytes in " + file.string() + ": " + std::strerror(rc);
       } else if (void* map = ::mmap(nullptr, static_cast<std::size_t>(bytes), PROT_WRITE, MAP_SHARED, fd, 0);
                  map == MAP_FAILED) {
@@ -222,6 +225,19 @@ class disk_store {
     ::close(fd);
     if (!error.empty()) ::unlink(file.c_str());
     return error;
+  }
+
+  /// pwrite() until done; returns the error (empty: written).
+  static std::string write_plainly(int fd, const void* data, std::int64_t bytes, const std::filesystem::path& file) {
+    const auto* p = static_cast<const char*>(data);
+    std::int64_t done = 0;
+    while (done < bytes) {
+      const auto n = ::pwrite(fd, p + done, static_cast<std::size_t>(bytes - done), static_cast<off_t>(done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return "cannot write " + file.string() + ": " + std::strerror(n < 0 ? errno : ENOSPC);
+      done += n;
+    }
+    return {};
   }
 
   /// Reads `bytes` of `file` into `data`; returns the error (empty: read).
