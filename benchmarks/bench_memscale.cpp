@@ -450,9 +450,13 @@ void print_workload(const Workload& w, int steps, std::ostream& os) {
   mem.print(os);
   if (w.dp_min_peak > 0) {
     os << "lowest projected chain peak any one-level segmentation reaches (optimal DP): " << mib(static_cast<double>(w.dp_min_peak));
-    for (const auto& r : w.rows)
-      if (r.name == "Aggressive" || r.name == "checkpoint")
+    for (const auto& r : w.rows) {
+      if (r.name != "Aggressive" && r.name != "checkpoint") continue;
+      if (r.report && r.report->offloaded_units() > 0)
+        os << "; " << r.name << " also offloads (the DP knows checkpointing only)";
+      else
         os << "; " << r.name << "'s rule plan: " << mib(static_cast<double>(r.rule_peak));
+    }
     os << "\n";
   }
   os << "\n";
@@ -496,7 +500,8 @@ void print_workload(const Workload& w, int steps, std::ostream& os) {
     }
     off.print(os);
     os << "offload: the engine's totals over every step of the row (warm-up included) divided by the steps taken.\n"
-          "transfer: time spent writing and reading (in I/O jobs or inline); waited: the part backward blocked on;\n"
+          "transfer: time spent writing and reading (in I/O jobs or inline); waited: the part the step blocked on\n"
+          "(inline copies in forward, loads in backward that had to read or wait);\n"
           "hidden = 1 - waited/transfer (the share of transfer time prefetching and async writes overlapped).\n\n";
     for (const auto& r : w.rows)
       if (r.offload)

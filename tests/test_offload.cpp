@@ -175,6 +175,35 @@ TEST_CASE("a full tier spills to the next; with all full the tensor stays", "[of
   CHECK(stats.at(tier::pageable_host).peak == 2 * bytes);
 }
 
+TEST_CASE("the pinned pool reuses freed blocks and keeps within its capacity", "[offload][engine]") {
+  int allocations = 0;
+  // Pageable blocks stand in for pinned ones: the pool's bookkeeping is the same.
+  memscale::offload::pinned_pool pool(1 << 20, [&](std::int64_t bytes) {
+    ++allocations;
+    return at::empty({bytes}, at::kByte);
+  });
+  bool failed = false;
+  auto a = pool.acquire(100 * 1024, failed);  // size class 128 KiB
+  REQUIRE(a);
+  CHECK(a->numel() == 128 * 1024);
+  const void* first = a->data_ptr();
+  pool.release(std::move(*a));
+  CHECK(pool.cached_bytes() == 128 * 1024);
+  auto again = pool.acquire(120 * 1024, failed);  // same class: the cached block comes back
+  REQUIRE(again);
+  CHECK(again->data_ptr() == first);
+  CHECK(allocations == 1);
+  auto big = pool.acquire(900 * 1024, failed);  // 1 MiB class: over capacity with the block in use
+  CHECK_FALSE(big);
+  CHECK_FALSE(failed);  // refused for room, not an allocation failure
+  pool.release(std::move(*again));
+  auto fits = pool.acquire(900 * 1024, failed);  // the cached 128 KiB block is dropped to make room
+  REQUIRE(fits);
+  CHECK(pool.cached_bytes() == 0);
+  CHECK(pool.in_use_bytes() == 1 << 20);
+  CHECK(allocations == 2);
+}
+
 TEST_CASE("a failed pinned allocation falls back to pageable memory", "[offload][engine][faults]") {
   memscale::detail::inject_offload_fault fault(memscale::detail::offload_fault::pinned_alloc);
   engine e(quiet_options());
@@ -273,6 +302,22 @@ TEST_CASE("small tensors travel together in one staging buffer and come back bit
   }
 }
 
+TEST_CASE("async writes beyond max_inflight_bytes wait, and lose nothing", "[offload][engine]") {
+  engine e(quiet_options({.async = true, .max_inflight_bytes = 1}));  // one write in flight at a time
+  std::vector<torch::Tensor> originals;
+  std::vector<memscale::offload::stored_handle> stored;
+  for (int i = 0; i < 8; ++i) {
+    originals.push_back(torch::randn({256, 256}));
+    stored.push_back(e.store(originals.back()));
+  }
+  e.wait_idle();
+  for (std::size_t i = 0; i < stored.size(); ++i) {
+    CHECK(stored[i]->where() == tier::disk);
+    CHECK(torch::equal(e.load(stored[i]), originals[i]));
+  }
+  CHECK(e.stats().at(tier::disk).tensors == 8);
+}
+
 TEST_CASE("async loads prefetch earlier groups in backward order", "[offload][engine]") {
   engine e(quiet_options({.async = true, .io_threads = 2, .prefetch_depth = 2}));
   std::vector<torch::Tensor> originals;
@@ -291,6 +336,39 @@ TEST_CASE("async loads prefetch earlier groups in backward order", "[offload][en
   CHECK(stats.prefetch_misses == 1);  // only the last group, which nothing prefetched
   CHECK(stats.prefetch_hits == 5);
   CHECK(stats.hidden_fraction() > 0.5);
+}
+
+TEST_CASE("the offload settings map from the Config and are validated", "[offload][api]") {
+  memscale::Config c;
+  c.max_cpu_offload_gb = 2.0;
+  c.async_offload = true;
+  c.async_config = memscale::AsyncOffloadConfig{.prefetch_depth = 3, .pinned_pool_mb = 64.0, .io_threads = 4,
+                                               .disk_dir = "/tmp", .max_disk_offload_gb = 1.5,
+                                               .min_offload_kb = 16.0, .batch_below_kb = 256.0};
+  const auto o = memscale::offload::options_from(c);
+  CHECK(o.async);
+  CHECK(o.host_bytes == 2LL << 30);
+  CHECK(o.disk_bytes == 3LL << 29);
+  CHECK(o.pinned_bytes == 64LL << 20);
+  CHECK(o.min_bytes == 16 * 1024);
+  CHECK(o.batch_below_bytes == 256 * 1024);
+  CHECK(o.io_threads == 4);
+  CHECK(o.prefetch_depth == 3);
+  CHECK(o.disk_dir == "/tmp");
+  auto bad = [](auto edit, const std::string& field) {
+    memscale::Config cfg;
+    cfg.async_config = memscale::AsyncOffloadConfig{};
+    edit(*cfg.async_config);
+    try {
+      cfg.validate();
+      FAIL("no ConfigError for " << field);
+    } catch (const memscale::ConfigError& e) {
+      CHECK(e.field() == field);
+    }
+  };
+  bad([](auto& a) { a.max_disk_offload_gb = -1.0; }, "async_config.max_disk_offload_gb");
+  bad([](auto& a) { a.min_offload_kb = std::nan(""); }, "async_config.min_offload_kb");
+  bad([](auto& a) { a.batch_below_kb = -2.0; }, "async_config.batch_below_kb");
 }
 
 // --- the technique ----------------------------------------------------------------
@@ -381,6 +459,26 @@ TEST_CASE("offload with Balanced acts only where checkpointing does not meet the
   auto guard = memscale::optimize<memscale::Strategy<memscale::Checkpoint>>(
       model, x, test::quiet({.mode = OptimizationMode::Aggressive}));
   CHECK(guard.report().offloaded_units() == 0);
+}
+
+TEST_CASE("offload planned lazily at the first training forward is bit-identical too", "[offload]") {
+  torch::manual_seed(21);
+  auto reference = test::flat_chain(2, 128, 512, 0.1);
+  torch::manual_seed(21);
+  auto model = test::flat_chain(2, 128, 512, 0.1);
+  auto x = torch::randn({8, 64, 128});
+  auto loss = [&](torch::nn::Sequential& m) { return [&] { return m->forward(x).pow(2).mean(); }; };
+  const auto base = test::step(*reference, loss(reference));
+  (void)memscale::wrap(model, test::quiet({.mode = OptimizationMode::Aggressive, .enable_checkpointing = false}));
+  const auto first = test::step(*model, loss(model));   // plans, then runs with offload
+  const auto second = test::step(*model, loss(model));  // runs as planned
+  const auto stats = memscale::offload_stats(model);
+  REQUIRE(stats);
+  CHECK(stats->at(tier::disk).tensors > 0);
+  CHECK(test::bit_equal(base.second, first.second));
+  CHECK(test::bit_equal(base.second, second.second));
+  CHECK(memscale::detach(model));
+  CHECK_FALSE(memscale::offload_stats(model));
 }
 
 TEST_CASE("detach removes the offload wrappers and restores the model", "[offload]") {

@@ -56,6 +56,7 @@ struct engine_options {
   bool async = false;
   int io_threads = 2;
   int prefetch_depth = 2;                       ///< groups fetched ahead of backward
+  std::int64_t max_inflight_bytes = 256LL << 20;  ///< async: bytes queued for writing before store() waits
   bool log_warnings = true;                     ///< also print each distinct warning once to stderr
 };
 
@@ -72,6 +73,7 @@ inline engine_options options_from(const Config& config) {
   o.async = config.async_offload;
   o.io_threads = async.io_threads;
   o.prefetch_depth = async.prefetch_depth;
+  o.max_inflight_bytes = o.pinned_bytes;  // the staging memory the engine may hold, pinned or queued
   o.log_warnings = config.enable_logging;
   return o;
 }
@@ -148,6 +150,23 @@ class engine_core {
     if (options.log_warnings) std::clog << "[memscale] warning: " << message << "\n";
   }
 
+  /// Backpressure for async writes: waits while `bytes` more would exceed
+  /// max_inflight_bytes (one write always proceeds); returns the seconds waited.
+  double begin_write(std::int64_t bytes) {
+    const auto start = clock::now();
+    std::unique_lock<std::mutex> lock(inflight_mutex_);
+    drained_.wait(lock, [&] { return inflight_ == 0 || inflight_ + bytes <= options.max_inflight_bytes; });
+    inflight_ += bytes;
+    return seconds_since(start);
+  }
+  void end_write(std::int64_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(inflight_mutex_);
+      inflight_ -= bytes;
+    }
+    drained_.notify_all();
+  }
+
   template <class F>
   void update(F&& f) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -167,6 +186,9 @@ class engine_core {
   mutable std::mutex mutex_;
   engine_stats stats_;
   std::int64_t host_used_ = 0;
+  std::mutex inflight_mutex_;
+  std::condition_variable drained_;
+  std::int64_t inflight_ = 0;
 };
 
 }  // namespace detail
@@ -546,6 +568,8 @@ class engine {
     rec->file_ = core_->disk.next_file();
     at::Tensor source = dense_host_source(*rec, t);
     if (io_) {
+      if (const double waited = core_->begin_write(bytes); waited > 0.0)
+        core_->update([&](engine_stats& s) { s.wait_seconds += waited; });
       rec->where_ = tier::disk;
       rec->held_ = source;  // alive (and loadable) until written
       rec->writing_ = true;
@@ -553,6 +577,7 @@ class engine {
         const auto start = detail::clock::now();
         const auto error = disk_store::write(rec->file_, source.data_ptr(), rec->layout_.bytes);
         const double took = detail::seconds_since(start);
+        core->end_write(rec->layout_.bytes);
         std::lock_guard<std::mutex> lock(rec->mutex_);
         rec->writing_ = false;
         if (error.empty()) {

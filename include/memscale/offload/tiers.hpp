@@ -10,6 +10,7 @@
 #include <atomic>
 #include <stdexcept>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -83,7 +84,15 @@ struct tensor_layout {
 /// refusing) are reported to the caller, which spills to pageable memory.
 class pinned_pool {
  public:
-  explicit pinned_pool(std::int64_t capacity_bytes) : capacity_(capacity_bytes) {}
+  /// Makes one block; throws when it cannot (a CPU-only LibTorch always does).
+  using allocator = std::function<at::Tensor(std::int64_t bytes)>;
+
+  static at::Tensor allocate_pinned(std::int64_t bytes) {
+    return at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  }
+
+  explicit pinned_pool(std::int64_t capacity_bytes, allocator allocate = &allocate_pinned)
+      : capacity_(capacity_bytes), allocate_(std::move(allocate)) {}
 
   /// A pinned uint8 block of at least `bytes`, or nullopt (over capacity, or failed).
   /// `failed` is set when the allocation itself failed.
@@ -103,7 +112,7 @@ class pinned_pool {
     try {
       if (memscale::detail::offload_fault_injected(memscale::detail::offload_fault::pinned_alloc))
         throw std::runtime_error("pinned allocation failure injected by a test");
-      at::Tensor block = at::empty({size}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      at::Tensor block = allocate_(size);
       in_use_ += size;
       return block;
     } catch (const std::exception&) {
@@ -151,6 +160,7 @@ class pinned_pool {
 
   mutable std::mutex mutex_;
   std::int64_t capacity_;
+  allocator allocate_;
   std::int64_t in_use_ = 0;
   std::int64_t cached_ = 0;
   std::map<std::int64_t, std::vector<at::Tensor>> free_;
