@@ -40,9 +40,11 @@ std::vector<torch::Tensor> hooks_step(hooks_model& m, const torch::Tensor& x) {
       .second;
 }
 
+/// Engine options for tests: no stderr warnings, and every tensor offloaded
+/// unless the test sets min_bytes itself.
 engine_options quiet_options(engine_options o = {}) {
   o.log_warnings = false;
-  o.min_bytes = 0;
+  if (o.min_bytes == engine_options{}.min_bytes) o.min_bytes = 0;
   return o;
 }
 
@@ -369,6 +371,39 @@ TEST_CASE("the offload settings map from the Config and are validated", "[offloa
   bad([](auto& a) { a.max_disk_offload_gb = -1.0; }, "async_config.max_disk_offload_gb");
   bad([](auto& a) { a.min_offload_kb = std::nan(""); }, "async_config.min_offload_kb");
   bad([](auto& a) { a.batch_below_kb = -2.0; }, "async_config.batch_below_kb");
+}
+
+TEST_CASE("a graph dropped without backward frees what it saved, offloaded or kept", "[offload][engine]") {
+  memory_tracker::install();
+  auto w = torch::randn({512, 512}, torch::requires_grad());
+  auto x = torch::randn({512, 512});
+  for (std::int64_t min_bytes : {std::int64_t{0}, std::int64_t{1} << 30}) {  // offloaded; kept on the device
+    INFO("min_bytes " << min_bytes);
+    auto e = std::make_shared<engine>(quiet_options({.min_bytes = min_bytes}));
+    const auto before = memory_tracker::current_bytes();
+    {
+      // relu and sigmoid save their outputs: a record or a kept tensor holding an
+      // output with its grad_fn would own the node that owns it, and never go.
+      auto y = memscale::with_offload(e, [&] { return x.mm(w).relu().sigmoid().sum(); });
+      CHECK(memory_tracker::current_bytes() > before);
+    }
+    CHECK(memory_tracker::current_bytes() - before < 64 * 1024);
+    CHECK(e->stats().at(tier::disk).bytes == 0);
+  }
+}
+
+TEST_CASE("a tensor kept by an offload scope and then modified in place is refused in backward",
+          "[offload][engine]") {
+  auto e = std::make_shared<engine>(quiet_options({.min_bytes = std::int64_t{1} << 30}));
+  auto w = torch::randn({8, 8}, torch::requires_grad());
+  auto h = torch::randn({4, 8});
+  torch::Tensor loss;
+  memscale::with_offload(e, [&] {
+    loss = h.mm(w).sum();  // mm saves h for w's gradient
+    return 0;
+  });
+  h.add_(1.0);  // what backward would read is no longer what forward saw
+  CHECK_THROWS_WITH(loss.backward(), Catch::Contains("modified in place"));
 }
 
 // --- the technique ----------------------------------------------------------------

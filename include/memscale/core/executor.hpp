@@ -297,8 +297,12 @@ class attachment : public std::enable_shared_from_this<attachment> {
     in.static_bytes = out.static_bytes();
     in.offload_allowed = static_cast<bool>(techniques_.offload);
     if (in.offload_allowed) {
-      const auto tiers = offload_room(device, hw);
-      in.offload_budget_bytes = tiers.first;
+      const auto tiers = offload_room(device);
+      // Chains planned earlier (lazy planning) already use part of the room.
+      std::int64_t used = 0;
+      for (std::size_t c = 0; c < out.chains.size() && c < out.plan.units.size(); ++c)
+        used += project_chain(out.chains[c].slots, out.plan.units[c]).offloaded_bytes;
+      in.offload_budget_bytes = std::max<std::int64_t>(0, tiers.first - used);
       in.offload_bytes_per_second = tiers.second;
       in.offload_min_bytes = offload::options_from(config_).min_bytes;
     }
@@ -330,26 +334,14 @@ class attachment : public std::enable_shared_from_this<attachment> {
     return decided.units;
   }
 
-  /// Room in the offload tiers for tensors on `device`, and the transfer rate
-  /// to the tier they would reach: host tiers (capped by max_cpu_offload_gb, else
-  /// half the available RAM) for CUDA, then the disk tier (capped by
-  /// max_disk_offload_gb, else its free space). CPU tensors go to disk only.
-  std::pair<std::int64_t, double> offload_room(const c10::Device& device, const HardwareInfo& hw) const {
-    const auto async = config_.async_config.value_or(AsyncOffloadConfig{});
-    std::int64_t disk = 0;
-    if (async.max_disk_offload_gb) {
-      disk = static_cast<std::int64_t>(*async.max_disk_offload_gb * gib);
-    } else {
-      std::error_code ec;
-      const auto dir = async.disk_dir ? std::filesystem::path(*async.disk_dir)
-                                       : std::filesystem::temp_directory_path(ec);
-      const auto space = std::filesystem::space(dir, ec);
-      disk = ec ? 0 : static_cast<std::int64_t>(space.available / 2);  // leave the disk half its free space
-    }
+  /// Room in the offload tiers for tensors on `device` (the engine's caps, see
+  /// offload::options_from), and the transfer rate to the tier they reach first:
+  /// host tiers then disk for CUDA, disk only for CPU tensors.
+  std::pair<std::int64_t, double> offload_room(const c10::Device& device) const {
+    const auto o = offload::options_from(config_);
+    const std::int64_t disk = o.disk_bytes.value_or(0);
     if (!device.is_cuda()) return {disk, nominal_disk_bytes_per_second};
-    const std::int64_t host = config_.max_cpu_offload_gb
-                                  ? static_cast<std::int64_t>(*config_.max_cpu_offload_gb * gib)
-                                  : hw.host_available_bytes / 2;
+    const std::int64_t host = o.host_bytes.value_or(0);
     return {host + disk, host > 0 ? nominal_host_link_bytes_per_second : nominal_disk_bytes_per_second};
   }
 

@@ -104,7 +104,8 @@ struct range_projection {
   std::int64_t moved = 0;
   bool previous_keeps = true;
   std::vector<std::int64_t> before(units.size(), 0);
-  std::vector<std::int64_t> restored(units.size(), 0);  // bytes an offloaded unit brings back
+  std::vector<std::int64_t> restored(units.size(), 0);  // bytes an offloaded unit moves out and back
+  std::vector<std::int64_t> returned(units.size(), 0);  // ... of which forward's live count no longer holds
   for (std::size_t i = 0; i < units.size(); ++i) {
     const auto& u = units[i];
     before[i] = live;
@@ -113,7 +114,7 @@ struct range_projection {
       live += s[u.last].output_bytes;  // only the run's output survives forward
       // Offloaded, the kept input leaves too, unless someone else holds it.
       if (u.offloaded && u.first > 0 && !previous_keeps) {
-        restored[i] = s[u.first].input_bytes;
+        restored[i] = returned[i] = s[u.first].input_bytes;
         live -= restored[i];
       }
       previous_keeps = false;  // a checkpoint does not save its output
@@ -126,6 +127,8 @@ struct range_projection {
         live += (s[k].output_is_view ? 0 : s[k].output_bytes) - freed;
         restored[i] = s[k].saved_bytes + (s[k].saves_input ? s[k].input_bytes : 0) +
                       (s[k].saves_output ? s[k].output_bytes : 0);
+        // The output (and an input nobody freed) still count as live below.
+        returned[i] = s[k].saved_bytes + (s[k].saves_input ? freed : 0);
         previous_keeps = false;
       } else {
         live += s[k].kept_bytes() - freed_input_bytes(s, k, previous_keeps);
@@ -137,15 +140,16 @@ struct range_projection {
   const std::int64_t forward_end = live;
   for (std::size_t i = units.size(); i-- > 0;) {
     const auto& u = units[i];
-    const std::int64_t prefetched = (i > 0 && units[i - 1].offloaded) ? restored[i - 1] : 0;
+    const std::int64_t prefetched = (i > 0 && units[i - 1].offloaded) ? returned[i - 1] : 0;
     if (u.checkpointed) {
-      // Backward of a checkpoint recomputes the run with grad, then runs its backward.
-      const auto r = project_plain_range(s, u.first, u.last, before[i] + restored[i]);
+      // Backward of a checkpoint recomputes the run with grad, then runs its
+      // backward; before[i] counts its input, offloaded or not (it is back).
+      const auto r = project_plain_range(s, u.first, u.last, before[i]);
       peak = std::max({peak, r.forward_peak + prefetched, r.backward_peak + prefetched});
     } else {
       const int k = u.first;
       const std::int64_t after = (i + 1 < units.size()) ? before[i + 1] : forward_end;
-      peak = std::max(peak, after + restored[i] + prefetched + s[k].output_bytes + s[k].input_bytes +
+      peak = std::max(peak, after + returned[i] + prefetched + s[k].output_bytes + s[k].input_bytes +
                                 s[k].workspace_bytes);
     }
   }

@@ -67,6 +67,11 @@ inline cuda_ready copy_to_device_async(const at::Tensor& src, at::Tensor& dst, c
   c10::cuda::CUDAGuard guard(device);
   auto side = side_stream(device, /*to_host=*/false);
   if (after) after->block(side);
+  // `dst` came from the caching allocator on the current stream: kernels queued
+  // there may still use its block, so the copy waits for them.
+  at::cuda::CUDAEvent allocated;
+  allocated.record(c10::cuda::getCurrentCUDAStream(device));
+  allocated.block(side);
   {
     c10::cuda::CUDAStreamGuard on_side(side);
     dst.copy_(src, /*non_blocking=*/true);

@@ -35,6 +35,7 @@
 #include <torch/torch.h>
 
 #include <memscale/config.hpp>
+#include <memscale/core/hardware.hpp>
 #include <memscale/offload/cuda_copy.hpp>
 #include <memscale/offload/io_pool.hpp>
 #include <memscale/offload/tiers.hpp>
@@ -60,6 +61,15 @@ struct engine_options {
   bool log_warnings = true;                     ///< also print each distinct warning once to stderr
 };
 
+inline std::int64_t physical_host_bytes() {
+  const auto pages = ::sysconf(_SC_PHYS_PAGES);
+  const auto page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<std::int64_t>(pages) * page : 0;
+}
+
+/// The engine settings a Config asks for. Host tiers: max_cpu_offload_gb, or
+/// half the host's available RAM when unset; disk: max_disk_offload_gb, or half
+/// the free space of its directory. The planner budgets with the same caps.
 inline engine_options options_from(const Config& config) {
   constexpr double gib = 1024.0 * 1024.0 * 1024.0;
   const AsyncOffloadConfig async = config.async_config.value_or(AsyncOffloadConfig{});
@@ -67,8 +77,16 @@ inline engine_options options_from(const Config& config) {
   o.min_bytes = static_cast<std::int64_t>(async.min_offload_kb * 1024.0);
   o.batch_below_bytes = static_cast<std::int64_t>(async.batch_below_kb * 1024.0);
   o.pinned_bytes = static_cast<std::int64_t>(async.pinned_pool_mb * 1024.0 * 1024.0);
-  if (config.max_cpu_offload_gb) o.host_bytes = static_cast<std::int64_t>(*config.max_cpu_offload_gb * gib);
-  if (async.max_disk_offload_gb) o.disk_bytes = static_cast<std::int64_t>(*async.max_disk_offload_gb * gib);
+  o.host_bytes = config.max_cpu_offload_gb ? static_cast<std::int64_t>(*config.max_cpu_offload_gb * gib)
+                                           : memscale::detail::host_available_bytes(physical_host_bytes()) / 2;
+  if (async.max_disk_offload_gb) {
+    o.disk_bytes = static_cast<std::int64_t>(*async.max_disk_offload_gb * gib);
+  } else {
+    std::error_code ec;
+    const auto dir = async.disk_dir ? std::filesystem::path(*async.disk_dir) : std::filesystem::temp_directory_path(ec);
+    const auto space = std::filesystem::space(dir, ec);
+    o.disk_bytes = ec ? 0 : static_cast<std::int64_t>(space.available / 2);
+  }
   o.disk_dir = async.disk_dir;
   o.async = config.async_offload;
   o.io_threads = async.io_threads;
@@ -121,12 +139,13 @@ class engine_core {
  public:
   explicit engine_core(const engine_options& o) : options(o), pool(o.pinned_bytes), disk(o.disk_dir) {}
 
-  /// Takes `bytes` of tier `t`'s budget; false when it has no room.
-  bool reserve(tier t, std::int64_t bytes) {
+  /// Takes `bytes` of tier `t`'s budget; false when it has no room (unless forced).
+  bool reserve(tier t, std::int64_t bytes, bool force = false) {
     std::lock_guard<std::mutex> lock(mutex_);
     const bool host = t == tier::pinned_host || t == tier::pageable_host;
-    if (host && options.host_bytes && host_used_ + bytes > *options.host_bytes) return false;
-    if (t == tier::disk && options.disk_bytes && stats_.at(tier::disk).bytes + bytes > *options.disk_bytes)
+    if (!force && host && options.host_bytes && host_used_ + bytes > *options.host_bytes) return false;
+    if (!force && t == tier::disk && options.disk_bytes &&
+        stats_.at(tier::disk).bytes + bytes > *options.disk_bytes)
       return false;
     if (host) host_used_ += bytes;
     auto& u = stats_.tiers[static_cast<std::size_t>(t)];
@@ -228,7 +247,13 @@ class stored_tensor {
   stored_tensor& operator=(const stored_tensor&) = delete;
   ~stored_tensor() {
     if (where_ != tier::device) core_->release(where_, layout_.bytes);
-    if (pinned_block_) core_->pool.release(std::move(*pinned_block_));
+    if (pinned_block_) {
+      // Copies on side streams may still read or write the block: another
+      // record (another device's stream) must not get it before they finish.
+      detail::host_waits(ready_);
+      detail::host_waits(last_read_);
+      core_->pool.release(std::move(*pinned_block_));
+    }
     if (!file_.empty()) {
       std::error_code ignored;
       std::filesystem::remove(file_, ignored);
@@ -262,6 +287,7 @@ class stored_tensor {
   at::Tensor held_;                      // device: the tensor; host tiers: the copy; disk: the source while writing
   std::optional<at::Tensor> pinned_block_;
   detail::cuda_ready ready_;             // the device->host copy into held_ (async CUDA)
+  detail::cuda_ready last_read_;         // the latest host->device copy out of held_ (async CUDA)
   std::filesystem::path file_;
   bool writing_ = false;
   bool reading_ = false;
@@ -300,7 +326,10 @@ class engine {
 
   /// Moves `t` to the first tier with room (or `first` and after). Never throws
   /// for lack of room or an I/O failure: the tensor then stays where it is.
-  stored_handle store(const at::Tensor& t, std::optional<tier> first = {}) {
+  stored_handle store(const at::Tensor& tensor, std::optional<tier> first = {}) {
+    // Without its autograd history: a saved output's grad_fn owns the saved
+    // variable that owns this record, and that cycle would keep a graph alive.
+    const at::Tensor t = tensor.detach();
     auto rec = std::make_shared<stored_tensor>(core_, t, group_.load());
     const auto order = tiers_for(t.device(), first);
     const auto start = detail::clock::now();
@@ -309,11 +338,18 @@ class engine {
     std::optional<tier> placed;
     for (std::size_t i = 0; i < order.size() && !placed; ++i) {
       bool ok = false;
-      switch (order[i]) {
-        case tier::device: ok = keep(*rec, t); break;
-        case tier::pinned_host: ok = to_pinned(*rec, t); break;
-        case tier::pageable_host: ok = to_pageable(*rec, t); break;
-        case tier::disk: ok = to_disk(rec, t); break;
+      try {
+        switch (order[i]) {
+          case tier::device: ok = keep(*rec, t); break;
+          case tier::pinned_host: ok = to_pinned(*rec, t); break;
+          case tier::pageable_host: ok = to_pageable(*rec, t); break;
+          case tier::disk: ok = to_disk(rec, t); break;
+        }
+      } catch (const std::exception& e) {
+        // Each placement undoes its own reservations before rethrowing; here
+        // the failure only moves the tensor on to the next tier.
+        core_->warn(std::string("offload to the ") + std::string(to_string(order[i])) + " tier failed (" +
+                    e.what() + "); trying the next tier");
       }
       if (ok) placed = order[i];
       if (ok && i > 0) core_->update([](engine_stats& s) { ++s.spills; });
@@ -359,7 +395,7 @@ class engine {
     const auto bytes = static_cast<std::int64_t>(t.nbytes());
     if (bytes >= core_->options.batch_below_bytes) return store(t);
     auto rec = std::make_shared<stored_tensor>(core_, t, group_.load());
-    rec->held_ = t;
+    rec->held_ = t.detach();  // see store()
     rec->pending_batch_ = true;
     std::lock_guard<std::mutex> lock(pending_mutex_);
     pending_.push_back(rec);
@@ -461,12 +497,19 @@ class engine {
     auto* base = static_cast<unsigned char*>(staging.data_ptr());
     for (std::size_t i = 0; i < members.size(); ++i)
       spans[i] = {sources[i].data_ptr(), base + offsets[i], members[i]->layout_.bytes};
+    c10::cuda::CUDAGuard on_device_of_staging(staging.device());
     at::Tensor on_device = table.to(staging.device());
     const auto stream = c10::cuda::getCurrentCUDAStream(staging.device().index());
     const auto status = memscale_cuda_batched_copy(
         reinterpret_cast<const memscale_copy_span*>(on_device.data_ptr<std::int64_t>()),
         static_cast<int>(members.size()), stream.stream());
-    TORCH_CHECK(status == cudaSuccess, "memscale: the batched copy kernel failed: ", cudaGetErrorString(status));
+    if (status != cudaSuccess) {
+      // A launch error means nothing ran: ATen copies do the gather instead.
+      cudaGetLastError();
+      core_->warn(std::string("the batched copy kernel could not launch (") + cudaGetErrorString(status) +
+                  "); gathering with ATen copies");
+      return false;
+    }
     core_->update([](engine_stats& s) { ++s.kernel_gathers; });
     return true;
 #else
@@ -530,21 +573,32 @@ class engine {
       }
       return false;
     }
-    // A typed view of the block with the tensor's layout.
-    at::Tensor host = at::from_blob(block->data_ptr(), rec.layout_.sizes, rec.layout_.strides,
-                                    rec.layout_.options.device(c10::kCPU).pinned_memory(false));
-    copy_to_host(rec, t, host, /*pinned=*/true);
+    try {
+      // A typed view of the block with the tensor's layout.
+      at::Tensor host = at::from_blob(block->data_ptr(), rec.layout_.sizes, rec.layout_.strides,
+                                      rec.layout_.options.device(c10::kCPU).pinned_memory(false));
+      copy_to_host(rec, t, host, /*pinned=*/true);
+      rec.held_ = host;
+    } catch (...) {
+      core_->pool.release(std::move(*block));
+      core_->release(tier::pinned_host, bytes);
+      throw;
+    }
     rec.pinned_block_ = std::move(block);
-    rec.held_ = host;
     rec.where_ = tier::pinned_host;
     return true;
   }
 
   bool to_pageable(stored_tensor& rec, const at::Tensor& t) {
     if (!core_->reserve(tier::pageable_host, rec.layout_.bytes)) return false;
-    at::Tensor host = rec.layout_.empty_on(c10::kCPU);
-    host.copy_(t);
-    rec.held_ = host;
+    try {
+      at::Tensor host = rec.layout_.empty_on(c10::kCPU);
+      host.copy_(t);
+      rec.held_ = host;
+    } catch (...) {
+      core_->release(tier::pageable_host, rec.layout_.bytes);
+      throw;
+    }
     rec.where_ = tier::pageable_host;
     return true;
   }
@@ -565,15 +619,21 @@ class engine {
     }
     const auto bytes = rec->layout_.bytes;
     if (!core_->reserve(tier::disk, bytes)) return false;
+    at::Tensor source;
+    try {
+      source = dense_host_source(*rec, t);
+    } catch (...) {
+      core_->release(tier::disk, bytes);
+      throw;
+    }
     rec->file_ = core_->disk.next_file();
-    at::Tensor source = dense_host_source(*rec, t);
     if (io_) {
       if (const double waited = core_->begin_write(bytes); waited > 0.0)
         core_->update([&](engine_stats& s) { s.wait_seconds += waited; });
       rec->where_ = tier::disk;
       rec->held_ = source;  // alive (and loadable) until written
       rec->writing_ = true;
-      io_->submit([rec, core = core_, source] {
+      auto job = [rec, core = core_, source] {
         const auto start = detail::clock::now();
         const auto error = disk_store::write(rec->file_, source.data_ptr(), rec->layout_.bytes);
         const double took = detail::seconds_since(start);
@@ -587,9 +647,12 @@ class engine {
             s.transfer_seconds += took;
           });
         } else {
-          // Nothing is lost: the tensor stays in memory (on the host).
+          // Nothing is lost: the bytes stay in memory. A CPU tensor is where it
+          // was; a CUDA tensor's host copy counts as pageable host memory (over
+          // the cap if need be), so load() still brings it back to its device.
           core->release(tier::disk, rec->layout_.bytes);
-          rec->where_ = tier::device;
+          rec->where_ = rec->device_.is_cpu() ? tier::device : tier::pageable_host;
+          if (rec->where_ != tier::device) core->reserve(rec->where_, rec->layout_.bytes, /*force=*/true);
           rec->file_.clear();
           core->update([](engine_stats& s) {
             ++s.disk_failures;
@@ -598,7 +661,18 @@ class engine {
           core->warn("disk offload write failed (" + error + "); the tensor stays in memory");
         }
         rec->changed_.notify_all();
-      });
+      };
+      try {
+        io_->submit(std::move(job));
+      } catch (...) {
+        core_->end_write(bytes);
+        core_->release(tier::disk, bytes);
+        rec->where_ = tier::device;
+        rec->writing_ = false;
+        rec->held_ = at::Tensor();
+        rec->file_.clear();
+        throw;
+      }
       return true;
     }
     if (const auto error = disk_store::write(rec->file_, source.data_ptr(), bytes); !error.empty()) {
@@ -668,6 +742,7 @@ class engine {
     if (rec.device_.is_cuda() && core_->options.async && rec.where_ == tier::pinned_host) {
       auto done = detail::copy_to_device_async(host, out, rec.ready_);  // after the offload copy
       detail::stream_waits(done, rec.device_.index());
+      rec.last_read_ = done;
       return out;
     }
     detail::host_waits(rec.ready_);

@@ -26,9 +26,20 @@ namespace detail {
 /// What an offload scope saved for one tensor: the tensor itself (kept on the
 /// device) or the engine's record of where it went.
 struct offload_packed {
-  at::Tensor kept;
+  at::Tensor kept;  // detached: a saved output's grad_fn would own this very record
+  std::uint32_t version = 0;
   offload::stored_handle stored;
 };
+
+/// A kept tensor as backward needs it: saved-tensor hooks turn off autograd's
+/// own in-place check, so the scope checks the version counter itself.
+inline at::Tensor unpack_kept(const offload_packed& p) {
+  TORCH_CHECK(p.kept._version() == p.version,
+              "memscale: a tensor saved for backward inside an offload scope was modified in place after it was "
+              "saved (version ", p.version, " -> ", p.kept._version(),
+              "); backward would compute a wrong gradient. Make that operation out of place.");
+  return p.kept;
+}
 
 /// Storages the scope must not offload: its parameters and buffers (they stay
 /// alive anyway, so moving them would only cost transfers).
@@ -80,10 +91,12 @@ decltype(auto) with_offload(const std::shared_ptr<offload::engine>& engine, Fn&&
         const bool stays = !t.defined() || t.layout() != c10::kStrided || !t.has_storage() ||
                            static_cast<std::int64_t>(t.nbytes()) < min_bytes ||
                            (keep && keep->count(t.storage().unsafeGetStorageImpl()) != 0);
-        if (stays) return {t, nullptr};
-        return {at::Tensor(), engine->store_or_defer(t)};
+        if (stays) return {t.detach(), static_cast<std::uint32_t>(t._version()), nullptr};
+        return {at::Tensor(), 0, engine->store_or_defer(t)};
       },
-      [engine](detail::offload_packed& p) -> at::Tensor { return p.stored ? engine->load(p.stored) : p.kept; });
+      [engine](detail::offload_packed& p) -> at::Tensor {
+        return p.stored ? engine->load(p.stored) : detail::unpack_kept(p);
+      });
   return std::forward<Fn>(fn)();
 }
 
