@@ -252,6 +252,7 @@ int run(const Args& args) {
   std::int64_t planning_growth = 0, planning_retained = 0;
   double planning_seconds = 0.0;
   memscale::Report report;
+  std::optional<memscale::offload::engine_stats> offload;  // what the offload engine did, when the plan offloads
   {
     torch::optim::AdamW optimizer(model2->parameters(), torch::optim::AdamWOptions(learning_rate));
     torch::manual_seed(train_seed);  // optimize() draws no random numbers training would see
@@ -282,6 +283,7 @@ int run(const Args& args) {
       std::cerr << "train_gpt: ERROR: the guard stopped managing the model before its scope ended\n";
       return 1;
     }
+    offload = guard.offload_stats();
   }  // the guard detaches model2 here
   const bool still_optimized = memscale::is_optimized(model2);
 
@@ -337,7 +339,14 @@ int run(const Args& args) {
             << ratio(opt.front().seconds + planning_seconds, base.front().seconds) << "\n";
   std::cout << "planner: projected step peak " << mib(report.baseline_peak_bytes()) << " -> "
             << mib(report.planned_peak_bytes()) << " (static " << mib(report.static_bytes()) << "), "
-            << report.checkpointed_segments() << " checkpointed segment(s)\n";
+            << report.checkpointed_segments() << " checkpointed segment(s), " << report.offloaded_units()
+            << " offloaded unit(s)\n";
+  if (offload) {
+    const auto& disk = offload->at(memscale::offload::tier::disk);
+    std::cout << "offload engine: " << mib(offload->bytes_written / args.steps) << " written and "
+              << mib(offload->bytes_read / args.steps) << " read per step, disk tier peak " << mib(disk.peak) << ", "
+              << offload->warnings.size() << " warning(s)\n";
+  }
   if (report.checkpointed_segments() == 0)
     std::cout << "note: the plan checkpoints nothing (memory pressure " << std::setprecision(3)
               << report.memory_pressure() << " in mode " << mode
