@@ -12,6 +12,7 @@
 #include <memscale/errors.hpp>
 #include <memscale/techniques/checkpoint.hpp>
 #include <memscale/techniques/concepts.hpp>
+#include <memscale/techniques/mixed_precision.hpp>
 #include <memscale/techniques/offload.hpp>
 #include <memscale/techniques/strategy.hpp>
 #include <memscale/techniques/tile.hpp>

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <memscale/config.hpp>
 #include <memscale/core/decision_engine.hpp>
@@ -192,7 +193,13 @@ class attachment : public std::enable_shared_from_this<attachment> {
       report_.notes.emplace_back("tile: requested, but this release does not apply it yet; plans use "
                                  "checkpointing only");
     if (config_.use_mixed_precision)
-      report_.notes.emplace_back("use_mixed_precision: not implemented in this release; training runs as is");
+      report_.notes.emplace_back(
+          "use_mixed_precision: optimize() keeps autocast open for the guard's lifetime on its thread (bfloat16 "
+          "on CPU, float16 on CUDA; scale float16 losses with memscale::amp::loss_scaler); wrap() has no scope "
+          "to hold it: open a memscale::autocast_scope yourself. The plan was profiled in full precision" +
+          std::string(TORCH_VERSION_MAJOR < 2 ? ". LibTorch 1.13: CPU LayerNorm refuses a bfloat16 input with "
+                                                "float32 weights under autocast (fixed in 2.x)"
+                                              : ""));
     if (config_.use_8bit_optimizer)
       report_.notes.emplace_back("use_8bit_optimizer: not implemented in this release");
     if (config_.auto_policy)

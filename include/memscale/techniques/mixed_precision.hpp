@@ -1,0 +1,194 @@
+// memscale — mixed precision: an RAII autocast scope (bfloat16 on CPU; float16
+// or bfloat16 on CUDA) and a dynamic loss scaler usable with any
+// torch::optim::Optimizer. optimize() opens an autocast_scope for the guard's
+// lifetime when Config::use_mixed_precision is set.
+//
+//   memscale::amp::loss_scaler scaler;
+//   scaler.scale(loss).backward();
+//   scaler.step(optimizer);   // unscales, skips the step on inf/NaN gradients
+//   scaler.update();          // backs off after an overflow, grows after a clean run
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include <ATen/autocast_mode.h>
+#include <torch/torch.h>
+
+#include <memscale/detail/compat.hpp>
+#include <memscale/errors.hpp>
+
+namespace memscale {
+
+/// Autocast for one device type for the scope's lifetime, on the thread that
+/// opens it (autocast is thread-local in LibTorch). The previous state comes
+/// back at the end; the cast cache is cleared when the outermost scope closes.
+/// A scope spanning several optimizer steps must not cache casts of weights
+/// the optimizer changes in place: `cache_casts` is off by default for that.
+class autocast_scope {
+ public:
+  explicit autocast_scope(c10::DeviceType device = c10::kCPU, std::optional<at::ScalarType> dtype = {},
+                          bool cache_casts = false)
+      : previous_(detail::compat::current_autocast()), previous_cache_(at::autocast::is_autocast_cache_enabled()) {
+    auto next = previous_;
+    if (device == c10::kCPU) {
+      next.cpu = true;
+      next.cpu_dtype = dtype.value_or(at::kBFloat16);
+      check_dtype(device, next.cpu_dtype);
+    } else if (device == c10::kCUDA) {
+      next.cuda = true;
+      next.cuda_dtype = dtype.value_or(at::kHalf);
+      check_dtype(device, next.cuda_dtype);
+    } else {
+      throw Error("memscale::autocast_scope: autocast is supported on cpu and cuda, got device type " +
+                  c10::DeviceTypeName(device));
+    }
+    detail::compat::set_autocast(next);
+    at::autocast::set_autocast_cache_enabled(cache_casts);
+    at::autocast::increment_nesting();
+  }
+  autocast_scope(const autocast_scope&) = delete;
+  autocast_scope& operator=(const autocast_scope&) = delete;
+  ~autocast_scope() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_cache_enabled(previous_cache_);
+    detail::compat::set_autocast(previous_);
+  }
+
+ private:
+  static void check_dtype(c10::DeviceType device, at::ScalarType dtype) {
+    const bool cpu = device == c10::kCPU;
+#if TORCH_VERSION_MAJOR >= 2
+    const bool ok = dtype == at::kBFloat16 || dtype == at::kHalf;
+    const char* valid = "bfloat16 or float16";
+#else
+    const bool ok = cpu ? dtype == at::kBFloat16 : (dtype == at::kBFloat16 || dtype == at::kHalf);
+    const char* valid = cpu ? "bfloat16 (LibTorch 1.13's CPU autocast has no other)" : "bfloat16 or float16";
+#endif
+    if (!ok)
+      throw Error(std::string("memscale::autocast_scope: autocast on ") + (cpu ? "cpu" : "cuda") + " takes " +
+                  valid + ", got " + c10::toString(dtype));
+  }
+
+  detail::compat::autocast_state previous_;
+  bool previous_cache_;
+};
+
+namespace amp {
+
+struct loss_scaler_options {
+  double init_scale = 65536.0;   ///< 2^16, as PyTorch's GradScaler
+  double growth_factor = 2.0;    ///< after growth_interval steps without inf/NaN
+  double backoff_factor = 0.5;   ///< after a step with inf/NaN
+  int growth_interval = 2000;
+  bool enabled = true;           ///< false: scale() and step() pass through (a bf16 run needs no scaling)
+};
+
+/// Dynamic loss scaling for float16 training, for any torch::optim::Optimizer:
+/// scale the loss before backward, unscale the gradients before the step, skip
+/// the step when any gradient is inf/NaN, then adjust the scale. On CUDA the
+/// gradients are checked and unscaled by ATen's fused AMP kernel; on CPU by
+/// plain tensor ops (LibTorch 1.13 has the fused kernel for CUDA only).
+class loss_scaler {
+ public:
+  explicit loss_scaler(loss_scaler_options options = {}) : options_(options), scale_(options.init_scale) {
+    if (!(options.init_scale > 0.0) || !std::isfinite(options.init_scale))
+      throw Error("memscale::amp::loss_scaler: init_scale must be a finite number > 0, got " +
+                  std::to_string(options.init_scale));
+    if (!(options.growth_factor > 1.0))
+      throw Error("memscale::amp::loss_scaler: growth_factor must be > 1, got " +
+                  std::to_string(options.growth_factor));
+    if (!(options.backoff_factor > 0.0 && options.backoff_factor < 1.0))
+      throw Error("memscale::amp::loss_scaler: backoff_factor must be in (0, 1), got " +
+                  std::to_string(options.backoff_factor));
+    if (options.growth_interval < 1)
+      throw Error("memscale::amp::loss_scaler: growth_interval must be >= 1, got " +
+                  std::to_string(options.growth_interval));
+  }
+
+  /// The loss times the current scale (the loss itself when disabled).
+  [[nodiscard]] torch::Tensor scale(const torch::Tensor& loss) const {
+    return options_.enabled ? loss * scale_ : loss;
+  }
+
+  /// Divides the gradients of `optimizer`'s parameters by the scale, once per
+  /// step, and records whether any is inf/NaN. step() calls it when needed;
+  /// call it yourself to clip gradients before the step.
+  void unscale(torch::optim::Optimizer& optimizer) {
+    if (!options_.enabled || unscaled_.count(&optimizer) != 0) return;
+    unscaled_.insert(&optimizer);
+    const double inverse = 1.0 / scale_;
+    std::vector<torch::Tensor> cuda_grads;
+    for (auto& group : optimizer.param_groups())
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        auto& g = p.mutable_grad();
+        if (g.is_cuda()) {
+          cuda_grads.push_back(g);
+          continue;
+        }
+        g.mul_(inverse);
+        if (!found_inf_ && !torch::isfinite(g).all().item<bool>()) found_inf_ = true;
+      }
+    if (!cuda_grads.empty()) {
+      // One fused check-and-unscale per device (ATen's AMP kernel).
+      auto found = torch::zeros({1}, cuda_grads.front().options().dtype(torch::kFloat));
+      auto inv = torch::full({1}, inverse, cuda_grads.front().options().dtype(torch::kFloat));
+      at::_amp_foreach_non_finite_check_and_unscale_(cuda_grads, found, inv);
+      if (found.item<float>() != 0.0f) found_inf_ = true;
+    }
+  }
+
+  /// Unscales (if not yet) and runs optimizer.step() unless a gradient was
+  /// inf/NaN. Returns whether the step ran.
+  bool step(torch::optim::Optimizer& optimizer) {
+    if (!options_.enabled) {
+      optimizer.step();
+      return true;
+    }
+    unscale(optimizer);
+    if (found_inf_) {
+      ++skipped_;
+      return false;
+    }
+    optimizer.step();
+    return true;
+  }
+
+  /// Ends the step: backs the scale off after inf/NaN, grows it after
+  /// growth_interval clean steps in a row.
+  void update() {
+    if (!options_.enabled) return;
+    if (found_inf_) {
+      scale_ *= options_.backoff_factor;
+      clean_steps_ = 0;
+    } else if (++clean_steps_ >= options_.growth_interval) {
+      const double grown = scale_ * options_.growth_factor;
+      if (std::isfinite(grown)) scale_ = grown;
+      clean_steps_ = 0;
+    }
+    found_inf_ = false;
+    unscaled_.clear();
+  }
+
+  [[nodiscard]] double current_scale() const noexcept { return scale_; }
+  [[nodiscard]] bool found_inf() const noexcept { return found_inf_; }
+  [[nodiscard]] std::int64_t skipped_steps() const noexcept { return skipped_; }
+  [[nodiscard]] const loss_scaler_options& options() const noexcept { return options_; }
+
+ private:
+  loss_scaler_options options_;
+  double scale_;
+  int clean_steps_ = 0;
+  bool found_inf_ = false;
+  std::int64_t skipped_ = 0;
+  std::unordered_set<const torch::optim::Optimizer*> unscaled_;
+};
+
+}  // namespace amp
+
+}  // namespace memscale
