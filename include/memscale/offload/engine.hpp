@@ -288,6 +288,7 @@ class stored_tensor {
   std::optional<at::Tensor> pinned_block_;
   detail::cuda_ready ready_;             // the device->host copy into held_ (async CUDA)
   detail::cuda_ready last_read_;         // the latest host->device copy out of held_ (async CUDA)
+  detail::cuda_ready prefetch_ready_;    // the host->device copy into prefetched_ (pinned tier)
   std::filesystem::path file_;
   bool writing_ = false;
   bool reading_ = false;
@@ -702,7 +703,19 @@ class engine {
     switch (rec.where_) {
       case tier::device: return rec.held_;
       case tier::pinned_host:
-      case tier::pageable_host: host = rec.held_; break;
+      case tier::pageable_host:
+#if MEMSCALE_HAS_CUDA()
+        if (rec.prefetched_.defined() && rec.device_.is_cuda()) {
+          // Already copied back on the side stream ahead of backward: only order it.
+          at::Tensor out = std::move(rec.prefetched_);
+          rec.prefetched_ = at::Tensor();
+          detail::stream_waits(rec.prefetch_ready_, rec.device_.index());
+          core_->update([](engine_stats& s) { ++s.prefetch_hits; });
+          return out;
+        }
+#endif
+        host = rec.held_;
+        break;
       case tier::disk: {
         if (rec.writing_) {
           host = rec.held_;  // still in memory
@@ -765,7 +778,8 @@ class engine {
 
   /// Queues reads of the disk-tier tensors of the `prefetch_depth` groups before `group`.
   void prefetch_before(int group) {
-    if (!io_) return;
+    const bool device_prefetch = MEMSCALE_HAS_CUDA() && core_->options.async;
+    if (!io_ && !device_prefetch) return;
     std::vector<stored_handle> wanted;
     {
       std::lock_guard<std::mutex> lock(groups_mutex_);
@@ -777,7 +791,19 @@ class engine {
     for (auto& rec : wanted) {
       {
         std::lock_guard<std::mutex> lock(rec->mutex_);
-        if (rec->where_ != tier::disk || rec->writing_ || rec->reading_ || rec->prefetched_.defined()) continue;
+#if MEMSCALE_HAS_CUDA()
+        // Pinned host -> device: an async copy on the side stream, now.
+        if (device_prefetch && rec->where_ == tier::pinned_host && rec->device_.is_cuda() &&
+            !rec->prefetched_.defined()) {
+          at::Tensor out = rec->layout_.empty_on(rec->device_);
+          rec->prefetch_ready_ = detail::copy_to_device_async(rec->held_, out, rec->ready_);
+          rec->last_read_ = rec->prefetch_ready_;
+          rec->prefetched_ = out;
+          continue;
+        }
+#endif
+        if (!io_ || rec->where_ != tier::disk || rec->writing_ || rec->reading_ || rec->prefetched_.defined())
+          continue;
         rec->reading_ = true;
       }
       io_->submit([rec, core = core_] {
