@@ -569,10 +569,13 @@ Workload bench_gpt(int steps) {
       [](gpt::GPT& m, const Sample& s) { return gpt::loss(m->forward(s.input), s.target); }, data, steps);
 }
 
-Workload bench_flat(int steps) {
+/// The flat Sequential workload: (Linear(256,1024), GELU, Linear(1024,256),
+/// LayerNorm(256), Dropout(0.1)) x 8 on data drawn from `data_seed`.
+Workload flat_workload(const std::string& title, const std::string& description, std::uint64_t data_seed,
+                       int steps, const row_configs& rows_for) {
   static constexpr int repeats = 8;
   static constexpr std::int64_t width = 256, hidden = 1024;
-  torch::manual_seed(99);
+  torch::manual_seed(data_seed);
   std::vector<Sample> data;
   for (int s = 0; s <= steps; ++s) data.push_back({torch::randn({32, 128, width}), torch::randn({32, 128, width})});
   auto make = [] {
@@ -587,39 +590,28 @@ Workload bench_flat(int steps) {
     return seq;
   };
   return run_workload<torch::nn::Sequential>(
+      title, description, make,
+      [](torch::nn::Sequential& m, const Sample& s) { return torch::mse_loss(m->forward(s.input), s.target); }, data,
+      steps, rows_for);
+}
+
+Workload bench_flat(int steps) {
+  return flat_workload(
       "flat Sequential",
       "(Linear(256,1024), GELU, Linear(1024,256), LayerNorm(256), Dropout(0.1)) x 8 = 40 slots; input [32,128,256]; "
       "MSE loss, AdamW lr 3e-4",
-      make, [](torch::nn::Sequential& m, const Sample& s) { return torch::mse_loss(m->forward(s.input), s.target); },
-      data, steps);
+      99, steps, mode_rows);
 }
 
 Workload bench_offload(int steps) {
-  static constexpr int repeats = 8;
-  static constexpr std::int64_t width = 256, hidden = 1024;
-  torch::manual_seed(98);
-  std::vector<Sample> data;
-  for (int s = 0; s <= steps; ++s) data.push_back({torch::randn({32, 128, width}), torch::randn({32, 128, width})});
-  auto make = [] {
-    torch::nn::Sequential seq;
-    for (int i = 0; i < repeats; ++i) {
-      seq->push_back(torch::nn::Linear(width, hidden));
-      seq->push_back(torch::nn::GELU());
-      seq->push_back(torch::nn::Linear(hidden, width));
-      seq->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
-      seq->push_back(torch::nn::Dropout(0.1));
-    }
-    return seq;
-  };
   std::error_code ec;
   const auto tmp = std::filesystem::temp_directory_path(ec);
-  return run_workload<torch::nn::Sequential>(
+  return flat_workload(
       "offload to the disk tier (CPU)",
       "the flat Sequential above, Aggressive, saved activations offloaded to the disk tier (memory-mapped files "
       "under " + (ec ? std::string("?") : tmp.string()) + "); rows: checkpointing only, offloading only "
       "(synchronous; async with prefetch), both",
-      make, [](torch::nn::Sequential& m, const Sample& s) { return torch::mse_loss(m->forward(s.input), s.target); },
-      data, steps, offload_rows);
+      98, steps, offload_rows);
 }
 
 int parse_steps(std::string_view text) {

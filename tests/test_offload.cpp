@@ -207,7 +207,7 @@ TEST_CASE("the pinned pool reuses freed blocks and keeps within its capacity", "
 }
 
 TEST_CASE("a failed pinned allocation falls back to pageable memory", "[offload][engine][faults]") {
-  memscale::detail::inject_offload_fault fault(memscale::detail::offload_fault::pinned_alloc);
+  memscale::detail::inject_fault fault(memscale::detail::offload_fault::pinned_alloc);
   engine e(quiet_options());
   const auto t = torch::randn({64, 64});
   auto stored = e.store(t, tier::pinned_host);
@@ -222,7 +222,7 @@ TEST_CASE("a failed pinned allocation falls back to pageable memory", "[offload]
 TEST_CASE("an unwritable or full disk tier warns and keeps the tensor", "[offload][engine][faults]") {
   const auto t = torch::randn({128, 64});
   SECTION("unwritable directory (injected)") {
-    memscale::detail::inject_offload_fault fault(memscale::detail::offload_fault::disk_unwritable);
+    memscale::detail::inject_fault fault(memscale::detail::offload_fault::disk_unwritable);
     engine e(quiet_options());
     auto stored = e.store(t);
     CHECK(stored->where() == tier::device);
@@ -242,7 +242,7 @@ TEST_CASE("an unwritable or full disk tier warns and keeps the tensor", "[offloa
   }
   for (bool async : {false, true}) {
     SECTION(std::string("disk full (injected), ") + (async ? "async" : "synchronous")) {
-      memscale::detail::inject_offload_fault fault(memscale::detail::offload_fault::disk_full);
+      memscale::detail::inject_fault fault(memscale::detail::offload_fault::disk_full);
       engine e(quiet_options({.async = async}));
       auto stored = e.store(t);
       e.wait_idle();

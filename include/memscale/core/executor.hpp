@@ -304,14 +304,15 @@ class attachment : public std::enable_shared_from_this<attachment> {
     in.static_bytes = out.static_bytes();
     in.offload_allowed = static_cast<bool>(techniques_.offload);
     if (in.offload_allowed) {
-      const auto tiers = offload_room(device);
+      const auto engine_options = offload::options_from(config_);
+      const auto tiers = offload_room(device, engine_options);
       // Chains planned earlier (lazy planning) already use part of the room.
       std::int64_t used = 0;
       for (std::size_t c = 0; c < out.chains.size() && c < out.plan.units.size(); ++c)
         used += project_chain(out.chains[c].slots, out.plan.units[c]).offloaded_bytes;
       in.offload_budget_bytes = std::max<std::int64_t>(0, tiers.first - used);
       in.offload_bytes_per_second = tiers.second;
-      in.offload_min_bytes = offload::options_from(config_).min_bytes;
+      in.offload_min_bytes = engine_options.min_bytes;
     }
     auto decided = decide(costs, supported, in);
 
@@ -344,8 +345,7 @@ class attachment : public std::enable_shared_from_this<attachment> {
   /// Room in the offload tiers for tensors on `device` (the engine's caps, see
   /// offload::options_from), and the transfer rate to the tier they reach first:
   /// host tiers then disk for CUDA, disk only for CPU tensors.
-  std::pair<std::int64_t, double> offload_room(const c10::Device& device) const {
-    const auto o = offload::options_from(config_);
+  static std::pair<std::int64_t, double> offload_room(const c10::Device& device, const offload::engine_options& o) {
     const std::int64_t disk = o.disk_bytes.value_or(0);
     if (!device.is_cuda()) return {disk, nominal_disk_bytes_per_second};
     const std::int64_t host = o.host_bytes.value_or(0);

@@ -36,15 +36,6 @@ inline void fault_point(pipeline_stage s) {
     throw Error(std::string("memscale: fault injected at stage '") + stage_name(s) + "'");
 }
 
-/// Injects a fault at one stage for the guard's lifetime.
-class inject_fault {
- public:
-  explicit inject_fault(pipeline_stage s) { injected_fault() = static_cast<int>(s); }
-  inject_fault(const inject_fault&) = delete;
-  inject_fault& operator=(const inject_fault&) = delete;
-  ~inject_fault() { injected_fault() = 0; }
-};
-
 /// Offload-tier operations a test can make fail.
 enum class offload_fault : int { none, pinned_alloc, disk_unwritable, disk_full };
 
@@ -58,13 +49,18 @@ inline std::atomic<int>& injected_offload_fault() {
   return injected_offload_fault().load() == static_cast<int>(f);
 }
 
-/// Makes one offload-tier operation fail for the guard's lifetime.
-class inject_offload_fault {
+/// Injects a fault (at one pipeline stage, or in one offload-tier operation)
+/// for the guard's lifetime.
+class inject_fault {
  public:
-  explicit inject_offload_fault(offload_fault f) { injected_offload_fault() = static_cast<int>(f); }
-  inject_offload_fault(const inject_offload_fault&) = delete;
-  inject_offload_fault& operator=(const inject_offload_fault&) = delete;
-  ~inject_offload_fault() { injected_offload_fault() = 0; }
+  explicit inject_fault(pipeline_stage s) : slot_(injected_fault()) { slot_ = static_cast<int>(s); }
+  explicit inject_fault(offload_fault f) : slot_(injected_offload_fault()) { slot_ = static_cast<int>(f); }
+  inject_fault(const inject_fault&) = delete;
+  inject_fault& operator=(const inject_fault&) = delete;
+  ~inject_fault() { slot_ = 0; }
+
+ private:
+  std::atomic<int>& slot_;
 };
 
 }  // namespace memscale::detail

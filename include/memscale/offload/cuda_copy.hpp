@@ -38,48 +38,40 @@ inline c10::cuda::CUDAStream side_stream(c10::DeviceIndex device, bool to_host) 
   return it->second;
 }
 
-/// Copies `src` (CUDA) into `dst` (host, pinned for a real overlap) on a side
-/// stream, after the work the current stream has queued on `src`. The caching
-/// allocator is told that the side stream uses `src`, so dropping `src` now is safe.
-inline cuda_ready copy_to_host_async(const at::Tensor& src, at::Tensor& dst) {
-  const auto device = src.device().index();
+/// Copies `src` into `dst` on the side stream of `device_tensor`'s device (one
+/// per direction), after `after` (if pending) and after the work the current
+/// stream has queued: that work produced `src` (to host), or may still use the
+/// block the caching allocator just gave `dst` (to device). The allocator is
+/// told that the side stream uses `device_tensor`, so dropping it now is safe.
+inline cuda_ready copy_on_side_stream(const at::Tensor& src, at::Tensor& dst, const at::Tensor& device_tensor,
+                                      bool to_host, const cuda_ready& after) {
+  const auto device = device_tensor.device().index();
   c10::cuda::CUDAGuard guard(device);
-  auto current = c10::cuda::getCurrentCUDAStream(device);
-  auto side = side_stream(device, /*to_host=*/true);
-  at::cuda::CUDAEvent produced;
-  produced.record(current);
-  produced.block(side);
+  auto side = side_stream(device, to_host);
+  if (after) after->block(side);
+  at::cuda::CUDAEvent queued;
+  queued.record(c10::cuda::getCurrentCUDAStream(device));
+  queued.block(side);
   {
     c10::cuda::CUDAStreamGuard on_side(side);
     dst.copy_(src, /*non_blocking=*/true);
   }
-  c10::cuda::CUDACachingAllocator::recordStream(src.storage().data_ptr(), side);
+  c10::cuda::CUDACachingAllocator::recordStream(device_tensor.storage().data_ptr(), side);
   auto done = std::make_shared<at::cuda::CUDAEvent>();
   done->record(side);
   return done;
+}
+
+/// Copies `src` (CUDA) into `dst` (host, pinned for a real overlap) on a side stream.
+inline cuda_ready copy_to_host_async(const at::Tensor& src, at::Tensor& dst) {
+  return copy_on_side_stream(src, dst, src, /*to_host=*/true, {});
 }
 
 /// Copies `src` (host) into `dst` (CUDA, allocated on the current stream) on a
 /// side stream, after `after` (the copy that filled `src`, if still pending);
 /// the caller makes its stream wait on the result before reading `dst`.
 inline cuda_ready copy_to_device_async(const at::Tensor& src, at::Tensor& dst, const cuda_ready& after = {}) {
-  const auto device = dst.device().index();
-  c10::cuda::CUDAGuard guard(device);
-  auto side = side_stream(device, /*to_host=*/false);
-  if (after) after->block(side);
-  // `dst` came from the caching allocator on the current stream: kernels queued
-  // there may still use its block, so the copy waits for them.
-  at::cuda::CUDAEvent allocated;
-  allocated.record(c10::cuda::getCurrentCUDAStream(device));
-  allocated.block(side);
-  {
-    c10::cuda::CUDAStreamGuard on_side(side);
-    dst.copy_(src, /*non_blocking=*/true);
-  }
-  c10::cuda::CUDACachingAllocator::recordStream(dst.storage().data_ptr(), side);
-  auto done = std::make_shared<at::cuda::CUDAEvent>();
-  done->record(side);
-  return done;
+  return copy_on_side_stream(src, dst, dst, /*to_host=*/false, after);
 }
 
 /// Makes the current stream of `device` wait for `ready` (no host blocking).
