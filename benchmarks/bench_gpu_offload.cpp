@@ -4,7 +4,10 @@
 //   2. the example GPT on the GPU: peak CUDA memory growth of a training step
 //      (caching-allocator statistics) and step time for baseline, checkpoint,
 //      checkpoint + offload (async), offload only (async); plus the offload
-//      engine's transfer time and how much of it prefetching hid.
+//      engine's transfer time and how much of it prefetching hid;
+//   3. optimizer steps on the same CUDA parameters: torch::optim::AdamW,
+//      ATen's fused AdamW kernel (LibTorch 2.x), memscale::optim::AdamW8bit
+//      (memscale::cuda's fused kernel when linked): step time and state bytes.
 //   memscale_bench_gpu [--steps N]
 #include <algorithm>
 #include <chrono>
@@ -103,6 +106,106 @@ Row run_gpt(const std::string& name, const std::optional<memscale::Config>& conf
   return row;
 }
 
+struct OptimizerRow {
+  std::string name;
+  double step_ms = 0.0;
+  std::int64_t state_bytes = 0;
+};
+
+/// Median step time of `step` (one warm-up first, which creates the state) and
+/// the CUDA bytes that warm-up left allocated.
+template <class Step>
+OptimizerRow time_optimizer(const std::string& name, int steps, Step&& step) {
+  const c10::Device gpu(torch::kCUDA, 0);
+  OptimizerRow row;
+  row.name = name;
+  torch::cuda::synchronize();
+  const auto before = memscale::memory_tracker::current_bytes(gpu);
+  step();
+  torch::cuda::synchronize();
+  row.state_bytes = memscale::memory_tracker::current_bytes(gpu) - before;
+  std::vector<double> times;
+  for (int s = 0; s < steps; ++s) {
+    const auto start = clock_type::now();
+    step();
+    torch::cuda::synchronize();
+    times.push_back(seconds_since(start));
+  }
+  row.step_ms = median(times) * 1e3;
+  return row;
+}
+
+/// AdamW's step on 8 CUDA parameters of 4096 x 4096 (134M), three ways.
+void bench_optimizers(int steps) {
+  const c10::Device gpu(torch::kCUDA, 0);
+  const int count = 8;
+  const std::int64_t side = 4096;
+  const double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;
+  torch::manual_seed(3);
+  std::vector<torch::Tensor> grads;
+  for (int i = 0; i < count; ++i) grads.push_back(torch::randn({side, side}, gpu) * 1e-2);
+  const auto parameters = [&] {
+    torch::manual_seed(4);
+    std::vector<torch::Tensor> params;
+    for (int i = 0; i < count; ++i) {
+      params.push_back(torch::randn({side, side}, gpu).requires_grad_(true));
+      params.back().mutable_grad() = grads[static_cast<std::size_t>(i)];
+    }
+    return params;
+  };
+  std::vector<OptimizerRow> rows;
+  {
+    auto params = parameters();
+    torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(lr).betas({beta1, beta2}).eps(eps).weight_decay(
+                                          weight_decay));
+    rows.push_back(time_optimizer("torch::optim::AdamW", steps, [&] { adamw.step(); }));
+  }
+#if TORCH_VERSION_MAJOR >= 2
+  {
+    // The kernel behind PyTorch's AdamW(fused=True); LibTorch's C++ AdamW has no fused option.
+    auto params = parameters();
+    std::vector<torch::Tensor> exp_avgs, exp_avg_sqs, state_steps;
+    const auto make_state = [&] {
+      for (const auto& p : params) {
+        exp_avgs.push_back(torch::zeros_like(p));
+        exp_avg_sqs.push_back(torch::zeros_like(p));
+        state_steps.push_back(torch::zeros({}, p.options().dtype(torch::kFloat)));
+      }
+    };
+    bool created = false;
+    rows.push_back(time_optimizer("ATen _fused_adamw_ (LibTorch 2.x)", steps, [&] {
+      torch::NoGradGuard no_grad;
+      if (!created) make_state();
+      created = true;
+      at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, state_steps, lr, beta1, beta2, weight_decay, eps,
+                        /*amsgrad=*/false, /*maximize=*/false);
+    }));
+  }
+#endif
+  {
+    auto params = parameters();
+    memscale::optim::AdamW8bit adamw8bit(
+        params, memscale::optim::AdamW8bitOptions(lr).betas({beta1, beta2}).eps(eps).weight_decay(weight_decay));
+#if defined(MEMSCALE_WITH_CUDA_KERNELS)
+    const std::string how = "memscale::cuda fused kernel";
+#else
+    const std::string how = "ATen ops: memscale::cuda not linked";
+#endif
+    rows.push_back(time_optimizer("memscale::optim::AdamW8bit (" + how + ")", steps, [&] { adamw8bit.step(); }));
+  }
+  const auto& base = rows.front();
+  std::cout << "\nAdamW step on " << count << " CUDA parameters of " << side << " x " << side << " ("
+            << count * side * side / 1000000 << "M), fp32 gradients given; median of " << steps
+            << " steps after one warm-up (which creates the state)\n\n"
+            << "| optimizer | state | bytes/param | step | vs torch::optim::AdamW |\n|---|---|---|---|---|\n";
+  for (const auto& r : rows)
+    std::cout << "| " << r.name << " | " << std::setprecision(1) << static_cast<double>(r.state_bytes) / (1 << 20)
+              << " MiB | " << std::setprecision(3)
+              << static_cast<double>(r.state_bytes) / static_cast<double>(count * side * side) << " | "
+              << std::setprecision(2) << r.step_ms << " ms | " << std::setprecision(3) << r.step_ms / base.step_ms
+              << "x |\n";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -183,5 +286,6 @@ int main(int argc, char** argv) {
   }
   std::cout << "\nhidden = 1 - exposed/transfer, clamped to [0, 1]; step times carry run-to-run noise, so a\n"
                "hidden share near 1 means the transfers cost no measurable time.\n";
+  bench_optimizers(steps);
   return 0;
 }

@@ -27,7 +27,28 @@ struct Options {
   double dropout = 0.1;
 };
 
-/// Pre-norm block: x + attention(ln1(x)), then x + mlp(ln2(x)). Causal attention
+/// The MLP half of a pre-norm block: x + dropout(fc_out(gelu(fc(ln(x))))). Each
+/// position is computed on its own, so memscale may tile it along batch and
+/// sequence (register_memscale_rule says so when it draws no dropout masks).
+class MLPImpl : public torch::nn::Module {
+ public:
+  explicit MLPImpl(const Options& o)
+      : options(o),
+        ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})))),
+        fc(register_module("fc", torch::nn::Linear(o.d_model, 4 * o.d_model))),
+        fc_out(register_module("fc_out", torch::nn::Linear(4 * o.d_model, o.d_model))),
+        drop(register_module("drop", torch::nn::Dropout(o.dropout))) {}
+
+  torch::Tensor forward(torch::Tensor x) { return x + drop(fc_out(torch::gelu(fc(ln(x))))); }
+
+  Options options;
+  torch::nn::LayerNorm ln;
+  torch::nn::Linear fc, fc_out;
+  torch::nn::Dropout drop;
+};
+TORCH_MODULE(MLP);
+
+/// Pre-norm block: x + attention(ln1(x)), then the MLP half. Causal attention
 /// written with plain ops (matmul, masked_fill, softmax), as LibTorch 1.13 has no
 /// fused attention.
 class TransformerBlockImpl : public torch::nn::Module {
@@ -37,9 +58,7 @@ class TransformerBlockImpl : public torch::nn::Module {
         ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})))),
         qkv(register_module("qkv", torch::nn::Linear(o.d_model, 3 * o.d_model))),
         proj(register_module("proj", torch::nn::Linear(o.d_model, o.d_model))),
-        ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})))),
-        fc(register_module("fc", torch::nn::Linear(o.d_model, 4 * o.d_model))),
-        fc_out(register_module("fc_out", torch::nn::Linear(4 * o.d_model, o.d_model))),
+        mlp(register_module("mlp", MLP(o))),
         attn_drop(register_module("attn_drop", torch::nn::Dropout(o.dropout))),
         resid_drop(register_module("resid_drop", torch::nn::Dropout(o.dropout))) {
     mask = register_buffer("mask", torch::ones({o.context, o.context}, torch::kBool).triu(1));
@@ -54,14 +73,13 @@ class TransformerBlockImpl : public torch::nn::Module {
     auto attention = attn_drop(torch::softmax(scores, -1));
     auto y = torch::matmul(attention, v).transpose(1, 2).reshape({B, T, C});
     x = x + resid_drop(proj(y));
-    return x + resid_drop(fc_out(torch::gelu(fc(ln2(x)))));
+    return mlp(x);
   }
 
   Options options;
   torch::nn::LayerNorm ln1;
   torch::nn::Linear qkv, proj;
-  torch::nn::LayerNorm ln2;
-  torch::nn::Linear fc, fc_out;
+  MLP mlp;
   torch::nn::Dropout attn_drop, resid_drop;
   torch::Tensor mask;
 };
@@ -136,6 +154,11 @@ inline void register_memscale_rule() {
                   4.0 * static_cast<double>(B * H * T * T * (C / H));
         return e;
       });
+  // The MLP half treats every position on its own (batch and sequence), unless its
+  // dropout draws masks: chunks would draw other masks than the whole tensor does.
+  memscale::register_tileable<MLPImpl>([](const MLPImpl& m, const memscale::layer_input& in) {
+    return in.training && m.options.dropout > 0.0 ? 0 : 2;
+  });
 }
 
 /// The embedded training text: generated deterministically, so the example

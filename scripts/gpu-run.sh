@@ -3,10 +3,13 @@
 # nvcc installed): builds memscale against the CUDA LibTorch inside the PyTorch
 # wheel, with range-v3 and Catch2 from third_party/ (scripts/vendor-deps.sh makes
 # it on a Debian machine; carry it along), then runs
-#   - the kernel test of memscale::cuda (its GPU round trip),
-#   - the hidden CUDA tests (offload tiers, batching, the chain's peak on CUDA),
+#   - the kernel tests of memscale::cuda (batched copy; 8-bit quantize,
+#     dequantize and the fused AdamW8bit step against host references),
+#   - the hidden CUDA tests (offload tiers, batching, the chain's peak on CUDA,
+#     the fused 8-bit step against the CPU one),
 #   - the whole CPU suite, on LibTorch 2.x at run time,
-#   - the GPU offload benchmark (bandwidth; GPT baseline / checkpoint / + offload).
+#   - the GPU benchmark (bandwidth; GPT baseline / checkpoint / + offload; the
+#     fused 8-bit AdamW step against LibTorch's AdamW).
 # Logs go to $OUT (or ./gpu-out). Exit status: the first failing step's.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -30,9 +33,10 @@ prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)') || exi
 step configure cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
   -DMEMSCALE_THIRD_PARTY_DIR="$PWD/third_party" -DMEMSCALE_CUDA_ARCHITECTURES="${MEMSCALE_CUDA_ARCHITECTURES:-90}" \
   -DMEMSCALE_BUILD_EXAMPLES=ON -DMEMSCALE_BUILD_BENCHMARKS=ON -DMEMSCALE_BUILD_TESTS=ON || exit "$status"
-step build cmake --build build-gpu -j "$(nproc)" --target memscale_tests memscale_cuda_tests memscale_bench_gpu \
-  train_gpt || exit "$status"
+step build cmake --build build-gpu -j "$(nproc)" --target memscale_tests memscale_cuda_tests memscale_cuda_adamw8bit_tests \
+  memscale_bench_gpu train_gpt || exit "$status"
 step kernel_test ./build-gpu/tests/memscale_cuda_tests
+step kernel_test_8bit ./build-gpu/tests/memscale_cuda_adamw8bit_tests
 step cuda_tests ./build-gpu/tests/memscale_tests "[.cuda]"
 step cpu_suite ./build-gpu/tests/memscale_tests
 step bench_gpu ./build-gpu/benchmarks/memscale_bench_gpu --steps "${MEMSCALE_GPU_STEPS:-5}"

@@ -104,6 +104,40 @@ static_assert([] {
   return offloaded(p) > 0 && p.planned_peak < 420;
 }());
 
+// Tiling (R10): blocks whose rows are independent along two dimensions of
+// extents 8 and 16. Tiling also takes the kept last block, whose backward is the
+// checkpointed plan's peak (150).
+constexpr slot_cost row_block{.input_bytes = 10, .output_bytes = 10, .saved_bytes = 90, .saves_input = true,
+                              .forward_seconds = 1.0, .row_dims = 2, .input_extents = {8, 16, 0, 0}};
+static_assert(tile_dimension(chain_of(row_block, 1), 0, 0, 8) == 0);   // dimension 0 first
+static_assert(tile_dimension(chain_of(row_block, 1), 0, 0, 16) == 1);  // ... else the next with the rows
+static_assert(tile_dimension(chain_of(row_block, 1), 0, 0, 32) == -1);
+static_assert(tile_dimension(chain_of(block, 1), 0, 0, 2) == -1);      // rows not independent
+constexpr engine_plan tile_plan(memscale::OptimizationMode mode, std::int64_t usable, bool tiling,
+                                slot_cost s = row_block) {
+  engine_input in{mode, true, false, usable, 0};
+  in.tiling_allowed = tiling;
+  return decide({chain_of(s, 4)}, {true}, in);
+}
+constexpr int tiled(const engine_plan& p) {
+  int n = 0;
+  for (const auto& u : p.units[0]) n += u.tiles > 1 && u.checkpointed ? 1 : 0;
+  return n;
+}
+static_assert(has_rule(tile_plan(memscale::OptimizationMode::Aggressive, 1000, true), rule_id::tile_segment));
+static_assert(tiled(tile_plan(memscale::OptimizationMode::Aggressive, 1000, true)) == 4);
+static_assert(tile_plan(memscale::OptimizationMode::Aggressive, 1000, true).planned_peak < 100);
+// Only with enable_tiling, only row-independent slots, only above the target.
+static_assert(tiled(tile_plan(memscale::OptimizationMode::Aggressive, 1000, false)) == 0);
+static_assert(tile_plan(memscale::OptimizationMode::Aggressive, 1000, false).planned_peak == 150);
+static_assert(tiled(tile_plan(memscale::OptimizationMode::Aggressive, 1000, true, block)) == 0);
+static_assert(tiled(tile_plan(memscale::OptimizationMode::Balanced, 500, true)) == 0);
+// A target checkpointing misses by a little: the smallest count that meets it.
+static_assert([] {
+  const auto p = tile_plan(memscale::OptimizationMode::Conservative, 145, true);
+  return p.planned_peak <= 145 && tiled(p) == 1 && p.decisions.back().tiles == 2;
+}());
+
 // The DP: with a budget of 150 the optimum checkpoints three blocks (3 s).
 static_assert([] {
   const auto c = chain_of(block, 4);
@@ -127,7 +161,7 @@ using checkpoint_only = memscale::Strategy<memscale::Checkpoint>;
 static_assert(checkpoint_only::contains(memscale::technique_id::checkpoint));
 static_assert(!checkpoint_only::contains(memscale::technique_id::offload));
 static_assert(memscale::DefaultStrategy::contains(memscale::technique_id::tile));
-static_assert(!memscale::DefaultStrategy::applies(memscale::technique_id::tile));  // not in this release
+static_assert(memscale::DefaultStrategy::applies(memscale::technique_id::tile));
 static_assert(memscale::StrategyType<memscale::DefaultStrategy>);
 static_assert(!memscale::StrategyType<memscale::Checkpoint>);
 

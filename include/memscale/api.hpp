@@ -16,6 +16,7 @@
 #include <memscale/config.hpp>
 #include <memscale/core/executor.hpp>
 #include <memscale/core/plan.hpp>
+#include <memscale/detail/modules.hpp>
 #include <memscale/techniques/mixed_precision.hpp>
 #include <memscale/techniques/strategy.hpp>
 
@@ -23,33 +24,14 @@ namespace memscale {
 
 namespace detail {
 
-template <class M>
-concept module_holder = requires(const M& m) {
-  typename M::ContainedType;
-  { m.ptr() } -> std::convertible_to<std::shared_ptr<torch::nn::Module>>;
-};
-
-template <class M>
-concept module_pointer = requires { typename M::element_type; } &&
-                         std::is_base_of_v<torch::nn::Module, typename M::element_type> &&
-                         std::convertible_to<M, std::shared_ptr<torch::nn::Module>>;
-
-template <class M>
-std::shared_ptr<torch::nn::Module> root_of(const M& model) {
-  if constexpr (module_holder<M>) {
-    return model.is_empty() ? nullptr : std::shared_ptr<torch::nn::Module>(model.ptr());
-  } else {
-    return std::shared_ptr<torch::nn::Module>(model);
-  }
-}
-
 template <StrategyType S>
 core::technique_set techniques_for(const Config& config) {
   core::technique_set set;
   if constexpr (S::applies(technique_id::checkpoint)) set.checkpoint = &Checkpoint::wrap;
   if constexpr (S::applies(technique_id::offload))
     if (config.enable_offloading) set.offload = &Offload::wrap;
-  set.tile_requested = config.enable_tiling && S::contains(technique_id::tile);
+  if constexpr (S::applies(technique_id::tile))
+    if (config.enable_tiling) set.tile = &Tile::wrap;
   return set;
 }
 
@@ -71,10 +53,6 @@ std::shared_ptr<core::attachment> attach(M& model, const Config& config, const t
 }
 
 }  // namespace detail
-
-/// Satisfied by what wrap/optimize/detach accept: a module holder or a shared_ptr to a Module.
-template <class M>
-concept Model = detail::module_holder<M> || detail::module_pointer<M>;
 
 /// Attaches memscale to `model` without a scope. Planning happens at each chain's
 /// first forward call. Throws (leaving the model as it was) on bad input.

@@ -14,6 +14,7 @@
 #include <memscale/techniques/concepts.hpp>
 #include <memscale/techniques/mixed_precision.hpp>
 #include <memscale/techniques/offload.hpp>
+#include <memscale/techniques/optim8bit.hpp>
 #include <memscale/techniques/strategy.hpp>
 #include <memscale/techniques/tile.hpp>
 #include <memscale/version.hpp>

@@ -5,20 +5,16 @@
 // device as an error, never claim success.
 #include <memscale/cuda/kernels.hpp>
 
+#include "check.hpp"
+
 #include <cstdio>
 #include <cstring>
 #include <vector>
 
 namespace {
 
-int failures = 0;
-
-void check(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "FAILED: %s\n", what);
-    ++failures;
-  }
-}
+using kernel_test::check;
+using kernel_test::failures;
 
 void round_trip() {
   const std::vector<std::int64_t> sizes = {1, 15, 16, 17, 4096, 100003, 0, 64};

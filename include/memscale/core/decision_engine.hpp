@@ -28,6 +28,7 @@ enum class rule_id : std::uint8_t {
   refine_segment,          ///< checkpointed part of a kept run: the uniform segments were not enough
   offload_segment,         ///< offloaded: cheapest transfer per compute second, lowers the projected peak
   offload_no_room,         ///< would lower the peak, but the offload tiers' budget is spent
+  tile_segment,            ///< a checkpointed run of row-independent slots runs over chunks
 };
 
 [[nodiscard]] constexpr std::string_view to_string(rule_id r) noexcept {
@@ -41,6 +42,7 @@ enum class rule_id : std::uint8_t {
     case rule_id::refine_segment: return "R7 refine-segment";
     case rule_id::offload_segment: return "R8 offload-segment";
     case rule_id::offload_no_room: return "R9 offload-no-room";
+    case rule_id::tile_segment: return "R10 tile-segment";
   }
   return "?";
 }
@@ -71,6 +73,7 @@ struct engine_input {
   std::int64_t offload_budget_bytes = 0;    ///< room in the offload tiers (host cap + disk)
   double offload_bytes_per_second = 1e9;    ///< one-way transfer rate to the offload tier
   std::int64_t offload_min_bytes = 0;       ///< the engine keeps smaller saved tensors where they are
+  bool tiling_allowed = false;              ///< Config::enable_tiling and the Strategy
 };
 
 /// One decision about one run of slots, in the order the engine made it.
@@ -86,6 +89,8 @@ struct segment_decision {
   std::int64_t peak_after = 0;        ///< ... and after it
   bool offloaded = false;
   double compute_seconds = 0.0;       ///< offload: the run's forward + backward time the transfer overlaps
+  int tiles = 1;                      ///< tile: chunks, along input dimension tile_dim
+  int tile_dim = 0;
 };
 
 struct engine_plan {
@@ -158,6 +163,109 @@ constexpr bool better(const candidate& x, const candidate& y) {
   return x.first < y.first;
 }
 }  // namespace detail_engine
+
+/// The largest tile count the planner considers: beyond it chunks get small
+/// enough that per-chunk overhead outweighs what one more halving saves.
+inline constexpr int max_tiles = 64;
+
+/// Input dimension a tiled run [a, b] is chunked along for `tiles` chunks: the
+/// first dimension every slot treats row by row that has at least `tiles` rows
+/// (dimension 0 first: its chunks are contiguous); -1 when there is none.
+[[nodiscard]] constexpr int tile_dimension(std::span<const slot_cost> s, int a, int b, int tiles) {
+  int dims = s[a].row_dims;
+  for (int k = a; k <= b; ++k) dims = std::min(dims, s[k].row_dims);
+  for (int d = 0; d < std::min<int>(dims, static_cast<int>(s[a].input_extents.size())); ++d)
+    if (s[a].input_extents[static_cast<std::size_t>(d)] >= tiles) return d;
+  return -1;
+}
+
+/// Tiling phase, when the projected peak is still above the target: the units
+/// of row-independent slots (checkpointed runs, or kept slots, which tiling also
+/// checkpoints) run over chunks. One count for all first: the smallest power of
+/// two that meets the target, or, when none does, the smallest that reaches 90%
+/// of the most any count saves (more chunks add per-chunk overhead for little).
+/// Then each unit, first to last, takes the fewest chunks that keep that peak (or
+/// the target): the peak is a maximum, and most units do not set it. Nothing is
+/// tiled when it would save under 1% of the peak.
+constexpr void assign_tiling(const std::vector<std::vector<slot_cost>>& chains, const std::vector<bool>& supported,
+                             const engine_input& in, engine_plan& plan) {
+  if (!in.tiling_allowed || plan.planned_peak <= plan.target_bytes) return;
+  struct place {
+    int chain;
+    std::size_t index;
+  };
+  std::vector<place> places;
+  for (int c = 0; c < static_cast<int>(chains.size()); ++c) {
+    if (!supported[c]) continue;
+    for (std::size_t i = 0; i < plan.units[c].size(); ++i) {
+      const auto& u = plan.units[c][i];
+      if (!u.offloaded && !chains[c][u.first].mutates_input && tile_dimension(chains[c], u.first, u.last, 2) >= 0)
+        places.push_back({c, i});
+    }
+  }
+  // Unit p tiled `tiles` ways, or as far as its rows allow (1: as planned before).
+  auto tiled = [&](std::vector<std::vector<unit>> units, place p, int tiles) {
+    const auto& s = chains[p.chain];
+    auto& u = units[p.chain][p.index];
+    while (tiles > 1 && tile_dimension(s, u.first, u.last, tiles) < 0) tiles /= 2;
+    if (tiles > 1) {
+      u.checkpointed = true;
+      u.tiles = tiles;
+      u.tile_dim = tile_dimension(s, u.first, u.last, tiles);
+    } else {
+      u = plan.units[p.chain][p.index];
+    }
+    return units;
+  };
+  if (places.empty()) return;
+  int counts[8] = {};
+  std::int64_t peaks[8] = {};
+  int n = 0;
+  std::int64_t lowest = plan.planned_peak;
+  for (int tiles = 2; tiles <= max_tiles && n < 8; tiles *= 2, ++n) {
+    auto trial = plan.units;
+    for (const auto& p : places) trial = tiled(std::move(trial), p, tiles);
+    counts[n] = tiles;
+    peaks[n] = project_model_peak(chains, trial, in.static_bytes);
+    lowest = std::min(lowest, peaks[n]);
+  }
+  const auto most = plan.planned_peak - lowest;
+  if (100 * most < plan.planned_peak) return;
+  int pick = -1;
+  for (int j = 0; j < n && pick < 0; ++j)
+    if (peaks[j] <= plan.target_bytes) pick = j;
+  for (int j = 0; j < n && pick < 0; ++j)
+    if (10 * (plan.planned_peak - peaks[j]) >= 9 * most) pick = j;
+  // Every unit at the chosen count, then each as few chunks as that peak allows.
+  auto chosen = plan.units;
+  std::vector<int> tiles_of(places.size(), counts[pick]);
+  for (const auto& p : places) chosen = tiled(std::move(chosen), p, counts[pick]);
+  for (std::size_t k = 0; k < places.size(); ++k) {
+    while (tiles_of[k] > 1) {
+      auto fewer = tiled(chosen, places[k], tiles_of[k] / 2);
+      if (project_model_peak(chains, fewer, in.static_bytes) > std::max(peaks[pick], plan.target_bytes)) break;
+      chosen = std::move(fewer);
+      tiles_of[k] /= 2;
+    }
+  }
+  // One decision per tiled unit, applied in chain order: each line's peak is the
+  // plan's peak once it and the units before it are tiled.
+  for (const auto& p : places) {
+    const auto& u = chosen[p.chain][p.index];
+    if (u.tiles <= 1) continue;
+    const auto& s = chains[p.chain];
+    auto next = plan.units;
+    next[p.chain][p.index] = u;
+    const auto peak = project_model_peak(chains, next, in.static_bytes);
+    // What the unit's own backward no longer holds: (n - 1)/n of its run's working set.
+    const auto r = project_plain_range(s, u.first, u.last, 0);
+    const auto working = std::max(r.forward_peak, r.backward_peak);
+    plan.decisions.push_back({p.chain, u.first, u.last, true, rule_id::tile_segment, working - working / u.tiles, 0.0,
+                              plan.planned_peak, peak, false, 0.0, u.tiles, u.tile_dim});
+    plan.units = std::move(next);
+    plan.planned_peak = peak;
+  }
+}
 
 /// Offload phase: while the projected peak is above the target, offload the
 /// units (checkpointed runs or single slots) whose transfer is cheapest relative
@@ -351,6 +459,7 @@ constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains,
     plan.decisions.push_back(best);
   }
   plan.overall = rule_id::checkpoint_segment;
+  assign_tiling(chains, supported, in, plan);
   assign_offload(chains, supported, in, plan);
   return plan;
 }

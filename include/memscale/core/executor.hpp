@@ -36,17 +36,18 @@
 #include <memscale/offload/engine.hpp>
 #include <memscale/techniques/checkpoint.hpp>
 #include <memscale/techniques/offload.hpp>
+#include <memscale/techniques/optim8bit.hpp>
+#include <memscale/techniques/tile.hpp>
 
 namespace memscale::core {
 
 /// What the Strategy and the Config allow: the Strategy's way to wrap a run of
-/// slots per technique (empty when the Strategy or the Config excludes it), and
-/// whether a technique this release does not apply yet was asked for.
+/// slots per technique (empty when the Strategy or the Config excludes it).
 struct technique_set {
   using wrap_fn = std::function<torch::nn::AnyModule(std::vector<torch::nn::AnyModule>, const wrap_context&)>;
   wrap_fn checkpoint;
   wrap_fn offload;
-  bool tile_requested = false;
+  wrap_fn tile;
 };
 
 /// Nominal one-way rates the planner assumes for an offload transfer (the
@@ -76,6 +77,7 @@ class PlanningProbeImpl : public torch::nn::Module {
 inline bool is_memscale_slot(const torch::nn::AnyModule& slot) {
   const auto& p = slot.ptr();
   return std::dynamic_pointer_cast<CheckpointSegmentImpl>(p) || std::dynamic_pointer_cast<OffloadSegmentImpl>(p) ||
+         std::dynamic_pointer_cast<TileSegmentImpl>(p) ||
          std::dynamic_pointer_cast<PassThroughImpl>(p) ||
          std::dynamic_pointer_cast<PlanningProbeImpl>(p) || std::dynamic_pointer_cast<InputCaptureImpl>(p);
 }
@@ -189,9 +191,13 @@ class attachment : public std::enable_shared_from_this<attachment> {
   static constexpr double gib = 1024.0 * 1024.0 * 1024.0;
 
   void add_technique_notes() {
-    if (techniques_.tile_requested)
-      report_.notes.emplace_back("tile: requested, but this release does not apply it yet; plans use "
-                                 "checkpointing only");
+    if (techniques_.tile && !config_.enable_checkpointing)
+      report_.notes.emplace_back("enable_tiling: tiling chunks checkpointed runs, and enable_checkpointing is off, "
+                                 "so nothing is tiled");
+    else if (techniques_.tile)
+      report_.notes.emplace_back("enable_tiling (experimental): checkpointed runs of row-independent layers may run "
+                                 "over chunks (rule R10); gradients then equal the untiled ones up to summation "
+                                 "order");
     if (config_.use_mixed_precision)
       report_.notes.emplace_back(
           "use_mixed_precision: optimize() keeps autocast open for the guard's lifetime on its thread (bfloat16 "
@@ -201,7 +207,9 @@ class attachment : public std::enable_shared_from_this<attachment> {
                                                 "float32 weights under autocast (fixed in 2.x)"
                                               : ""));
     if (config_.use_8bit_optimizer)
-      report_.notes.emplace_back("use_8bit_optimizer: not implemented in this release");
+      report_.notes.emplace_back("use_8bit_optimizer: build the optimizer with memscale::make_optimizer(config, "
+                                 "params, options) to get memscale::optim::AdamW8bit (about 2.03 bytes of state per "
+                                 "parameter instead of AdamW's 8); the plan budgets that state");
     if (config_.auto_policy)
       report_.notes.emplace_back("auto_policy: the Stage 1 policy is not implemented in this release; the "
                                  "Config is used as given");
@@ -272,17 +280,22 @@ class attachment : public std::enable_shared_from_this<attachment> {
     out.usable_bytes = static_cast<std::int64_t>(static_cast<double>(out.budget_bytes) *
                                                  config_.target_gpu_utilization);
     if (!out.planned) {
-      out.parameter_bytes = out.gradient_bytes = out.buffer_bytes = 0;
+      out.parameter_bytes = out.gradient_bytes = out.buffer_bytes = out.optimizer_reserve_bytes = 0;
       if (auto root = root_.lock()) {
         for (const auto& p : root->parameters()) {
           if (p.device() != device) continue;
           out.parameter_bytes += static_cast<std::int64_t>(p.nbytes());
-          if (p.requires_grad()) out.gradient_bytes += static_cast<std::int64_t>(p.nbytes());
+          if (!p.requires_grad()) continue;
+          out.gradient_bytes += static_cast<std::int64_t>(p.nbytes());
+          // AdamW keeps two moments of the parameter's size; AdamW8bit one byte each
+          // plus a float per block (small tensors stay 32-bit).
+          out.optimizer_reserve_bytes += config_.use_8bit_optimizer
+                                             ? optim::optimizer_state_bytes(p.numel(), true)
+                                             : 2 * static_cast<std::int64_t>(p.nbytes());
         }
         for (const auto& b : root->buffers())
           if (b.device() == device) out.buffer_bytes += static_cast<std::int64_t>(b.nbytes());
       }
-      out.optimizer_reserve_bytes = 2 * out.gradient_bytes;
     } else {
       // Chains planned earlier keep their forward bytes while this one runs.
       out.earlier_chains_bytes = 0;
@@ -302,6 +315,7 @@ class attachment : public std::enable_shared_from_this<attachment> {
     in.force_optimize = config_.force_optimize;
     in.usable_bytes = out.usable_bytes;
     in.static_bytes = out.static_bytes();
+    in.tiling_allowed = in.checkpointing_allowed && static_cast<bool>(techniques_.tile);
     in.offload_allowed = static_cast<bool>(techniques_.offload);
     if (in.offload_allowed) {
       const auto engine_options = offload::options_from(config_);
@@ -369,7 +383,12 @@ class attachment : public std::enable_shared_from_this<attachment> {
       std::vector<torch::nn::AnyModule> segment(chain.originals.begin() + u.first,
                                                 chain.originals.begin() + u.last + 1);
       wrap_context context;
-      if (u.checkpointed) {
+      if (u.checkpointed && u.tiles > 1) {
+        MEMSCALE_ASSERT(techniques_.tile, "a plan tiles although the Strategy or Config excludes it");
+        context.tiles = u.tiles;
+        context.tile_dim = u.tile_dim;
+        segment = {techniques_.tile(std::move(segment), context)};
+      } else if (u.checkpointed) {
         MEMSCALE_ASSERT(techniques_.checkpoint, "a plan checkpoints although the Strategy excludes it");
         segment = {techniques_.checkpoint(std::move(segment), context)};
       }

@@ -2,6 +2,7 @@
 // in the model. slot_cost is plain data so the decision rules can run in constexpr.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -23,6 +24,11 @@ struct slot_cost {
   std::int64_t workspace_bytes = 0;  ///< transient bytes during forward, freed before it returns
   double forward_seconds = 0.0;      ///< one forward (= the recompute cost of checkpointing it)
   double backward_seconds = 0.0;
+  /// Leading input dimensions along which the slot treats rows independently
+  /// (core/tile_rules.hpp): it may run over chunks of any of them. 0: it mixes
+  /// rows (attention, BatchNorm in training), so it is never tiled.
+  int row_dims = 0;
+  std::array<std::int64_t, 4> input_extents{};  ///< the input's first four sizes (0 past its rank)
 
   /// New bytes the forward allocates and keeps (output plus saved extras).
   [[nodiscard]] constexpr std::int64_t kept_bytes() const noexcept {

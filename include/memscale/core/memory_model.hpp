@@ -17,16 +17,20 @@ namespace memscale::core {
 /// A run of consecutive slots [first, last] of one chain; checkpointed or kept
 /// as is, and offloaded or not. An offloaded unit's saved tensors (for a
 /// checkpoint: the input it keeps) leave the device after its forward and come
-/// back for its backward.
+/// back for its backward. A checkpointed unit with tiles > 1 runs over that many
+/// chunks of input dimension tile_dim, so one chunk's intermediates live at a time.
 struct unit {
   int first = 0;
   int last = 0;
   bool checkpointed = false;
   bool offloaded = false;
+  int tiles = 1;
+  int tile_dim = 0;
   friend constexpr bool operator==(const unit&, const unit&) = default;
   friend std::ostream& operator<<(std::ostream& os, const unit& u) {
-    return os << (u.checkpointed ? "checkpoint " : "keep ") << u.first << ".." << u.last
-              << (u.offloaded ? " +offload" : "");
+    os << (u.checkpointed ? "checkpoint " : "keep ") << u.first << ".." << u.last;
+    if (u.tiles > 1) os << " x" << u.tiles << " tiles (dim " << u.tile_dim << ")";
+    return os << (u.offloaded ? " +offload" : "");
   }
 };
 
@@ -41,7 +45,7 @@ struct chain_projection {
 /// The plan that checkpoints nothing.
 [[nodiscard]] constexpr std::vector<unit> keep_all(std::size_t slot_count) {
   std::vector<unit> units;
-  for (int k = 0; k < static_cast<int>(slot_count); ++k) units.push_back({k, k, false, false});
+  for (int k = 0; k < static_cast<int>(slot_count); ++k) units.push_back({k, k, false, false, 1, 0});
   return units;
 }
 
@@ -110,7 +114,10 @@ struct range_projection {
     const auto& u = units[i];
     before[i] = live;
     if (u.checkpointed) {
-      peak = std::max(peak, live + checkpointed_forward_extra(s, u.first, u.last));
+      // Tiled: the whole output is allocated up front, one chunk's work at a time.
+      const auto extra = u.tiles > 1 ? s[u.last].output_bytes + checkpointed_forward_extra(s, u.first, u.last) / u.tiles
+                                     : checkpointed_forward_extra(s, u.first, u.last);
+      peak = std::max(peak, live + extra);
       live += s[u.last].output_bytes;  // only the run's output survives forward
       // Offloaded, the kept input leaves too, unless someone else holds it.
       if (u.offloaded && u.first > 0 && !previous_keeps) {
@@ -144,8 +151,16 @@ struct range_projection {
     if (u.checkpointed) {
       // Backward of a checkpoint recomputes the run with grad, then runs its
       // backward; before[i] counts its input, offloaded or not (it is back).
-      const auto r = project_plain_range(s, u.first, u.last, before[i]);
-      peak = std::max({peak, r.forward_peak + prefetched, r.backward_peak + prefetched});
+      if (u.tiles > 1) {
+        // Per chunk: its recompute and gradients, a tiles-th of the run's; beside
+        // them the whole output gradient and the input gradient being filled.
+        const auto r = project_plain_range(s, u.first, u.last, 0);
+        peak = std::max(peak, before[i] + prefetched + s[u.last].output_bytes + s[u.first].input_bytes +
+                                  std::max(r.forward_peak, r.backward_peak) / u.tiles);
+      } else {
+        const auto r = project_plain_range(s, u.first, u.last, before[i]);
+        peak = std::max({peak, r.forward_peak + prefetched, r.backward_peak + prefetched});
+      }
     } else {
       const int k = u.first;
       const std::int64_t after = (i + 1 < units.size()) ? before[i + 1] : forward_end;
@@ -197,7 +212,7 @@ struct range_projection {
     if (u.last < first || u.first > last) {
       out.push_back(u);
     } else if (u.first == first) {
-      out.push_back({first, last, true, false});
+      out.push_back({first, last, true, false, 1, 0});
     }
   }
   return out;

@@ -27,7 +27,7 @@ struct Report {
   std::int64_t usable_bytes = 0;      ///< budget x target_gpu_utilization
   std::int64_t parameter_bytes = 0;
   std::int64_t gradient_bytes = 0;
-  std::int64_t optimizer_reserve_bytes = 0;  ///< assumed Adam-sized (2 x trainable parameters)
+  std::int64_t optimizer_reserve_bytes = 0;  ///< AdamW's state (2 x trainable parameters), or AdamW8bit's
   std::int64_t buffer_bytes = 0;
   std::int64_t earlier_chains_bytes = 0;     ///< kept by chains planned before (lazy planning)
   std::vector<chain_profile> chains;
@@ -52,6 +52,13 @@ struct Report {
     int n = 0;
     for (const auto& units : plan.units)
       for (const auto& u : units) n += u.offloaded ? 1 : 0;
+    return n;
+  }
+  /// Number of tiled segments over all chains.
+  [[nodiscard]] int tiled_segments() const {
+    int n = 0;
+    for (const auto& units : plan.units)
+      for (const auto& u : units) n += u.tiles > 1 ? 1 : 0;
     return n;
   }
   /// Projected recompute seconds the plan adds to a step.
@@ -92,7 +99,8 @@ struct Report {
        << recompute_seconds() * 1e3 << " ms/step\n";
     std::vector<std::vector<slot_cost>> costs;
     for (const auto& chain : chains) costs.push_back(chain.slots);
-    os << "applied: " << checkpointed_segments() << " checkpointed segment(s), " << offloaded_units()
+    os << "applied: " << checkpointed_segments() << " checkpointed segment(s) (" << tiled_segments()
+       << " of them tiled), " << offloaded_units()
        << " offloaded unit(s) moving " << format_bytes(core::offloaded_bytes(costs, plan.units)) << " per step\n";
     for (std::size_t c = 0; c < chains.size(); ++c) print_chain(os, static_cast<int>(c));
     print_notes(os);
@@ -128,8 +136,10 @@ struct Report {
       std::ostringstream slots;
       slots << d.first;
       if (d.last != d.first) slots << ".." << d.last;
-      os << "    slots " << std::left << std::setw(8) << slots.str() << std::setw(11)
-         << (d.checkpointed ? (d.offloaded ? "ckpt+offl" : "checkpoint") : (d.offloaded ? "offload" : "none"))
+      const char* applied = d.rule == core::rule_id::tile_segment ? "tile"
+                            : d.checkpointed ? (d.offloaded ? "ckpt+offl" : "checkpoint")
+                                             : (d.offloaded ? "offload" : "none");
+      os << "    slots " << std::left << std::setw(8) << slots.str() << std::setw(11) << applied
          << std::setw(26) << to_string(d.rule) << std::right;
       switch (d.rule) {
         case core::rule_id::checkpoint_segment:
@@ -153,6 +163,11 @@ struct Report {
           os << "checkpointing excluded by Config::enable_checkpointing or the Strategy";
           break;
         case core::rule_id::unsupported_chain: os << chain.unsupported_reason; break;
+        case core::rule_id::tile_segment:
+          os << d.tiles << " chunks of input dimension " << d.tile_dim << ": one chunk's intermediates live in "
+             << "backward, saves " << format_bytes(d.freed_bytes) << "; peak " << format_bytes(d.peak_before)
+             << " -> " << format_bytes(d.peak_after);
+          break;
         case core::rule_id::offload_segment:
         case core::rule_id::offload_no_room:
           os << (d.rule == core::rule_id::offload_no_room ? "would move " : "moves ") << format_bytes(d.freed_bytes)

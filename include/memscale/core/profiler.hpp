@@ -22,6 +22,7 @@
 #include <memscale/core/graph.hpp>
 #include <memscale/core/layer_rules.hpp>
 #include <memscale/core/memory_tracker.hpp>
+#include <memscale/core/tile_rules.hpp>
 #include <memscale/detail/buffers.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
@@ -199,6 +200,13 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
   for (std::size_t k = 0; k < slots.size(); ++k) {
     auto& slot = slots[k];
     profile.slot_names.push_back(std::to_string(k) + " (" + slot.ptr()->name() + ")");
+    // What tiling may do with this slot, from its input's shape.
+    const auto tiling = [&, in = current](slot_cost cost) {
+      cost.row_dims = row_independent_dims(*slot.ptr(), in);
+      for (std::size_t d = 0; d < cost.input_extents.size() && d < in.shape.size(); ++d)
+        cost.input_extents[d] = in.shape[d];
+      return cost;
+    };
     std::optional<layer_estimate> estimate;
     if (options.use_static) estimate = estimate_layer(*slot.ptr(), current);
     if (estimate) {
@@ -212,7 +220,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       cost.workspace_bytes = estimate->workspace_bytes;
       cost.forward_seconds = detail::nominal_seconds(*estimate, device);
       cost.backward_seconds = 2.0 * cost.forward_seconds;
-      profile.slots.push_back(cost);
+      profile.slots.push_back(tiling(cost));
       profile.sources.push_back(profile_source::static_rule);
       profile.notes.emplace_back("static rule");
       current = input_of(estimate->output_shape, estimate->output_dtype);
@@ -240,7 +248,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       profile.unsupported_reason = "slot " + profile.slot_names.back() + " does not return a single Tensor";
       return profile;
     }
-    profile.slots.push_back(measured.cost);
+    profile.slots.push_back(tiling(measured.cost));
     profile.sources.push_back(profile_source::empirical);
     profile.notes.emplace_back(options.use_static ? "no static rule: measured" : "measured");
     current = input_of(measured.output.sizes().vec(), measured.output.scalar_type());

@@ -201,6 +201,24 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
 template <class T>
 concept module_handle = requires(T& m) { m->parameters(); };
 
+/// A body that runs chain slots in order on one tensor. Under a recompute it
+/// restores their buffers afterwards: BatchNorm statistics must not move twice.
+inline c10::intrusive_ptr<checkpoint_body> slots_body(std::vector<torch::nn::AnyModule> slots) {
+  return c10::make_intrusive<checkpoint_body>([slots = std::move(slots)](const std::vector<torch::Tensor>& in) mutable {
+    if (auto* recompute = recompute_scope::current()) recompute->restore_on_close(slots);
+    torch::Tensor x = in[0];
+    for (auto& slot : slots) x = slot.forward<torch::Tensor>(std::move(x));
+    return std::vector<torch::Tensor>{x};
+  });
+}
+
+inline std::vector<torch::Tensor> parameters_of(const std::vector<torch::nn::AnyModule>& slots) {
+  std::vector<torch::Tensor> params;
+  for (const auto& slot : slots)
+    for (const auto& p : slot.ptr()->parameters()) params.push_back(p);
+  return params;
+}
+
 inline bool needs_checkpoint(at::TensorList inputs, at::TensorList params) {
   if (!torch::GradMode::is_enabled()) return false;
   for (const auto& t : inputs)
@@ -254,15 +272,8 @@ class CheckpointSegmentImpl : public torch::nn::Module {
  public:
   explicit CheckpointSegmentImpl(std::vector<torch::nn::AnyModule> slots)
       : torch::nn::Module("memscale::CheckpointSegment"), slots_(std::move(slots)) {
-    for (const auto& slot : slots_)
-      for (const auto& p : slot.ptr()->parameters()) params_.push_back(p);
-    body_ = c10::make_intrusive<detail::checkpoint_body>([slots = slots_](const std::vector<torch::Tensor>& in) mutable {
-      // The recompute in backward must not update BatchNorm statistics a second time.
-      if (auto* recompute = detail::recompute_scope::current()) recompute->restore_on_close(slots);
-      torch::Tensor x = in[0];
-      for (auto& slot : slots) x = slot.forward<torch::Tensor>(std::move(x));
-      return std::vector<torch::Tensor>{x};
-    });
+    params_ = detail::parameters_of(slots_);
+    body_ = detail::slots_body(slots_);
   }
 
   torch::Tensor forward(torch::Tensor x) {

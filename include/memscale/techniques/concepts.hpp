@@ -21,9 +21,12 @@ class engine;
 }
 
 /// What the executor hands a technique's wrap(): the attachment's offload
-/// engine (null unless the plan offloads something).
+/// engine (null unless the plan offloads something), and for Tile the chunk
+/// count and the input dimension it chunks.
 struct wrap_context {
   std::shared_ptr<offload::engine> offload_engine;
+  int tiles = 1;
+  int tile_dim = 0;
 };
 
 enum class technique_id : std::uint8_t { checkpoint, offload, tile };

@@ -1,0 +1,41 @@
+// memscale — what the public functions accept as a model or a module: a
+// torch::nn::ModuleHolder (torch::nn::Sequential, a TORCH_MODULE type) or a
+// std::shared_ptr to a torch::nn::Module; and the shared_ptr behind either.
+#pragma once
+
+#include <concepts>
+#include <memory>
+#include <type_traits>
+
+#include <torch/nn/module.h>
+
+namespace memscale {
+namespace detail {
+
+template <class M>
+concept module_holder = requires(const M& m) {
+  typename M::ContainedType;
+  { m.ptr() } -> std::convertible_to<std::shared_ptr<torch::nn::Module>>;
+};
+
+template <class M>
+concept module_pointer = requires { typename M::element_type; } &&
+                         std::is_base_of_v<torch::nn::Module, typename M::element_type> &&
+                         std::convertible_to<M, std::shared_ptr<torch::nn::Module>>;
+
+template <class M>
+std::shared_ptr<torch::nn::Module> root_of(const M& model) {
+  if constexpr (module_holder<M>) {
+    return model.is_empty() ? nullptr : std::shared_ptr<torch::nn::Module>(model.ptr());
+  } else {
+    return std::shared_ptr<torch::nn::Module>(model);
+  }
+}
+
+}  // namespace detail
+
+/// Satisfied by what wrap/optimize/detach accept: a module holder or a shared_ptr to a Module.
+template <class M>
+concept Model = detail::module_holder<M> || detail::module_pointer<M>;
+
+}  // namespace memscale
