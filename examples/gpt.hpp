@@ -154,10 +154,12 @@ inline void register_memscale_rule() {
                   4.0 * static_cast<double>(B * H * T * T * (C / H));
         return e;
       });
-  // The MLP half treats every position on its own (batch and sequence), unless its
-  // dropout draws masks: chunks would draw other masks than the whole tensor does.
+  // The MLP half treats every position on its own (every dimension but the
+  // features), unless its dropout draws masks: chunks would draw other masks than
+  // the whole tensor does (judged whatever the mode: a plan made in evaluation
+  // runs in training later).
   memscale::register_tileable<MLPImpl>([](const MLPImpl& m, const memscale::layer_input& in) {
-    return in.training && m.options.dropout > 0.0 ? 0 : 2;
+    return m.options.dropout > 0.0 ? 0 : static_cast<int>(in.shape.size()) - 1;
   });
 }
 

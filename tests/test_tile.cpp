@@ -132,9 +132,15 @@ TEST_CASE("tile: which layers are row-independent", "[tile]") {
   CHECK(dims(nn::Dropout(0.1), rank3) == 0);                 // draws masks
   CHECK(dims(nn::Conv2d(3, 4, 3), image) == 1);              // per sample
   CHECK(dims(nn::BatchNorm2d(3), image) == 0);               // batch statistics
+  // Judged whatever the mode: a plan made in evaluation runs in training later.
+  const memscale::layer_input evaluation{{4, 8, 16}, c10::kFloat, false};
+  CHECK(dims(nn::Dropout(0.1), evaluation) == 0);
+  CHECK(dims(nn::Dropout(0.0), evaluation) == 3);
+  CHECK(dims(nn::BatchNorm1d(8), evaluation) == 0);
   gpt::register_memscale_rule();
   CHECK(dims(gpt::MLP(mlp_options(16)), rank3) == 2);
   CHECK(dims(gpt::MLP(mlp_options(16, 0.1)), rank3) == 0);
+  CHECK(dims(gpt::MLP(mlp_options(16)), memscale::layer_input{{32, 16}}) == 1);  // never the features
   CHECK(dims(gpt::TransformerBlock(mlp_options(16)), rank3) == 0);  // attention mixes positions
   nn::Sequential nested(nn::Linear(16, 32), nn::GELU(), nn::Linear(32, 16));
   CHECK(dims(test::NestedSequential(nested), rank3) == 2);
@@ -162,6 +168,8 @@ struct chain_run {
   std::pair<torch::Tensor, std::vector<torch::Tensor>> result;
   std::int64_t peak_growth = 0;
   memscale::Report report;
+  std::optional<memscale::offload::engine_stats> offload;
+  int steps = 0;
 };
 
 chain_run run_chain(const std::optional<memscale::Config>& config) {
@@ -181,7 +189,11 @@ chain_run run_chain(const std::optional<memscale::Config>& config) {
     run.result = test::step(*model, loss);
     run.peak_growth = scope.peak_growth();
   }
-  if (guard) run.report = guard->report();
+  if (guard) {
+    run.report = guard->report();
+    run.offload = guard->offload_stats();
+  }
+  run.steps = 2;
   return run;
 }
 
@@ -203,6 +215,31 @@ TEST_CASE("tile: the planner tiles row-independent blocks with enable_tiling, lo
   CHECK(tiled.peak_growth < checkpointed.peak_growth);
   CHECK(relative_error(tiled.result.first, baseline.result.first) <= 1e-6);
   CHECK(worst_relative_error(tiled.result.second, baseline.result.second) <= 1e-6);
+  // Aggressive offloads after tiling: a tiled unit moves its input, never its weights.
+  REQUIRE(tiled.report.offloaded_units() > 0);
+  REQUIRE(tiled.offload);
+  std::vector<std::vector<memscale::slot_cost>> costs;
+  for (const auto& chain : tiled.report.chains) costs.push_back(chain.slots);
+  const auto planned = memscale::core::offloaded_bytes(costs, tiled.report.plan.units);
+  CHECK(tiled.offload->bytes_written == tiled.steps * planned);
+}
+
+TEST_CASE("tile: a module in two slots of one tile gets its gradient once", "[tile]") {
+  torch::manual_seed(6);
+  torch::nn::Linear shared(32, 32);
+  torch::nn::GELU gelu;
+  std::vector<torch::nn::AnyModule> slots{torch::nn::AnyModule(shared), torch::nn::AnyModule(gelu),
+                                          torch::nn::AnyModule(shared)};
+  auto tiled = std::make_shared<memscale::TileSegmentImpl>(slots, 4, 0);
+  const auto x = torch::randn({16, 32});
+  auto run = [&](auto&& forward) {
+    shared->zero_grad();
+    forward(x).pow(2).sum().backward();
+    return test::grads_of(*shared);
+  };
+  const auto plain = run([&](const torch::Tensor& t) { return shared(gelu(shared(t))); });
+  const auto chunked = run([&](const torch::Tensor& t) { return tiled->forward(t); });
+  CHECK(worst_relative_error(chunked, plain) <= 1e-6);
 }
 
 TEST_CASE("tile: never for layers that mix rows or draw masks, and detach restores the chain", "[tile]") {

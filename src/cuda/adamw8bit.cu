@@ -2,8 +2,9 @@
 // One thread block per quantization block of 256 values, one thread per value:
 // the block's absmax is a block reduction, and the 256-entry quantization maps
 // sit in shared memory, so quantizing is a binary search over their midpoints.
-// The rounding rule (nearest entry, ties to the lower one) matches the CPU
-// path of memscale::optim::AdamW8bit (torch::bucketize over the same midpoints).
+// The rounding rule (nearest entry, ties to the lower one) and the update's
+// float arithmetic (same constants, same order, no FMA contraction: see
+// src/cuda/CMakeLists.txt) match the CPU path of memscale::optim::AdamW8bit.
 #include <memscale/cuda/kernels.hpp>
 
 #include <cstdint>
@@ -94,13 +95,10 @@ __global__ void adamw8bit_kernel(float* params, const float* grads, unsigned cha
     const float g = grads[i];
     m = m_map[m_codes[i]] * m_absmax[blockIdx.x];
     v = v_map[v_codes[i]] * v_absmax[blockIdx.x];
-    m = h.beta1 * m + (1.0f - h.beta1) * g;
-    v = h.beta2 * v + (1.0f - h.beta2) * g * g;
-    float p = params[i];
-    p *= 1.0f - h.lr * h.weight_decay;
-    const float denom = sqrtf(v) / sqrtf(h.bias_correction2) + h.eps;
-    p -= (h.lr / h.bias_correction1) * m / denom;
-    params[i] = p;
+    m = h.beta1 * m + h.one_minus_beta1 * g;
+    v = h.beta2 * v + h.one_minus_beta2 * g * g;
+    const float p = params[i] * h.decay;
+    params[i] = p - h.step_size * (m / (sqrtf(v) / h.bias_correction2_sqrt + h.eps));
   }
   // Every thread has read its block's old absmax above; the reduction's barrier
   // orders those reads before thread 0 overwrites them.

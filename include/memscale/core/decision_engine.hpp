@@ -260,10 +260,15 @@ constexpr void assign_tiling(const std::vector<std::vector<slot_cost>>& chains, 
     // What the unit's own backward no longer holds: (n - 1)/n of its run's working set.
     const auto r = project_plain_range(s, u.first, u.last, 0);
     const auto working = std::max(r.forward_peak, r.backward_peak);
-    plan.decisions.push_back({p.chain, u.first, u.last, true, rule_id::tile_segment, working - working / u.tiles, 0.0,
-                              plan.planned_peak, peak, false, 0.0, u.tiles, u.tile_dim});
+    // A kept slot tiled is recomputed now; a checkpointed run was already.
+    double recompute = 0.0;
+    if (!plan.units[p.chain][p.index].checkpointed)
+      for (int k = u.first; k <= u.last; ++k) recompute += s[k].forward_seconds;
+    plan.decisions.push_back({p.chain, u.first, u.last, true, rule_id::tile_segment, working - working / u.tiles,
+                              recompute, plan.planned_peak, peak, false, 0.0, u.tiles, u.tile_dim});
     plan.units = std::move(next);
     plan.planned_peak = peak;
+    plan.overall = rule_id::tile_segment;
   }
 }
 

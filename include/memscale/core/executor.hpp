@@ -348,11 +348,12 @@ class attachment : public std::enable_shared_from_this<attachment> {
     }
     out.chains.insert(out.chains.end(), profiles.begin(), profiles.end());
     out.planned = true;
-    if (decided.overall == rule_id::checkpoint_segment && decided.planned_peak > decided.target_bytes &&
-        config_.mode != OptimizationMode::Aggressive)
+    if ((decided.overall == rule_id::checkpoint_segment || decided.overall == rule_id::tile_segment) &&
+        decided.planned_peak > decided.target_bytes && config_.mode != OptimizationMode::Aggressive)
       out.notes.push_back("the projected peak " + detail::format_bytes(decided.planned_peak) +
-                          " stays above the target " + detail::format_bytes(decided.target_bytes) +
-                          ": checkpointing alone cannot meet this budget; this is the lowest peak the rules found");
+                          " stays above the target " + detail::format_bytes(decided.target_bytes) + ": " +
+                          (decided.overall == rule_id::tile_segment ? "checkpointing and tiling" : "checkpointing") +
+                          " alone cannot meet this budget; this is the lowest peak the rules found");
     return decided.units;
   }
 

@@ -3,9 +3,9 @@
 // the output depends on row i of the input only), so it can run over chunks of
 // any of them and give the same result. Built in: Linear, LayerNorm, the
 // elementwise activations, Dropout when it draws nothing, Embedding, Flatten, and
-// per sample (dimension 0 only) the convolutions, pools and BatchNorm in
-// evaluation. Never: BatchNorm in training (batch statistics) and anything
-// without a rule (attention mixes positions). Users extend it per type with
+// per sample (dimension 0 only) the convolutions and pools. Never: BatchNorm
+// (batch statistics), Dropout that draws masks, and anything without a rule
+// (attention mixes positions). Users extend it per type with
 // memscale::register_tileable<Impl>(...) and per instance with
 // memscale::mark_tileable(module, dims) / mark_not_tileable(module).
 #pragma once
@@ -25,6 +25,7 @@
 
 #include <memscale/core/layer_rules.hpp>
 #include <memscale/detail/modules.hpp>
+#include <memscale/errors.hpp>
 
 namespace memscale {
 
@@ -51,7 +52,7 @@ class tile_registry {
   }
 
   void mark(const std::shared_ptr<torch::nn::Module>& module, int dims) {
-    if (!module) throw std::invalid_argument("memscale: cannot mark an empty module (a null holder) tileable or not");
+    if (!module) throw Error("memscale: cannot mark an empty module (a null holder) tileable or not");
     std::lock_guard<std::mutex> lock(mutex_);
     std::erase_if(marks_, [&](const instance_mark& m) { return m.module.expired() || m.raw == module.get(); });
     marks_.push_back({module.get(), module, dims});
@@ -128,9 +129,10 @@ inline tile_registry::tile_registry() {
   });
   // A drawing Dropout is row-independent, but chunks draw other masks than one
   // whole-tensor draw, so a tiled step would differ from the untiled one. Users
-  // who accept that mark the module (mark_tileable).
+  // who accept that mark the module (mark_tileable). Judged whatever the mode:
+  // a plan made in evaluation runs in training later.
   builtin<nn::DropoutImpl>([rank](const nn::DropoutImpl& m, const layer_input& in) {
-    return m.options.inplace() || (in.training && m.options.p() > 0.0) ? 0 : rank(in);
+    return m.options.inplace() || m.options.p() > 0.0 ? 0 : rank(in);
   });
   builtin<nn::EmbeddingImpl>([rank](const nn::EmbeddingImpl&, const layer_input& in) { return rank(in); });
   builtin<nn::FlattenImpl>([rank](const nn::FlattenImpl& m, const layer_input& in) {
@@ -148,17 +150,17 @@ inline tile_registry::tile_registry() {
   builtin<nn::MaxPool2dImpl>(per_sample(3));
   builtin<nn::AvgPool1dImpl>(per_sample(2));
   builtin<nn::AvgPool2dImpl>(per_sample(3));
-  auto batch_norm = [](const auto& m, const layer_input& in) {
-    return in.training || !m.options.track_running_stats() ? 0 : 1;  // batch statistics mix the samples
-  };
+  // Batch statistics mix the samples in training; per sample in evaluation, but
+  // a plan made in evaluation runs in training later: never.
+  auto batch_norm = [](const auto&, const layer_input&) { return 0; };
   builtin<nn::BatchNorm1dImpl>(batch_norm);
   builtin<nn::BatchNorm2dImpl>(batch_norm);
 }
 
 inline void check_dims(int dims, const char* what) {
   if (dims < 0)
-    throw std::invalid_argument(std::string("memscale::") + what + ": leading_dims must be >= 0 (0 marks the "
-                                "module as never tiled), got " + std::to_string(dims));
+    throw Error(std::string("memscale::") + what + ": leading_dims must be >= 0 (0 marks the module as never tiled), "
+                "got " + std::to_string(dims));
 }
 
 }  // namespace detail

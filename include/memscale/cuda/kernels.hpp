@@ -44,24 +44,29 @@ cudaError_t memscale_cuda_dequantize_blockwise(const unsigned char* codes, const
                                                const float* quant_map, float* values, std::int64_t count,
                                                cudaStream_t stream);
 
-/// Hyperparameters of one AdamW step. The bias corrections are 1 - beta^step,
-/// computed by the caller (in double) for the parameter's step count.
+/// The constants of one AdamW step, each computed by the caller in double and
+/// rounded once to float, exactly as the CPU path of memscale::optim::AdamW8bit
+/// computes them, so both run the same float arithmetic:
+/// decay = 1 - lr * weight_decay, step_size = lr / (1 - beta1^step),
+/// bias_correction2_sqrt = sqrt(1 - beta2^step).
 struct memscale_adamw8bit_hyperparameters {
-  float lr;
   float beta1;
+  float one_minus_beta1;
   float beta2;
+  float one_minus_beta2;
+  float decay;
+  float step_size;
+  float bias_correction2_sqrt;
   float eps;
-  float weight_decay;
-  float bias_correction1;
-  float bias_correction2;
 };
 
 /// One fused AdamW step on `count` float parameters whose moments are stored
 /// block-wise quantized: exp_avg with `exp_avg_map` (signed), exp_avg_sq with
 /// `exp_avg_sq_map` (unsigned). Per block, in one pass: dequantize both
-/// moments, p *= 1 - lr * weight_decay, m = beta1 m + (1 - beta1) g,
-/// v = beta2 v + (1 - beta2) g^2, p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps),
+/// moments, m = beta1 m + (1 - beta1) g, v = beta2 v + (1 - beta2) g^2,
+/// p = p * decay - step_size * (m / (sqrt(v) / bias_correction2_sqrt + eps)),
 /// then re-quantize m and v with fresh block absmax values. `grads` is read only.
+/// Built without FMA contraction, so it rounds as the CPU path does.
 cudaError_t memscale_cuda_adamw8bit_step(float* params, const float* grads, unsigned char* exp_avg_codes,
                                          float* exp_avg_absmax, unsigned char* exp_avg_sq_codes,
                                          float* exp_avg_sq_absmax, const float* exp_avg_map,

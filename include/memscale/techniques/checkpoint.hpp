@@ -54,10 +54,16 @@ class recompute_scope {
   recompute_scope(const recompute_scope&) = delete;
   recompute_scope& operator=(const recompute_scope&) = delete;
   ~recompute_scope() {
-    restores_.clear();  // restores, in reverse order of registration
+    while (!restores_.empty()) restores_.pop_back();  // restores, in reverse order of registration
     current() = previous_;
   }
+  /// Snapshots the slots' buffers, once per scope: a tiled backward recomputes
+  /// the same slots chunk after chunk, and the state to return to is the first's.
   void restore_on_close(const std::vector<torch::nn::AnyModule>& slots) {
+    if (slots.empty()) return;
+    const auto* first = slots.front().ptr().get();
+    if (std::find(registered_.begin(), registered_.end(), first) != registered_.end()) return;
+    registered_.push_back(first);
     restores_.push_back(std::make_unique<buffer_restore>(slots));
   }
   static recompute_scope*& current() {
@@ -68,6 +74,7 @@ class recompute_scope {
  private:
   recompute_scope* previous_;
   std::vector<std::unique_ptr<buffer_restore>> restores_;
+  std::vector<const torch::nn::Module*> registered_;
 };
 
 /// Leaf tensors requiring grad that the graph behind `outputs` reaches, other
@@ -212,12 +219,24 @@ inline c10::intrusive_ptr<checkpoint_body> slots_body(std::vector<torch::nn::Any
   });
 }
 
+/// The parameters the slots read, each once (a module shared by two slots, or a
+/// tied weight, would otherwise get its gradient twice).
 inline std::vector<torch::Tensor> parameters_of(const std::vector<torch::nn::AnyModule>& slots) {
   std::vector<torch::Tensor> params;
+  std::unordered_set<const c10::TensorImpl*> seen;
   for (const auto& slot : slots)
-    for (const auto& p : slot.ptr()->parameters()) params.push_back(p);
+    for (const auto& p : slot.ptr()->parameters())
+      if (seen.insert(p.unsafeGetTensorImpl()).second) params.push_back(p);
   return params;
 }
+
+/// A memscale wrapper that runs original chain slots it does not register
+/// (CheckpointSegment, TileSegment): what owns parameters is in slots().
+class slot_wrapper {
+ public:
+  virtual ~slot_wrapper() = default;
+  [[nodiscard]] virtual const std::vector<torch::nn::AnyModule>& slots() const noexcept = 0;
+};
 
 inline bool needs_checkpoint(at::TensorList inputs, at::TensorList params) {
   if (!torch::GradMode::is_enabled()) return false;
@@ -268,7 +287,7 @@ torch::Tensor checkpoint(ModuleHolder& module, const torch::Tensor& input) {
 /// A chain slot that runs consecutive original slots as one checkpointed segment.
 /// The originals stay registered in their Sequential; this wrapper registers
 /// nothing, so parameters() and state-dict names do not change.
-class CheckpointSegmentImpl : public torch::nn::Module {
+class CheckpointSegmentImpl : public torch::nn::Module, public detail::slot_wrapper {
  public:
   explicit CheckpointSegmentImpl(std::vector<torch::nn::AnyModule> slots)
       : torch::nn::Module("memscale::CheckpointSegment"), slots_(std::move(slots)) {
@@ -281,7 +300,7 @@ class CheckpointSegmentImpl : public torch::nn::Module {
     return detail::checkpoint_function::apply(body_, at::TensorList(x), at::TensorList(params_))[0];
   }
 
-  [[nodiscard]] const std::vector<torch::nn::AnyModule>& slots() const noexcept { return slots_; }
+  [[nodiscard]] const std::vector<torch::nn::AnyModule>& slots() const noexcept override { return slots_; }
 
  private:
   std::vector<torch::nn::AnyModule> slots_;

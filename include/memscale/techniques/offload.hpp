@@ -47,8 +47,8 @@ using storage_set = std::unordered_set<const c10::StorageImpl*>;
 
 inline void add_storages(const std::vector<torch::nn::AnyModule>& slots, storage_set& set) {
   for (const auto& slot : slots) {
-    // A CheckpointSegment registers nothing: look at the slots it runs.
-    if (auto segment = std::dynamic_pointer_cast<CheckpointSegmentImpl>(slot.ptr())) {
+    // A CheckpointSegment or TileSegment registers nothing: look at the slots it runs.
+    if (const auto* segment = dynamic_cast<const slot_wrapper*>(slot.ptr().get())) {
       add_storages(segment->slots(), set);
       continue;
     }

@@ -226,6 +226,19 @@ inline void quantized_update_aten(torch::Tensor flat, const torch::Tensor& grad,
 /// max that keeps a NaN, as torch::amax does.
 inline float nan_max(float a, float b) { return (a > b || std::isnan(a)) ? a : b; }
 
+/// The float constants of one quantized step, each computed in double and
+/// rounded once; memscale::cuda's kernel gets the same ones.
+struct step_constants_t {
+  float beta1, one_minus_beta1, beta2, one_minus_beta2, decay, step_size, bias_correction2_sqrt, eps;
+};
+inline step_constants_t step_constants(const AdamW8bitOptions& o, double bc1, double bc2) {
+  const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+  return {static_cast<float>(beta1),        static_cast<float>(1 - beta1),
+          static_cast<float>(beta2),        static_cast<float>(1 - beta2),
+          static_cast<float>(1 - o.lr() * o.weight_decay()), static_cast<float>(o.lr() / bc1),
+          static_cast<float>(std::sqrt(bc2)), static_cast<float>(o.eps())};
+}
+
 /// One pass per block, as memscale::cuda's kernel: dequantize, update, absmax,
 /// re-quantize, with the block's fp32 moments on the stack.
 template <class Scalar, class Grad>
@@ -239,14 +252,9 @@ void quantized_update_loop(Scalar* param, const Grad* grad, AdamW8bitParamState&
   auto* v_codes = s.exp_avg_sq_codes().data_ptr<std::uint8_t>();
   auto* m_absmax = s.exp_avg_absmax().data_ptr<float>();
   auto* v_absmax = s.exp_avg_sq_absmax().data_ptr<float>();
-  const double beta1 = std::get<0>(o.betas());
-  const double beta2 = std::get<1>(o.betas());
-  const auto b1 = static_cast<float>(beta1), b2 = static_cast<float>(beta2);
-  const auto one_minus_b1 = static_cast<float>(1 - beta1), one_minus_b2 = static_cast<float>(1 - beta2);
-  const auto decay = static_cast<float>(1 - o.lr() * o.weight_decay());
-  const auto step_size = static_cast<float>(o.lr() / bc1);
-  const auto bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  const auto eps = static_cast<float>(o.eps());
+  const auto c = step_constants(o, bc1, bc2);
+  const float b1 = c.beta1, one_minus_b1 = c.one_minus_beta1, b2 = c.beta2, one_minus_b2 = c.one_minus_beta2;
+  const float decay = c.decay, step_size = c.step_size, bc2_sqrt = c.bias_correction2_sqrt, eps = c.eps;
   const auto blocks = (n + quantization_block_size - 1) / quantization_block_size;
   at::parallel_for(0, blocks, 16, [&](std::int64_t begin, std::int64_t end) {
     std::array<float, quantization_block_size> m{}, v{};
@@ -328,9 +336,18 @@ class AdamW8bit : public torch::optim::Optimizer {
       at::AutoGradMode enable_grad(true);
       loss = closure();
     }
-    for (const auto& group : param_groups_)
-      for (const auto& p : group.params())
-        if (p.grad().defined()) check_parameter(p);
+    // Everything that can be refused is checked before any parameter changes.
+    for (const auto& group : param_groups_) {
+      if (dynamic_cast<const AdamW8bitOptions*>(&group.options()) == nullptr)
+        throw Error("memscale::optim::AdamW8bit: a param group's options are not AdamW8bitOptions; add groups "
+                    "with memscale::optim::AdamW8bitOptions");
+      for (const auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        check_parameter(p);
+        if (const auto it = state_.find(state_key(p)); it != state_.end() && it->second)
+          check_state(p, static_cast<const AdamW8bitParamState&>(*it->second));
+      }
+    }
     for (auto& group : param_groups_) {
       const auto& options = static_cast<const AdamW8bitOptions&>(group.options());
       for (auto& p : group.params())
@@ -462,11 +479,10 @@ class AdamW8bit : public torch::optim::Optimizer {
     c10::cuda::CUDAGuard on_device(p.device());
     const auto grad = p.grad().to(torch::kFloat).contiguous();
     const auto& tables = tables_for(p.device());
-    const memscale_adamw8bit_hyperparameters hyper{
-        static_cast<float>(o.lr()),           static_cast<float>(std::get<0>(o.betas())),
-        static_cast<float>(std::get<1>(o.betas())), static_cast<float>(o.eps()),
-        static_cast<float>(o.weight_decay()), static_cast<float>(bc1),
-        static_cast<float>(bc2)};
+    const auto c = detail::step_constants(o, bc1, bc2);
+    const memscale_adamw8bit_hyperparameters hyper{c.beta1,     c.one_minus_beta1, c.beta2,
+                                                   c.one_minus_beta2, c.decay,     c.step_size,
+                                                   c.bias_correction2_sqrt, c.eps};
     const auto status = memscale_cuda_adamw8bit_step(
         p.data_ptr<float>(), grad.data_ptr<float>(), s.exp_avg_codes().data_ptr<std::uint8_t>(),
         s.exp_avg_absmax().data_ptr<float>(), s.exp_avg_sq_codes().data_ptr<std::uint8_t>(),

@@ -108,13 +108,14 @@ struct tile_function : torch::autograd::Function<tile_function> {
     recompute_scope recompute;
     rng_fork keep_training_stream(context->devices);  // backward must not shift the RNG sequence
     restore_rng(context->state);                      // the chunks draw in forward's order
-    compat::autocast_as same_casts(context->autocast);
+    bool searched = false;
     for (std::int64_t i = 0; i < tiles; ++i) {
       const auto [start, rows] = chunk_of(x.size(dim), tiles, i);
       auto chunk = x.narrow(dim, start, rows).detach();
       if (input_grad) chunk.requires_grad_(true);
       torch::Tensor y;
       {
+        compat::autocast_as same_casts(context->autocast);  // the recompute casts as forward did
         torch::AutoGradMode grad_on(true);
         y = body->fn({chunk})[0];
       }
@@ -131,11 +132,12 @@ struct tile_function : torch::autograd::Function<tile_function> {
           param_slot.push_back(p);
         }
       // Leaves the body reads but was not given: found once, accumulated here.
-      if (i == 0) {
+      if (!searched) {
         std::vector<torch::Tensor> known(params);
         known.push_back(chunk);
         extra = reachable_leaves({y}, known);
         extra_grads.resize(extra.size());
+        searched = true;
       }
       const auto own = targets.size();
       targets.insert(targets.end(), extra.begin(), extra.end());
@@ -150,10 +152,12 @@ struct tile_function : torch::autograd::Function<tile_function> {
         else slice.zero_();
         ++t;
       }
-      auto accumulate = [](torch::Tensor& sum, const torch::Tensor& g) {
+      // The first chunk's gradient is copied: autograd may hand out a view of
+      // its incoming gradient, which the sum must not write into.
+      auto accumulate = [tiles](torch::Tensor& sum, const torch::Tensor& g) {
         if (!g.defined()) return;
         if (sum.defined()) sum.add_(g);
-        else sum = g;
+        else sum = tiles > 1 ? g.clone() : g;
       };
       for (std::size_t j = 0; t < own; ++t, ++j) accumulate(param_grads[param_slot[j]], grads[t]);
       for (std::size_t j = 0; j < extra.size(); ++j) accumulate(extra_grads[j], grads[own + j]);
@@ -163,7 +167,7 @@ struct tile_function : torch::autograd::Function<tile_function> {
       if (!extra_grads[j].defined()) continue;
       auto leaf = extra[j];
       if (leaf.grad().defined()) leaf.mutable_grad().add_(extra_grads[j]);
-      else leaf.mutable_grad() = extra_grads[j];
+      else leaf.mutable_grad() = extra_grads[j].clone();
     }
     result[1] = grad_x;
     for (std::size_t p = 0; p < params.size(); ++p) result[4 + p] = param_grads[p];
@@ -172,10 +176,9 @@ struct tile_function : torch::autograd::Function<tile_function> {
 };
 
 inline void check_tile_arguments(const torch::Tensor& x, std::int64_t tiles, std::int64_t dim) {
-  if (tiles < 1)
-    throw std::invalid_argument("memscale::tile: tiles must be >= 1, got " + std::to_string(tiles));
+  if (tiles < 1) throw Error("memscale::tile: tiles must be >= 1, got " + std::to_string(tiles));
   if (!x.defined() || dim < 0 || dim >= x.dim())
-    throw std::invalid_argument("memscale::tile: dim must name a dimension of the input (0.." +
+    throw Error("memscale::tile: dim must name a dimension of the input (0.." +
                                 std::to_string(x.defined() ? x.dim() - 1 : -1) + "), got " + std::to_string(dim));
 }
 
@@ -197,7 +200,7 @@ inline torch::Tensor run_tiled(const c10::intrusive_ptr<checkpoint_body>& body, 
 /// `params`: every parameter `fn` reads, so their gradients flow through here.
 /// Without grad mode or anything requiring grad, `fn` simply runs.
 template <class Fn>
-  requires std::invocable<Fn&, const torch::Tensor&>
+  requires(!detail::module_handle<std::remove_cvref_t<Fn>>) && std::invocable<Fn&, const torch::Tensor&>
 torch::Tensor tile(Fn&& fn, const torch::Tensor& x, std::int64_t tiles, std::int64_t dim = 0,
                    std::vector<torch::Tensor> params = {}) {
   auto body = c10::make_intrusive<detail::checkpoint_body>(
@@ -207,9 +210,20 @@ torch::Tensor tile(Fn&& fn, const torch::Tensor& x, std::int64_t tiles, std::int
   return detail::run_tiled(body, x, tiles, dim, params);
 }
 
+/// Module form: tiles `module->forward(x)` with the module's parameters.
+template <class ModuleHolder>
+  requires requires(ModuleHolder& m, const torch::Tensor& x) {
+    { m->forward(x) } -> std::convertible_to<torch::Tensor>;
+    m->parameters();
+  }
+torch::Tensor tile(ModuleHolder& module, const torch::Tensor& x, std::int64_t tiles, std::int64_t dim = 0) {
+  return tile([module](const torch::Tensor& t) mutable -> torch::Tensor { return module->forward(t); }, x, tiles, dim,
+              module->parameters());
+}
+
 /// A chain slot that runs consecutive original slots tiled. Like
 /// CheckpointSegment it registers nothing: parameters() and names do not change.
-class TileSegmentImpl : public torch::nn::Module {
+class TileSegmentImpl : public torch::nn::Module, public detail::slot_wrapper {
  public:
   TileSegmentImpl(std::vector<torch::nn::AnyModule> slots, int tiles, int dim)
       : torch::nn::Module("memscale::TileSegment"),
@@ -229,7 +243,7 @@ class TileSegmentImpl : public torch::nn::Module {
 
   [[nodiscard]] int tiles() const noexcept { return tiles_; }
   [[nodiscard]] int dim() const noexcept { return dim_; }
-  [[nodiscard]] const std::vector<torch::nn::AnyModule>& slots() const noexcept { return slots_; }
+  [[nodiscard]] const std::vector<torch::nn::AnyModule>& slots() const noexcept override { return slots_; }
 
  private:
   std::vector<torch::nn::AnyModule> slots_;
