@@ -410,35 +410,13 @@ TEST_CASE("a tensor kept by an offload scope and then modified in place is refus
 
 namespace {
 
-struct offload_run {
-  std::int64_t peak_growth = 0;
-  std::pair<torch::Tensor, std::vector<torch::Tensor>> result;
-  std::optional<memscale::offload::engine_stats> stats;
-  memscale::Report report;
-};
-
-offload_run run_flat(const std::optional<memscale::Config>& config, std::uint64_t seed = 10) {
+test::measured_step run_flat(const std::optional<memscale::Config>& config, std::uint64_t seed = 10) {
   memory_tracker::install();
   torch::manual_seed(seed);
   auto model = test::flat_chain(4, 128, 512, 0.1);
   torch::manual_seed(seed + 1);
   auto x = torch::randn({8, 64, 128}, torch::requires_grad());
-  std::optional<memscale::OptimizationGuard> guard;
-  if (config) guard.emplace(memscale::optimize(model, x, *config));
-  auto loss = [&] { return model->forward(x).pow(2).mean(); };
-  (void)test::step(*model, loss);  // warm-up: allocator, lazily created state
-  x.mutable_grad() = torch::Tensor();
-  offload_run run;
-  {
-    memory_tracker::peak_scope scope;
-    run.result = test::step(*model, loss);
-    run.peak_growth = scope.peak_growth();
-  }
-  if (guard) {
-    run.stats = guard->offload_stats();
-    run.report = guard->report();
-  }
-  return run;
+  return test::measure_step(model, x, config);
 }
 
 }  // namespace
@@ -453,11 +431,11 @@ TEST_CASE("offloading a chain's saved activations to disk halves the step's peak
     const auto offloaded = run_flat(config);
     INFO("baseline " << baseline.peak_growth << " B, offloaded " << offloaded.peak_growth << " B\n"
                      << offloaded.report);
-    REQUIRE(offloaded.stats);
+    REQUIRE(offloaded.offload);
     CHECK(offloaded.report.checkpointed_segments() == 0);
     CHECK(offloaded.report.offloaded_units() >= 10);
     CHECK_THAT(offloaded.report.str(), Catch::Contains("R8 offload-segment"));
-    CHECK(offloaded.stats->at(tier::disk).tensors > 0);
+    CHECK(offloaded.offload->at(tier::disk).tensors > 0);
     CHECK(offloaded.peak_growth <= baseline.peak_growth / 2);
     CHECK(test::bit_equal(baseline.result.first, offloaded.result.first));
     CHECK(test::bit_equal(baseline.result.second, offloaded.result.second));
@@ -472,10 +450,10 @@ TEST_CASE("checkpoint plus offload moves the kept segment inputs too, bit-identi
   INFO("baseline " << baseline.peak_growth << " B, checkpoint " << checkpointed.peak_growth
                    << " B, checkpoint+offload " << both.peak_growth << " B\n"
                    << both.report);
-  REQUIRE(both.stats);
+  REQUIRE(both.offload);
   CHECK(both.report.checkpointed_segments() > 0);
   CHECK(both.report.offloaded_units() > 0);
-  CHECK(both.stats->at(tier::disk).tensors > 0);
+  CHECK(both.offload->at(tier::disk).tensors > 0);
   CHECK(both.report.planned_peak_bytes() < checkpointed.report.planned_peak_bytes());
   CHECK(both.peak_growth <= checkpointed.peak_growth);
   CHECK(test::bit_equal(baseline.result.second, both.result.second));
@@ -486,7 +464,7 @@ TEST_CASE("offload with Balanced acts only where checkpointing does not meet the
   // A generous budget: checkpointing (or nothing) suffices, so nothing is offloaded.
   const auto roomy = run_flat(test::quiet({.mode = OptimizationMode::Balanced, .memory_budget_gb = 64.0}));
   CHECK(roomy.report.offloaded_units() == 0);
-  CHECK_FALSE(roomy.stats.has_value());
+  CHECK_FALSE(roomy.offload.has_value());
   // Strategy without Offload: never offloaded, whatever the mode.
   torch::manual_seed(3);
   auto model = test::flat_chain(2, 64, 256, 0.0);

@@ -2,6 +2,8 @@
 // bit-exact comparisons and a quiet Config.
 #pragma once
 
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -86,6 +88,38 @@ std::pair<torch::Tensor, std::vector<torch::Tensor>> step(torch::nn::Module& mod
   auto loss = forward();
   loss.backward();
   return {loss.detach().clone(), grads_of(model)};
+}
+
+/// One training step measured by the tracker: the loss mean(model(x)^2) and its
+/// gradients after one warm-up step, without memscale or under
+/// optimize(model, x, config); with a guard, its report and offload statistics.
+struct measured_step {
+  std::pair<torch::Tensor, std::vector<torch::Tensor>> result;
+  std::int64_t peak_growth = 0;
+  memscale::Report report;
+  std::optional<memscale::offload::engine_stats> offload;
+  static constexpr int steps = 2;  ///< steps the guard saw: the warm-up and the measured one
+};
+
+template <class Model>
+measured_step measure_step(Model& model, const torch::Tensor& x, const std::optional<memscale::Config>& config) {
+  memscale::memory_tracker::install();
+  std::optional<memscale::OptimizationGuard> guard;
+  if (config) guard.emplace(memscale::optimize(model, x, *config));
+  auto loss = [&] { return model->forward(x).pow(2).mean(); };
+  (void)step(*model, loss);  // warm-up: allocator, lazily created state
+  if (x.requires_grad()) x.mutable_grad() = torch::Tensor();
+  measured_step run;
+  {
+    memscale::memory_tracker::peak_scope scope;
+    run.result = step(*model, loss);
+    run.peak_growth = scope.peak_growth();
+  }
+  if (guard) {
+    run.report = guard->report();
+    run.offload = guard->offload_stats();
+  }
+  return run;
 }
 
 /// What identifies a model's state: parameter names and tensor identities.

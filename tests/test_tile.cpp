@@ -164,37 +164,14 @@ torch::nn::Sequential mlp_chain(int blocks, std::int64_t width) {
   return seq;
 }
 
-struct chain_run {
-  std::pair<torch::Tensor, std::vector<torch::Tensor>> result;
-  std::int64_t peak_growth = 0;
-  memscale::Report report;
-  std::optional<memscale::offload::engine_stats> offload;
-  int steps = 0;
-};
-
-chain_run run_chain(const std::optional<memscale::Config>& config) {
+test::measured_step run_chain(const std::optional<memscale::Config>& config) {
   memory_tracker::install();
   gpt::register_memscale_rule();
   torch::manual_seed(4);
   auto model = mlp_chain(4, 64);
   torch::manual_seed(5);
   auto x = torch::randn({8, 128, 64});
-  std::optional<memscale::OptimizationGuard> guard;
-  if (config) guard.emplace(memscale::optimize(model, x, *config));
-  auto loss = [&] { return model->forward(x).pow(2).mean(); };
-  (void)test::step(*model, loss);
-  chain_run run;
-  {
-    memory_tracker::peak_scope scope;
-    run.result = test::step(*model, loss);
-    run.peak_growth = scope.peak_growth();
-  }
-  if (guard) {
-    run.report = guard->report();
-    run.offload = guard->offload_stats();
-  }
-  run.steps = 2;
-  return run;
+  return test::measure_step(model, x, config);
 }
 
 }  // namespace

@@ -160,7 +160,43 @@ inline layer_estimate identity_view(const layer_input& in) {
 
 std::optional<layer_estimate> estimate_sequential(const torch::nn::SequentialImpl& seq, const layer_input& in);
 
-/// Registry of rules keyed by module type; built-ins first, user rules may override.
+/// Per-module-type rules `Result(const Impl&, const layer_input&)`, thread-safe;
+/// a rule set for a type replaces the one it had. The static profiling rules
+/// (below) and the row-independence rules (core/tile_rules.hpp) are two of them.
+template <class Result>
+class rules_by_type {
+ public:
+  using rule = std::function<Result(const torch::nn::Module&, const layer_input&)>;
+
+  /// Sets the rule for modules of type Impl: `fn(const Impl&, const layer_input&)`.
+  template <class Impl, class Fn>
+  void set(Fn fn) {
+    rule erased = [fn = std::move(fn)](const torch::nn::Module& m, const layer_input& in) mutable -> Result {
+      return fn(dynamic_cast<const Impl&>(m), in);
+    };
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [t, r] : rules_)
+      if (t == std::type_index(typeid(Impl))) {
+        r = std::move(erased);
+        return;
+      }
+    rules_.emplace_back(std::type_index(typeid(Impl)), std::move(erased));
+  }
+
+  /// The rule for `module`'s type (a copy, to run outside the lock), or empty.
+  [[nodiscard]] rule find(const torch::nn::Module& module) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [t, r] : rules_)
+      if (t == std::type_index(typeid(module))) return r;
+    return {};
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<std::pair<std::type_index, rule>> rules_;
+};
+
+/// Registry of static profiling rules keyed by module type; built-ins first, user rules may override.
 class rule_registry {
  public:
   static rule_registry& global() {
@@ -168,25 +204,14 @@ class rule_registry {
     return registry;
   }
 
-  void add(std::type_index type, layer_rule rule) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& [t, r] : rules_)
-      if (t == type) {
-        r = std::move(rule);
-        return;
-      }
-    rules_.emplace_back(type, std::move(rule));
+  template <class Impl, class Fn>
+  void add(Fn fn) {
+    rules_.template set<Impl>(std::move(fn));
   }
 
   [[nodiscard]] std::optional<layer_estimate> estimate(const torch::nn::Module& module,
                                                        const layer_input& in) const {
-    layer_rule rule;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      for (const auto& [t, r] : rules_)
-        if (t == std::type_index(typeid(module))) rule = r;
-    }
-    if (rule) return rule(module, in);
+    if (auto rule = rules_.find(module)) return rule(module, in);
     // A Sequential can only be a slot as a subclass with a concrete forward (the
     // LibTorch idiom for nesting); such a slot is estimated as the chain it runs.
     if (const auto* seq = dynamic_cast<const torch::nn::SequentialImpl*>(&module))
@@ -195,24 +220,17 @@ class rule_registry {
   }
 
   [[nodiscard]] bool knows(const torch::nn::Module& module) const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& [t, r] : rules_)
-      if (t == std::type_index(typeid(module))) return true;
-    return dynamic_cast<const torch::nn::SequentialImpl*>(&module) != nullptr;
+    return static_cast<bool>(rules_.find(module)) || dynamic_cast<const torch::nn::SequentialImpl*>(&module) != nullptr;
   }
 
  private:
   rule_registry();
   template <class Impl>
   void builtin(std::function<std::optional<layer_estimate>(const Impl&, const layer_input&)> rule) {
-    rules_.emplace_back(std::type_index(typeid(Impl)),
-                        [rule = std::move(rule)](const torch::nn::Module& m, const layer_input& in) {
-                          return rule(dynamic_cast<const Impl&>(m), in);
-                        });
+    add<Impl>(std::move(rule));
   }
 
-  mutable std::mutex mutex_;
-  std::vector<std::pair<std::type_index, layer_rule>> rules_;
+  rules_by_type<std::optional<layer_estimate>> rules_;
 };
 
 inline rule_registry::rule_registry() {
@@ -356,11 +374,7 @@ inline std::optional<layer_estimate> estimate_sequential(const torch::nn::Sequen
 /// Return std::nullopt for inputs the rule cannot handle; the slot is then measured.
 template <class Impl, class Rule>
 void register_layer_rule(Rule rule) {
-  detail::rule_registry::global().add(
-      std::type_index(typeid(Impl)),
-      [rule = std::move(rule)](const torch::nn::Module& m, const layer_input& in) -> std::optional<layer_estimate> {
-        return rule(dynamic_cast<const Impl&>(m), in);
-      });
+  detail::rule_registry::global().add<Impl>(std::move(rule));
 }
 
 /// The static estimate for one module, or nullopt when no rule covers it.

@@ -29,9 +29,6 @@
 
 namespace memscale {
 
-/// How many leading input dimensions a module of some type treats row by row.
-using row_rule = std::function<int(const torch::nn::Module&, const layer_input&)>;
-
 namespace detail {
 
 class tile_registry {
@@ -41,14 +38,11 @@ class tile_registry {
     return registry;
   }
 
-  void add_type(std::type_index type, row_rule rule) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& [t, r] : types_)
-      if (t == type) {
-        r = std::move(rule);
-        return;
-      }
-    types_.emplace_back(type, std::move(rule));
+  /// Sets how many leading input dimensions modules of type Impl treat row by
+  /// row: `fn(const Impl&, const layer_input&) -> int`.
+  template <class Impl, class Fn>
+  void add_type(Fn fn) {
+    types_.template set<Impl>(std::move(fn));
   }
 
   void mark(const std::shared_ptr<torch::nn::Module>& module, int dims) {
@@ -61,15 +55,12 @@ class tile_registry {
   /// The instance mark, else the type's rule, else (a Sequential subclass) the
   /// smallest over its children; 0 for anything unknown.
   [[nodiscard]] int row_dims(const torch::nn::Module& module, const layer_input& in) const {
-    row_rule rule;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       for (const auto& m : marks_)
         if (m.raw == &module && !m.module.expired()) return std::min<int>(m.dims, static_cast<int>(in.shape.size()));
-      for (const auto& [t, r] : types_)
-        if (t == std::type_index(typeid(module))) rule = r;
     }
-    if (rule) return std::clamp(rule(module, in), 0, static_cast<int>(in.shape.size()));
+    if (auto rule = types_.find(module)) return std::clamp(rule(module, in), 0, static_cast<int>(in.shape.size()));
     if (const auto* seq = dynamic_cast<const torch::nn::SequentialImpl*>(&module)) return sequence_dims(*seq, in);
     return 0;
   }
@@ -85,9 +76,7 @@ class tile_registry {
 
   template <class Impl, class Rule>
   void builtin(Rule rule) {
-    types_.emplace_back(std::type_index(typeid(Impl)), [rule](const torch::nn::Module& m, const layer_input& in) {
-      return rule(dynamic_cast<const Impl&>(m), in);
-    });
+    add_type<Impl>(std::move(rule));
   }
 
   /// Children in order, each on the shape the one before produced (while static
@@ -104,8 +93,8 @@ class tile_registry {
     return dims;
   }
 
-  mutable std::mutex mutex_;
-  std::vector<std::pair<std::type_index, row_rule>> types_;
+  rules_by_type<int> types_;
+  mutable std::mutex mutex_;  // guards marks_
   std::vector<instance_mark> marks_;
 };
 
@@ -171,19 +160,14 @@ inline void check_dims(int dims, const char* what) {
 template <class Impl>
 void register_tileable(int leading_dims) {
   detail::check_dims(leading_dims, "register_tileable");
-  detail::tile_registry::global().add_type(std::type_index(typeid(Impl)),
-                                           [leading_dims](const torch::nn::Module&, const layer_input&) {
-                                             return leading_dims;
-                                           });
+  detail::tile_registry::global().add_type<Impl>([leading_dims](const Impl&, const layer_input&) {
+    return leading_dims;
+  });
 }
 template <class Impl, class Rule>
   requires std::is_invocable_r_v<int, Rule&, const Impl&, const layer_input&>
 void register_tileable(Rule rule) {
-  detail::tile_registry::global().add_type(
-      std::type_index(typeid(Impl)),
-      [rule = std::move(rule)](const torch::nn::Module& m, const layer_input& in) mutable {
-        return rule(dynamic_cast<const Impl&>(m), in);
-      });
+  detail::tile_registry::global().add_type<Impl>(std::move(rule));
 }
 
 /// Marks one module (a holder such as torch::nn::Linear, or a shared_ptr to a
