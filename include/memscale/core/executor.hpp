@@ -10,7 +10,6 @@
 #pragma once
 
 #include <algorithm>
-#include <filesystem>
 #include <functional>
 #include <memory>
 #include <mutex>
