@@ -6,7 +6,8 @@
 #   - the kernel tests of memscale::cuda (batched copy; 8-bit quantize,
 #     dequantize and the fused AdamW8bit step against host references),
 #   - the hidden CUDA tests (offload tiers, batching, the chain's peak on CUDA,
-#     the fused 8-bit step against the CPU one),
+#     the fused 8-bit step against the CPU one, CUDA backward through memscale's
+#     engine; the engine-order test alone, in a process of its own),
 #   - the whole CPU suite, on LibTorch 2.x at run time,
 #   - the GPU benchmark (bandwidth; GPT baseline / checkpoint / + offload; the
 #     fused 8-bit AdamW step against LibTorch's AdamW).
@@ -37,6 +38,8 @@ step build cmake --build build-gpu -j "$(nproc)" --target memscale_tests memscal
   memscale_bench_gpu train_gpt || exit "$status"
 step kernel_test ./build-gpu/tests/memscale_cuda_tests
 step kernel_test_8bit ./build-gpu/tests/memscale_cuda_adamw8bit_tests
+# In a process of its own: it leaves LibTorch's base engine in charge of CUDA backwards.
+step engine_order ./build-gpu/tests/memscale_tests "[.cuda_engine_order]"
 step cuda_tests ./build-gpu/tests/memscale_tests "[.cuda]"
 step cpu_suite ./build-gpu/tests/memscale_tests
 step bench_gpu ./build-gpu/benchmarks/memscale_bench_gpu --steps "${MEMSCALE_GPU_STEPS:-5}"

@@ -1,12 +1,276 @@
-// Measured savings, by the library's own tracker: Aggressive halves a step's peak
-// memory growth (profiling and planning included), Balanced keeps the measured
-// peak within an explicit budget, and the planner's estimate tracks measurement.
+// The tracker's two CPU sources (a reporting scope that replaces nothing, the
+// opt-in counting allocator), a program's own CPU allocator surviving wrap, and
+// measured savings: Aggressive halves a step's peak memory growth (profiling and
+// planning included), Balanced keeps the measured peak within an explicit
+// budget, and the planner's estimate tracks measurement.
 #include "test_support.hpp"
+
+#include <atomic>
+#include <cstring>
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+#include <torch/csrc/autograd/profiler_legacy.h>
 
 #include <memscale/core/optimal_chain.hpp>
 
 using memscale::OptimizationMode;
 using memscale::memory_tracker;
+
+namespace {
+
+/// A program's own CPU allocator, counting its allocations. `Delegating`: it
+/// allocates through c10::GetDefaultCPUAllocator(), which reports to LibTorch's
+/// memory profiler; else straight from c10::alloc_cpu, which does not.
+template <bool Delegating>
+class program_cpu_allocator final : public c10::Allocator {
+ public:
+  // 1.13 declares allocate() const, 2.x non-const (see memscale's counting allocator).
+  c10::DataPtr allocate(std::size_t bytes) const { return counted(bytes); }
+  c10::DataPtr allocate(std::size_t bytes) { return counted(bytes); }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return Delegating ? c10::GetDefaultCPUAllocator()->raw_deleter() : &release;
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const {
+    if (count != 0) std::memcpy(dest, src, count);
+  }
+
+  static inline std::atomic<std::int64_t> allocations{0};
+
+  static program_cpu_allocator& instance() {
+    static auto* self = new program_cpu_allocator();  // its blocks may outlive the test
+    return *self;
+  }
+
+ private:
+  static void release(void* data) { c10::free_cpu(data); }
+
+  c10::DataPtr counted(std::size_t bytes) const {
+    allocations.fetch_add(1);
+    if constexpr (Delegating) return c10::GetDefaultCPUAllocator()->allocate(bytes);
+    void* data = bytes == 0 ? nullptr : c10::alloc_cpu(bytes);
+    return c10::DataPtr(data, data, &release, c10::Device(c10::kCPU));
+  }
+};
+using silent_allocator = program_cpu_allocator<false>;
+using reporting_allocator = program_cpu_allocator<true>;
+
+/// Makes `allocator` LibTorch's CPU allocator as a program would (SetCPUAllocator
+/// at a priority of its choosing), and puts the previous one back afterwards.
+class cpu_allocator_installed {
+ public:
+  static constexpr std::uint8_t priority = 100;
+  explicit cpu_allocator_installed(c10::Allocator* allocator) : previous_(c10::GetCPUAllocator()) {
+    c10::SetCPUAllocator(allocator, priority);
+  }
+  cpu_allocator_installed(const cpu_allocator_installed&) = delete;
+  cpu_allocator_installed& operator=(const cpu_allocator_installed&) = delete;
+  ~cpu_allocator_installed() { c10::SetCPUAllocator(previous_, priority); }
+
+ private:
+  c10::Allocator* previous_;
+};
+
+/// A program's own memory reporter in the PROFILER_STATE slot (as its own profiler would put there).
+class program_reporter final : public c10::MemoryReportingInfoBase {
+ public:
+  void reportMemoryUsage(void* /*ptr*/, std::int64_t alloc_size, memscale::detail::report_total_t /*allocated*/,
+                         memscale::detail::report_total_t /*reserved*/, c10::Device device) override {
+    if (!device.is_cpu()) return;
+    live += alloc_size;
+    ++reports;
+  }
+  [[nodiscard]] bool memoryProfilingEnabled() const override { return enabled; }
+
+  std::atomic<bool> enabled{true};
+  std::atomic<std::int64_t> live{0};
+  std::atomic<int> reports{0};
+};
+
+c10::DebugInfoBase* profiler_slot() {
+  return c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PROFILER_STATE);
+}
+
+struct ExpScaleImpl : torch::nn::Module {  // no static rule: must be measured
+  torch::Tensor forward(torch::Tensor x) { return torch::exp(x) * 2.0; }
+};
+TORCH_MODULE(ExpScale);
+
+template <class Allocator>
+void check_allocator_survives_wrap() {
+  auto& allocator = Allocator::instance();
+  cpu_allocator_installed installed(&allocator);
+  REQUIRE(c10::GetCPUAllocator() == &allocator);
+  torch::manual_seed(15);
+  auto model = test::flat_chain(3, 64, 256, 0.1);
+  auto x = torch::randn({8, 32, 64});
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  auto train = [&](int steps) {
+    for (int i = 0; i < steps; ++i) {
+      optimizer.zero_grad();
+      model->forward(x).pow(2).mean().backward();
+      optimizer.step();
+    }
+  };
+  {
+    auto guard = memscale::optimize(model, x, test::quiet({.mode = OptimizationMode::Aggressive}));
+    CHECK(c10::GetCPUAllocator() == &allocator);
+    CHECK_FALSE(memory_tracker::installed());
+    CHECK(guard.report().checkpointed_segments() >= 1);  // planned and applied at wrap
+    const auto before = Allocator::allocations.load();
+    train(3);
+    CHECK(Allocator::allocations.load() > before);
+    CHECK(c10::GetCPUAllocator() == &allocator);
+  }
+  CHECK_FALSE(memscale::is_optimized(model));
+  CHECK(c10::GetCPUAllocator() == &allocator);
+  const auto before = Allocator::allocations.load();
+  train(1);
+  CHECK(Allocator::allocations.load() > before);
+  CHECK(c10::GetCPUAllocator() == &allocator);
+}
+
+}  // namespace
+
+TEST_CASE("wrap, training and detach leave the program's own CPU allocator in place and counting", "[memory]") {
+  SECTION("an allocator that does not report to LibTorch's memory profiler") {
+    check_allocator_survives_wrap<silent_allocator>();
+  }
+  SECTION("an allocator that delegates to LibTorch's default one") {
+    check_allocator_survives_wrap<reporting_allocator>();
+  }
+}
+
+TEST_CASE("a reporting scope counts CPU bytes without replacing the CPU allocator", "[memory]") {
+  cpu_allocator_installed default_allocator(c10::GetDefaultCPUAllocator());  // whatever earlier tests installed
+  REQUIRE_FALSE(memory_tracker::installed());
+  REQUIRE(profiler_slot() == nullptr);
+  auto earlier = torch::empty({1 << 16}, torch::kFloat);  // 256 KiB, before the scope
+  {
+    memory_tracker::reporting_scope scope;
+    REQUIRE(scope.active());
+    {
+      auto t = torch::empty({1024, 1024}, torch::kFloat);  // 4 MiB
+      CHECK(scope.current_bytes() == 4 << 20);
+      CHECK(memory_tracker::current_bytes() == 4 << 20);  // the tracker reads the innermost scope
+    }
+    CHECK(scope.current_bytes() == 0);
+    CHECK(scope.peak_bytes() == 4 << 20);
+    CHECK(scope.allocated_bytes() == 4 << 20);
+    earlier = torch::Tensor();  // allocated before the scope: its free is not the scope's
+    CHECK(scope.current_bytes() == 0);
+    {
+      memory_tracker::peak_scope peak;
+      memory_tracker::reporting_scope inner;
+      auto t = torch::empty({1 << 18}, torch::kFloat);  // 1 MiB
+      CHECK(inner.current_bytes() == 1 << 20);
+      CHECK(scope.current_bytes() == 1 << 20);  // nested scopes compose
+      CHECK(memory_tracker::current_bytes() == 1 << 20);
+      t = torch::Tensor();
+      CHECK(scope.current_bytes() == 0);
+      CHECK(peak.peak_growth() == 1 << 20);
+    }
+    CHECK(scope.peak_bytes() == 4 << 20);  // the inner peak_scope did not hide the outer peak
+  }
+  CHECK(c10::GetCPUAllocator() == c10::GetDefaultCPUAllocator());
+  CHECK(profiler_slot() == nullptr);
+  CHECK_THROWS_AS(memory_tracker::current_bytes(), memscale::Error);  // neither source: no silent zero
+}
+
+TEST_CASE("a reporting scope passes every report on to the reporter it shadows", "[memory]") {
+  cpu_allocator_installed default_allocator(c10::GetDefaultCPUAllocator());
+  auto program = std::make_shared<program_reporter>();
+  c10::DebugInfoGuard program_scope(c10::DebugInfoKind::PROFILER_STATE, program);
+  auto earlier = torch::empty({1 << 16}, torch::kFloat);  // 256 KiB, seen by the program's reporter only
+  CHECK(program->live == 1 << 18);
+  {
+    memory_tracker::reporting_scope scope;
+    REQUIRE(scope.active());
+    CHECK(profiler_slot() != program.get());
+    auto t = torch::empty({1024, 1024}, torch::kFloat);  // 4 MiB
+    CHECK(scope.current_bytes() == 4 << 20);
+    CHECK(program->live == (1 << 18) + (4 << 20));
+    earlier = torch::Tensor();  // the program's reporter knew this block: it hears of the free
+    CHECK(program->live == 4 << 20);
+    CHECK(scope.current_bytes() == 4 << 20);
+    t = torch::Tensor();
+    CHECK(program->live == 0);
+    CHECK(scope.current_bytes() == 0);
+    // With its memory profiling off the program's reporter hears nothing, as without
+    // memscale, not even the free of a block allocated meanwhile; memscale still counts.
+    const int reports = program->reports;
+    program->enabled = false;
+    auto u = torch::empty({1024}, torch::kFloat);
+    CHECK(scope.current_bytes() == 4096);
+    program->enabled = true;
+    u = torch::Tensor();
+    CHECK(scope.current_bytes() == 0);
+    CHECK(program->reports == reports);
+    CHECK(program->live == 0);
+  }
+  CHECK(profiler_slot() == program.get());
+}
+
+TEST_CASE("a reporting scope never shadows a LibTorch profiler; profiling then says what it did not measure",
+          "[memory][profiler]") {
+  cpu_allocator_installed default_allocator(c10::GetDefaultCPUAllocator());
+  torch::nn::Sequential seq(torch::nn::Linear(16, 16), ExpScale(), torch::nn::Linear(16, 16));
+  std::vector<torch::nn::AnyModule> slots(seq->begin(), seq->end());
+  auto x = torch::randn({4, 16});
+  torch::autograd::profiler::TLSLegacyProfilerGuard profiler(torch::profiler::impl::ProfilerConfig(
+      torch::profiler::impl::ProfilerState::CPU, /*report_input_shapes=*/false, /*profile_memory=*/true));
+  auto* state = profiler_slot();
+  REQUIRE(state != nullptr);
+  {
+    memory_tracker::reporting_scope scope;
+    CHECK_FALSE(scope.active());
+    CHECK_THAT(scope.inactive_reason(), Catch::Contains("profiler"));
+    CHECK(profiler_slot() == state);
+    auto t = torch::empty({1024}, torch::kFloat);
+    CHECK(scope.allocated_bytes() == 0);
+  }
+  const auto profile = memscale::core::profile_chain("", slots, x, {true, true, 1, true});
+  CHECK(profiler_slot() == state);
+  REQUIRE(profile.sources.at(1) == memscale::profile_source::empirical);
+  CHECK(profile.slots[1].saved_bytes == 4 * 16 * 4);  // exp's result, from autograd's saved tensors
+  REQUIRE(profile.caveats.size() == 1);
+  CHECK_THAT(profile.caveats[0], Catch::Contains("1 (") && Catch::Contains("LibTorch profiler"));
+}
+
+TEST_CASE("with a CPU allocator that does not report, profiling falls back and the Report says so",
+          "[memory][profiler]") {
+  auto& allocator = silent_allocator::instance();
+  cpu_allocator_installed installed(&allocator);
+  torch::nn::Sequential seq(torch::nn::Linear(16, 16), ExpScale(), torch::nn::Linear(16, 16));
+  std::vector<torch::nn::AnyModule> slots(seq->begin(), seq->end());
+  auto x = torch::randn({4, 16});
+  using memscale::profile_source;
+  const std::vector<profile_source> rules_then_measured{profile_source::static_rule, profile_source::empirical,
+                                                        profile_source::static_rule};
+
+  const auto mixed = memscale::core::profile_chain("", slots, x, {true, true, 1, true});
+  CHECK((mixed.sources == rules_then_measured));
+  CHECK(mixed.slots[1].output_bytes == 4 * 16 * 4);
+  CHECK(mixed.slots[1].saved_bytes == 4 * 16 * 4);  // exp's result, from autograd's saved tensors
+  CHECK_FALSE(mixed.slots[1].saves_input);
+  CHECK_FALSE(mixed.slots[1].saves_output);
+  REQUIRE(mixed.caveats.size() == 1);
+  CHECK_THAT(mixed.caveats[0], Catch::Contains("1 (") && Catch::Contains("ExpScaleImpl") &&
+                                   Catch::Contains("does not report"));
+
+  // Static profiling off: the Linear layers' bytes come from their rules all the same, not from zeros.
+  const auto measured = memscale::core::profile_chain("", slots, x, {false, true, 1, true});
+  CHECK((measured.sources == rules_then_measured));
+  CHECK(measured.slots[0].saved_bytes == mixed.slots[0].saved_bytes);
+  CHECK(measured.slots[0].saves_input == mixed.slots[0].saves_input);
+  REQUIRE(measured.caveats.size() == 1);
+  CHECK_THAT(measured.caveats[0], Catch::Contains("0 (") && Catch::Contains("2 ("));
+
+  auto guard = memscale::optimize(seq, x, test::quiet({.use_static_profiling = false}));
+  CHECK_THAT(guard.report().str(), Catch::Contains("note: memory of slot(s)") && Catch::Contains("does not report"));
+  CHECK(c10::GetCPUAllocator() == &allocator);
+}
 
 TEST_CASE("the tracker counts live and peak CPU bytes", "[memory]") {
   memory_tracker::install();

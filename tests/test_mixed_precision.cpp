@@ -61,22 +61,39 @@ TEST_CASE("autocast_scope switches CPU autocast on for its lifetime and restores
   CHECK_THROWS_WITH(memscale::autocast_scope(c10::kMeta), Catch::Contains("cpu and cuda"));
 }
 
-TEST_CASE("optimize() with use_mixed_precision keeps autocast open until the guard ends", "[amp][api]") {
+TEST_CASE("use_mixed_precision autocasts the optimized layers' forward, not backward or the optimizer step",
+          "[amp][api]") {
   // No LayerNorm: LibTorch 1.13's CPU LayerNorm refuses a bf16 input with fp32 weights under autocast.
   torch::nn::Sequential model(torch::nn::Linear(64, 256), torch::nn::GELU(), torch::nn::Linear(256, 64),
                               torch::nn::Dropout(0.1));
   auto x = torch::randn({64, 64});
   {
     auto guard = memscale::optimize(model, x, test::quiet({.use_mixed_precision = true}));
-    CHECK(guard.autocast_open());
-    CHECK(model->forward(x).scalar_type() == torch::kBFloat16);
-    CHECK(x.mm(x).scalar_type() == torch::kBFloat16);
-    CHECK_THAT(guard.report().str(), Catch::Contains("use_mixed_precision: optimize() keeps autocast open"));
+    // Outside the chain's forward autocast is off, though the guard lives.
+    CHECK_FALSE(memscale::detail::compat::current_autocast().cpu);
+    CHECK(x.mm(x).scalar_type() == torch::kFloat);
+    auto y = model->forward(x);
+    CHECK(y.scalar_type() == torch::kBFloat16);
+    CHECK_FALSE(memscale::detail::compat::current_autocast().cpu);
+    // Backward runs without autocast: a hook on the first layer's input gradient sees it off.
+    int hooked = 0;
+    bool autocast_in_backward = true;
+    auto w = model->parameters().front();  // the first Linear's weight (slot 0 is wrapped now)
+    auto handle = w.register_hook([&](const torch::Tensor& g) {
+      ++hooked;
+      autocast_in_backward = memscale::detail::compat::current_autocast().cpu;
+      return g;
+    });
+    y.to(torch::kFloat).pow(2).mean().backward();
+    w.remove_hook(handle);
+    CHECK(hooked == 1);
+    CHECK_FALSE(autocast_in_backward);
+    CHECK(w.grad().scalar_type() == torch::kFloat);
+    CHECK_THAT(guard.report().str(), Catch::Contains("run their forward under autocast"));
   }
-  CHECK(x.mm(x).scalar_type() == torch::kFloat);
   CHECK(model->forward(x).scalar_type() == torch::kFloat);
   auto plain = memscale::optimize(model, x, test::quiet());
-  CHECK_FALSE(plain.autocast_open());
+  CHECK(model->forward(x).scalar_type() == torch::kFloat);
 }
 
 // Stated tolerance: the bf16 run's final loss within 25% of the fp32 run's (measured here: 7%), both

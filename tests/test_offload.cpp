@@ -1,18 +1,25 @@
 // The offload path: saved-tensor hooks through the Engine subclass, the tiered
 // engine (every tier, dtype and layout, spills, faults, prefetch), the Offload
 // technique on real chains, and the decision engine's offload rules.
+#include <atomic>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <new>
 #include <optional>
+#include <stdexcept>
 #include <thread>
 
 #include "test_support.hpp"
 
 using memscale::OptimizationMode;
 using memscale::memory_tracker;
+using memscale::detail::inject_fault;
+using memscale::detail::offload_fault;
 using memscale::offload::engine;
 using memscale::offload::engine_options;
+using memscale::offload::io_pool;
 using memscale::offload::tier;
 namespace fs = std::filesystem;
 
@@ -78,6 +85,51 @@ void check_round_trip(engine& e, tier first) {
   }
 }
 
+/// Whether the engine recorded a warning containing `text`.
+bool warned(const memscale::offload::engine_stats& stats, const std::string& text) {
+  return std::any_of(stats.warnings.begin(), stats.warnings.end(),
+                     [&](const std::string& w) { return w.find(text) != std::string::npos; });
+}
+
+/// Where relu_sigmoid_grad modifies relu's output (which relu saves) in place.
+enum class edit { none, inside_scope, after_scope };
+
+/// The gradient of sum(sigmoid(relu(x w))) for w, under with_offload when
+/// given an engine. relu saves its output y ([64, 256] floats, 64 KiB), which
+/// `where` may modify in place: inside the scope (before the group's batch is
+/// flushed) or after it.
+torch::Tensor relu_sigmoid_grad(const std::shared_ptr<engine>& e, edit where) {
+  torch::manual_seed(17);
+  const auto x = torch::randn({64, 128});
+  auto w = torch::randn({128, 256}, torch::requires_grad());
+  torch::Tensor y;
+  torch::Tensor loss;
+  auto forward = [&] {
+    y = torch::relu(x.matmul(w));
+    loss = y.sigmoid().sum();
+    if (where == edit::inside_scope) y.add_(1.0);
+    return 0;
+  };
+  if (e) {
+    memscale::with_offload(e, forward, {}, "relu-sigmoid");
+  } else {
+    forward();
+  }
+  if (where == edit::after_scope) y.add_(1.0);
+  loss.backward();
+  return w.grad();
+}
+
+/// What backward threw as a c10::Error (empty: nothing).
+std::string backward_error(const std::shared_ptr<engine>& e, edit where) {
+  try {
+    (void)relu_sigmoid_grad(e, where);
+  } catch (const c10::Error& error) {
+    return error.what_without_backtrace();
+  }
+  return {};
+}
+
 }  // namespace
 
 // --- saved-tensor hooks ------------------------------------------------------------
@@ -87,6 +139,7 @@ TEST_CASE("installing the hooks engine leaves a step's gradients bit-identical",
   torch::manual_seed(1);
   hooks_model m;
   auto x = torch::randn({12, 16});
+  test::before_replacing_the_engine();
   torch::autograd::set_default_engine_stub(&Engine::get_base_engine);  // as if memscale never ran
   REQUIRE_FALSE(memscale::offload::hooks_engine_active());
   const auto base = hooks_step(m, x);
@@ -250,7 +303,7 @@ TEST_CASE("an unwritable or full disk tier warns and keeps the tensor", "[offloa
       CHECK(torch::equal(e.load(stored), t));
       CHECK(e.stats().disk_failures == 1);
       CHECK(e.stats().at(tier::disk).bytes == 0);
-      CHECK(e.stats().warnings.at(0).find("no space left") != std::string::npos);
+      CHECK(warned(e.stats(), "no space left"));
     }
   }
 }
@@ -273,6 +326,115 @@ TEST_CASE("the disk tier's directory is removed once the engine and its tensors 
   survivor.reset();
   CHECK_FALSE(fs::exists(dir));
   fs::remove_all(parent);
+}
+
+namespace {
+
+/// Sets (or, with nullopt, unsets) an environment variable for its lifetime.
+class scoped_env {
+ public:
+  scoped_env(std::string name, const std::optional<std::string>& value) : name_(std::move(name)) {
+    if (const char* old = std::getenv(name_.c_str())) old_ = old;
+    if (value)
+      ::setenv(name_.c_str(), value->c_str(), 1);
+    else
+      ::unsetenv(name_.c_str());
+  }
+  scoped_env(const scoped_env&) = delete;
+  scoped_env& operator=(const scoped_env&) = delete;
+  ~scoped_env() {
+    if (old_)
+      ::setenv(name_.c_str(), old_->c_str(), 1);
+    else
+      ::unsetenv(name_.c_str());
+  }
+
+ private:
+  std::string name_;
+  std::optional<std::string> old_;
+};
+
+/// The file system type /proc/mounts gives for the mount point `dir` (empty: not a mount point).
+std::string mounted_type(const std::string& dir) {
+  std::ifstream mounts("/proc/mounts");
+  std::string device, point, type, rest;
+  std::string found;
+  while (mounts >> device >> point >> type && std::getline(mounts, rest))
+    if (point == dir) found = type;  // the last mount on a point is the visible one
+  return found;
+}
+
+}  // namespace
+
+TEST_CASE("RAM-backed directories are told from disk-backed ones", "[offload][engine][disk]") {
+  using memscale::offload::is_ram_backed;
+  CHECK_FALSE(is_ram_backed("/proc"));  // procfs: neither tmpfs nor ramfs
+  CHECK_FALSE(is_ram_backed("/no/such/memscale/directory"));
+  if (mounted_type("/dev/shm") != "tmpfs") {
+    WARN("/dev/shm is not a tmpfs mount here: its check is skipped");
+    return;
+  }
+  CHECK(is_ram_backed("/dev/shm"));
+  CHECK(memscale::offload::ram_file_system("/dev/shm") == "tmpfs");
+  if (const auto root = mounted_type("/"); !root.empty() && root != "tmpfs" && root != "ramfs")
+    CHECK_FALSE(is_ram_backed("/"));
+}
+
+TEST_CASE("a disk tier on tmpfs warns at its first disk store", "[offload][engine][disk]") {
+  if (mounted_type("/dev/shm") != "tmpfs") {
+    WARN("/dev/shm is not a tmpfs mount here: the test is skipped");
+    return;
+  }
+  engine e(quiet_options({.disk_dir = "/dev/shm"}));
+  const auto t = torch::randn({32, 32});
+  CHECK(e.stats().warnings.empty());  // nothing is prepared before the first store
+  auto first = e.store(t);
+  auto second = e.store(t);
+  REQUIRE(first->where() == tier::disk);
+  CHECK(torch::equal(e.load(first), t));
+  const auto warnings = e.stats().warnings;
+  REQUIRE(warnings.size() == 1);
+  CHECK_THAT(warnings[0], Catch::StartsWith("the disk offload tier's directory /dev/shm/memscale-offload-"));
+  CHECK_THAT(warnings[0], Catch::Contains("is on tmpfs (RAM): offloaded bytes still occupy host memory; set "
+                                          "AsyncOffloadConfig::disk_dir to a directory on a disk"));
+}
+
+TEST_CASE("without a disk_dir the disk tier honours $TMPDIR, else prefers a directory on a disk",
+          "[offload][engine][disk]") {
+  using memscale::offload::disk_parent_candidates;
+  using memscale::offload::is_ram_backed;
+  const auto chosen = fs::temp_directory_path() / "memscale-test-tmpdir";
+  fs::create_directories(chosen);
+  const auto t = torch::randn({32, 32});
+  {
+    scoped_env tmpdir("TMPDIR", chosen.string());
+    CHECK(disk_parent_candidates(std::nullopt) == std::vector<fs::path>{chosen});
+    engine e(quiet_options());
+    auto stored = e.store(t);
+    REQUIRE(stored->where() == tier::disk);
+    CHECK(e.disk_directory().parent_path() == chosen);
+  }
+  {
+    scoped_env tmpdir("TMPDIR", std::nullopt);
+    const auto candidates = disk_parent_candidates(std::nullopt);
+    REQUIRE_FALSE(candidates.empty());
+    CHECK(candidates.back() == fs::temp_directory_path());
+    if (fs::is_directory("/var/tmp") && !is_ram_backed("/var/tmp")) CHECK(candidates.front() == "/var/tmp");
+    engine e(quiet_options());
+    auto stored = e.store(t);
+    REQUIRE(stored->where() == tier::disk);
+    CHECK(e.disk_directory().parent_path() == candidates.front());
+    const bool on_ram = is_ram_backed(candidates.front());
+    CHECK(on_ram == !e.stats().warnings.empty());  // a warning exactly when no disk was found
+    // options_from sizes the disk tier by the free space of that same directory.
+    memscale::Config config;
+    config.async_config = memscale::AsyncOffloadConfig{};
+    const auto free_half = static_cast<std::int64_t>(fs::space(candidates.front()).available / 2);
+    const auto sized = memscale::offload::options_from(config).disk_bytes;
+    REQUIRE(sized);
+    CHECK(std::abs(*sized - free_half) < (std::int64_t{1} << 30));  // other processes write meanwhile
+  }
+  fs::remove_all(chosen);
 }
 
 TEST_CASE("small tensors travel together in one staging buffer and come back bit-identical",
@@ -318,6 +480,74 @@ TEST_CASE("async writes beyond max_inflight_bytes wait, and lose nothing", "[off
     CHECK(torch::equal(e.load(stored[i]), originals[i]));
   }
   CHECK(e.stats().at(tier::disk).tensors == 8);
+}
+
+TEST_CASE("an async disk write whose I/O job throws keeps the tensor in memory; training stays bit-identical",
+          "[offload][engine][faults]") {
+  const auto baseline = relu_sigmoid_grad(nullptr, edit::none);
+  inject_fault fault(offload_fault::io_job_throws);
+  auto e = std::make_shared<engine>(quiet_options({.batch_below_bytes = 0, .async = true}));
+  CHECK(test::bit_equal(baseline, relu_sigmoid_grad(e, edit::none)));
+  CHECK_NOTHROW(e->wait_idle());
+  const auto stats = e->stats();
+  CHECK(stats.disk_failures > 0);
+  CHECK(stats.at(tier::disk).bytes == 0);
+  CHECK(warned(stats, "disk offload write failed (I/O job failure injected by a test); the tensor stays in memory"));
+}
+
+TEST_CASE("a prefetch read whose I/O job throws leaves the read to backward", "[offload][engine][faults]") {
+  engine e(quiet_options({.async = true, .prefetch_depth = 2}));
+  std::vector<torch::Tensor> originals;
+  std::vector<memscale::offload::stored_handle> stored;
+  for (int g = 0; g < 4; ++g) {
+    e.begin_group();
+    originals.push_back(torch::randn({64, 64}));
+    stored.push_back(e.store(originals.back()));
+  }
+  e.wait_idle();  // written, before the fault
+  inject_fault fault(offload_fault::io_job_throws);
+  for (int g = 3; g >= 0; --g) {
+    CHECK(torch::equal(e.load(stored[static_cast<std::size_t>(g)]), originals[static_cast<std::size_t>(g)]));
+    e.wait_idle();
+  }
+  const auto stats = e.stats();
+  CHECK(stats.prefetch_misses == 4);  // every failed prefetch was read inline
+  CHECK(warned(stats, "a disk prefetch failed (I/O job failure injected by a test)"));
+}
+
+TEST_CASE("an I/O pool whose second thread cannot start throws memscale::Error, having joined the first",
+          "[offload][engine][faults]") {
+  inject_fault fault(offload_fault::thread_start_fails);
+  CHECK_THROWS_MATCHES(io_pool(2), memscale::Error,
+                       Catch::Message("memscale: the offload I/O pool could not start thread 2 of 2 (thread start "
+                                      "failure injected by a test: Resource temporarily unavailable); lower "
+                                      "AsyncOffloadConfig::io_threads or turn async_offload off"));
+  CHECK_THROWS_AS(engine(quiet_options({.async = true, .io_threads = 3})), memscale::Error);
+  io_pool one(1);  // a single thread is not the second
+  std::atomic<int> ran{0};
+  one.submit([&] { ++ran; });
+  one.wait();
+  CHECK(ran == 1);
+}
+
+TEST_CASE("a job that throws does not end the process: the pool reports it once to wait()",
+          "[offload][engine][faults]") {
+  io_pool pool(2);
+  std::atomic<int> ran{0};
+  pool.submit([] { throw std::runtime_error("a job failed"); });
+  for (int i = 0; i < 8; ++i) pool.submit([&] { ++ran; });
+  CHECK_THROWS_WITH(pool.wait(), "a job failed");
+  CHECK(ran == 8);  // the other jobs ran all the same
+  CHECK_NOTHROW(pool.wait());  // reported once
+  pool.submit([] { throw std::bad_alloc(); });
+  CHECK_THROWS_AS(pool.wait(), std::bad_alloc);
+  pool.submit([] { throw 42; });  // not even an exception type
+  CHECK_THROWS_AS(pool.wait(), int);
+  CHECK_NOTHROW(pool.wait());
+  pool.submit([&] { ++ran; });
+  pool.stop();  // runs what was queued
+  CHECK(ran == 9);
+  CHECK_THROWS_AS(pool.submit([] {}), memscale::Error);
 }
 
 TEST_CASE("async loads prefetch earlier groups in backward order", "[offload][engine]") {
@@ -392,18 +622,114 @@ TEST_CASE("a graph dropped without backward frees what it saved, offloaded or ke
   }
 }
 
-TEST_CASE("a tensor kept by an offload scope and then modified in place is refused in backward",
-          "[offload][engine]") {
-  auto e = std::make_shared<engine>(quiet_options({.min_bytes = std::int64_t{1} << 30}));
-  auto w = torch::randn({8, 8}, torch::requires_grad());
-  auto h = torch::randn({4, 8});
-  torch::Tensor loss;
-  memscale::with_offload(e, [&] {
-    loss = h.mm(w).sum();  // mm saves h for w's gradient
-    return 0;
-  });
-  h.add_(1.0);  // what backward would read is no longer what forward saw
-  CHECK_THROWS_WITH(loss.backward(), Catch::Contains("modified in place"));
+TEST_CASE("a saved tensor modified in place is refused in backward on every offload path, as autograd refuses it",
+          "[offload][engine][inplace]") {
+  const auto baseline = relu_sigmoid_grad(nullptr, edit::none);
+  // Without hooks autograd itself refuses it: the offloaded step must too.
+  REQUIRE_THAT(backward_error(nullptr, edit::after_scope), Catch::Contains("modified by an inplace operation"));
+  struct path {
+    std::string name;
+    engine_options options;
+    offload_fault fault = offload_fault::none;
+    std::function<bool(const memscale::offload::engine_stats&)> taken;  // the path really ran
+  };
+  const std::vector<path> paths = {
+      {"stored to disk synchronously", quiet_options({.batch_below_bytes = 0}), offload_fault::none,
+       [](const auto& s) { return s.at(tier::disk).tensors > 0 && s.batches == 0; }},
+      {"stored to disk by an async write", quiet_options({.batch_below_bytes = 0, .async = true}),
+       offload_fault::none, [](const auto& s) { return s.at(tier::disk).tensors > 0 && s.batches == 0; }},
+      {"deferred to its group's batch", quiet_options({.batch_below_bytes = 1 << 20}), offload_fault::none,
+       [](const auto& s) { return s.at(tier::disk).tensors > 0; }},
+      {"kept: no disk room", quiet_options({.batch_below_bytes = 0, .disk_bytes = 0}), offload_fault::none,
+       [](const auto& s) { return s.at(tier::device).tensors > 0 && s.at(tier::disk).tensors == 0; }},
+      {"kept: disk full (injected)", quiet_options({.batch_below_bytes = 0}), offload_fault::disk_full,
+       [](const auto& s) { return s.at(tier::device).tensors > 0 && s.disk_failures > 0; }},
+      {"kept: below min_bytes", quiet_options({.min_bytes = std::int64_t{1} << 30}), offload_fault::none,
+       [](const auto& s) { return s.at(tier::disk).tensors == 0; }},
+  };
+  for (const auto& p : paths) {
+    INFO(p.name);
+    std::optional<inject_fault> fault;
+    if (p.fault != offload_fault::none) fault.emplace(p.fault);
+    auto e = std::make_shared<engine>(p.options);
+    CHECK(test::bit_equal(baseline, relu_sigmoid_grad(e, edit::none)));
+    for (const auto where : {edit::inside_scope, edit::after_scope}) {
+      INFO((where == edit::inside_scope ? "modified inside the scope" : "modified after the scope"));
+      const auto error = backward_error(e, where);
+      CHECK_THAT(error, Catch::Contains("one of the variables needed for gradient computation has been modified by "
+                                        "an inplace operation: [CPUFloatType [64, 256]] is at version 1; expected "
+                                        "version 0 instead."));
+      CHECK_THAT(error, Catch::Contains("offload scope of 'relu-sigmoid'"));
+    }
+    e->wait_idle();
+    CHECK(p.taken(e->stats()));
+  }
+}
+
+TEST_CASE("the engine refuses bytes it still read from a tensor modified in place after store()",
+          "[offload][engine][inplace]") {
+  const auto original = torch::randn({64, 64});
+  SECTION("async disk write, in flight or done") {
+    engine e(quiet_options({.async = true}));
+    auto t = original.clone();
+    auto stored = e.store(t);
+    t.add_(1.0);  // the job may be copying these bytes right now
+    CHECK_THROWS_WITH(e.load(stored), Catch::Contains("modified by an inplace operation"));
+    e.wait_idle();
+    CHECK_THROWS_WITH(e.load(stored), Catch::Contains("being written to disk"));
+  }
+  SECTION("kept for lack of room") {
+    engine e(quiet_options({.disk_bytes = 0}));
+    auto t = original.clone();
+    auto stored = e.store(t);
+    REQUIRE(stored->where() == tier::device);
+    t.mul_(2.0);
+    CHECK_THROWS_WITH(e.load(stored), Catch::Contains("is at version 1; expected version 0"));
+  }
+  SECTION("deferred: modified before the flush, it is not gathered; its sibling is") {
+    engine e(quiet_options({.batch_below_bytes = 1 << 20}));
+    e.begin_group();
+    auto modified = original.clone();
+    auto sibling = original.clone();
+    auto a = e.store_or_defer(modified);
+    auto b = e.store_or_defer(sibling);
+    modified.add_(1.0);
+    CHECK_THROWS_WITH(e.load(a), Catch::Contains("modified by an inplace operation"));  // before the flush too
+    e.flush();
+    CHECK_FALSE(a->batched());
+    CHECK(b->batched());
+    CHECK(e.stats().batched_tensors == 1);
+    CHECK_THROWS_WITH(e.load(a), Catch::Contains("modified by an inplace operation"));
+    CHECK(torch::equal(e.load(b), original));
+    sibling.add_(1.0);  // after the flush its bytes are in the batch: the engine's copy is intact
+    CHECK(torch::equal(e.load(b), original));
+  }
+  SECTION("copied away (synchronous disk write): immune, the bytes are the saved ones") {
+    engine e(quiet_options());
+    auto t = original.clone();
+    auto stored = e.store(t);
+    REQUIRE(stored->where() == tier::disk);
+    t.add_(1.0);
+    CHECK(torch::equal(e.load(stored), original));
+  }
+}
+
+TEST_CASE("an OffloadSegment names its layers when a tensor it saved was modified in place", "[offload][inplace]") {
+  torch::manual_seed(4);
+  auto e = std::make_shared<engine>(quiet_options());
+  memscale::OffloadSegmentImpl segment({torch::nn::AnyModule(torch::nn::Linear(16, 32)),
+                                        torch::nn::AnyModule(torch::nn::Sigmoid())},
+                                       e);
+  auto out = segment.forward(torch::randn({8, 16}));  // sigmoid saves its output
+  out.add_(1.0);
+  try {
+    out.sum().backward();
+    FAIL("backward accepted a saved tensor modified in place");
+  } catch (const c10::Error& error) {
+    const std::string message = error.what_without_backtrace();
+    CHECK_THAT(message, Catch::Contains("[CPUFloatType [8, 32]] is at version 1; expected version 0"));
+    CHECK_THAT(message, Catch::Contains("offload scope of 'torch::nn::LinearImpl -> torch::nn::SigmoidImpl'"));
+  }
 }
 
 // --- the technique ----------------------------------------------------------------

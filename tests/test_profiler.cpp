@@ -1,7 +1,10 @@
 // The profiler: static estimates per layer type against what the tracker
-// measures, the empirical fallback for unknown layers, the use_* switches, and
-// hardware detection. Profiling must leave RNG and buffers as they were.
+// measures (counting allocator, and LibTorch's allocation reports), the
+// empirical fallback for unknown layers, the use_* switches, and hardware
+// detection. Profiling must leave RNG and buffers as they were.
 #include "test_support.hpp"
+
+#include <c10/core/CPUAllocator.h>
 
 using memscale::core::profile_chain;
 using memscale::core::profile_options;
@@ -31,12 +34,10 @@ void check_static_matches_measured(const layer_case& c) {
   // What checkpointing frees is output + saved: within 5% (or 4 KiB for tiny figures).
   const double est = static_cast<double>(e.kept_bytes()), meas = static_cast<double>(m.kept_bytes());
   CHECK(std::abs(est - meas) <= std::max(0.05 * meas, 4096.0));
+  CHECK(measured.caveats.empty());
 }
 
-}  // namespace
-
-TEST_CASE("static estimates match measurement for every supported layer type", "[profiler]") {
-  memscale::memory_tracker::install();
+std::vector<layer_case> supported_layer_cases() {
   gpt::register_memscale_rule();
   torch::manual_seed(0);
   namespace nn = torch::nn;
@@ -71,7 +72,34 @@ TEST_CASE("static estimates match measurement for every supported layer type", "
   no_dropout.dropout = 0.0;
   cases.push_back({"TransformerBlock (no dropout)", nn::AnyModule(gpt::TransformerBlock(no_dropout)),
                    torch::randn({4, 64, 64})});
-  for (const auto& c : cases) check_static_matches_measured(c);
+  return cases;
+}
+
+/// LibTorch's default CPU allocator for its lifetime (whatever earlier tests installed), then the previous one.
+class default_cpu_allocator {
+ public:
+  default_cpu_allocator() : previous_(c10::GetCPUAllocator()) { c10::SetCPUAllocator(c10::GetDefaultCPUAllocator(), 100); }
+  default_cpu_allocator(const default_cpu_allocator&) = delete;
+  default_cpu_allocator& operator=(const default_cpu_allocator&) = delete;
+  ~default_cpu_allocator() { c10::SetCPUAllocator(previous_, 100); }
+
+ private:
+  c10::Allocator* previous_;
+};
+
+}  // namespace
+
+TEST_CASE("static estimates match measurement (counting allocator) for every supported layer type", "[profiler]") {
+  memscale::memory_tracker::install();
+  for (const auto& c : supported_layer_cases()) check_static_matches_measured(c);
+}
+
+TEST_CASE("static estimates match measurement (LibTorch's allocation reports) for every supported layer type",
+          "[profiler]") {
+  default_cpu_allocator libtorch_allocator;
+  REQUIRE_FALSE(memscale::memory_tracker::installed());
+  for (const auto& c : supported_layer_cases()) check_static_matches_measured(c);
+  CHECK(c10::GetCPUAllocator() == c10::GetDefaultCPUAllocator());  // profiling replaced nothing
 }
 
 struct ScaleImpl : torch::nn::Module {  // no static rule: must be measured

@@ -51,6 +51,15 @@ inline gpt::Options small_gpt() {
   return o;
 }
 
+/// Lets a test put LibTorch's base autograd engine in charge for a while (as
+/// another library might) without costing the process its CUDA backwards:
+/// LibTorch starts the autograd device threads for whichever engine runs the
+/// process's first backward, so memscale's engine runs one first.
+inline void before_replacing_the_engine() {
+  auto x = torch::ones({1}, torch::requires_grad());
+  (x * 2).sum().backward();
+}
+
 inline memscale::Config quiet(memscale::Config c = {}) {
   c.enable_logging = false;
   return c;

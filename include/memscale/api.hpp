@@ -108,15 +108,12 @@ class [[nodiscard]] OptimizationGuard {
   OptimizationGuard(const OptimizationGuard&) = delete;
   OptimizationGuard& operator=(const OptimizationGuard&) = delete;
   OptimizationGuard(OptimizationGuard&& other) noexcept
-      : root_(std::move(other.root_)),
-        attachment_(std::move(other.attachment_)),
-        autocast_(std::move(other.autocast_)) {}
+      : root_(std::move(other.root_)), attachment_(std::move(other.attachment_)) {}
   OptimizationGuard& operator=(OptimizationGuard&& other) noexcept {
     if (this != &other) {
       release();
       root_ = std::move(other.root_);
       attachment_ = std::move(other.attachment_);
-      autocast_ = std::move(other.autocast_);
     }
     return *this;
   }
@@ -139,19 +136,8 @@ class [[nodiscard]] OptimizationGuard {
   [[nodiscard]] bool active() const {
     return root_ && attachment_ && core::registry::global().find(root_.get()) == attachment_;
   }
-  /// Opens autocast (Config::use_mixed_precision) for the guard's lifetime, on
-  /// this thread: bfloat16 on CPU, float16 on CUDA where LibTorch has it.
-  void open_autocast() {
-    autocast_.push_back(std::make_unique<autocast_scope>(c10::kCPU));
-    if (torch::cuda::is_available()) autocast_.push_back(std::make_unique<autocast_scope>(c10::kCUDA));
-  }
-  /// Whether this guard holds an autocast scope open.
-  [[nodiscard]] bool autocast_open() const noexcept { return !autocast_.empty(); }
-
-  /// Detaches now instead of at the end of the scope (and closes its autocast,
-  /// which must happen on the thread that opened it).
+  /// Detaches now instead of at the end of the scope.
   void release() noexcept {
-    while (!autocast_.empty()) autocast_.pop_back();  // innermost first
     if (root_) core::detach(root_.get(), attachment_.get());
     root_.reset();
     attachment_.reset();
@@ -160,25 +146,20 @@ class [[nodiscard]] OptimizationGuard {
  private:
   std::shared_ptr<torch::nn::Module> root_;
   std::shared_ptr<core::attachment> attachment_;
-  std::vector<std::unique_ptr<autocast_scope>> autocast_;
 };
 
 /// wrap() for the lifetime of the returned guard.
 template <StrategyType S = DefaultStrategy, Model M>
 [[nodiscard]] OptimizationGuard optimize(M& model, const Config& config = {}) {
   auto attached = detail::attach<S>(model, config, nullptr);
-  OptimizationGuard guard(detail::root_of(model), std::move(attached));
-  if (config.use_mixed_precision) guard.open_autocast();
-  return guard;
+  return OptimizationGuard(detail::root_of(model), std::move(attached));
 }
 
 /// wrap(model, example_input, config) for the lifetime of the returned guard.
 template <StrategyType S = DefaultStrategy, Model M>
 [[nodiscard]] OptimizationGuard optimize(M& model, const torch::Tensor& example_input, const Config& config = {}) {
   auto attached = detail::attach<S>(model, config, &example_input);
-  OptimizationGuard guard(detail::root_of(model), std::move(attached));
-  if (config.use_mixed_precision) guard.open_autocast();  // after planning, which profiles in full precision
-  return guard;
+  return OptimizationGuard(detail::root_of(model), std::move(attached));
 }
 
 }  // namespace memscale

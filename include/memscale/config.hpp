@@ -39,7 +39,7 @@ struct AsyncOffloadConfig {
   int prefetch_depth = 2;                  ///< layers fetched ahead of backward
   double pinned_pool_mb = 256.0;           ///< reusable pinned staging buffers
   int io_threads = 2;                      ///< disk-tier worker threads
-  std::optional<std::string> disk_dir{};   ///< disk tier directory (default: a temp dir)
+  std::optional<std::string> disk_dir{};   ///< disk tier directory (default: $TMPDIR, else /var/tmp unless on tmpfs, else the temp dir)
   /// memscale additions (not in the Python original):
   std::optional<double> max_disk_offload_gb{};  ///< cap on the disk tier; unset = what the disk takes
   double min_offload_kb = 64.0;                 ///< saved tensors smaller than this stay where they are

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -33,7 +34,9 @@
 #include <memscale/errors.hpp>
 #include <memscale/observability/log.hpp>
 #include <memscale/offload/engine.hpp>
+#include <memscale/offload/hooks.hpp>
 #include <memscale/techniques/checkpoint.hpp>
+#include <memscale/techniques/mixed_precision.hpp>
 #include <memscale/techniques/offload.hpp>
 #include <memscale/techniques/optim8bit.hpp>
 #include <memscale/techniques/tile.hpp>
@@ -77,7 +80,7 @@ inline bool is_memscale_slot(const torch::nn::AnyModule& slot) {
   const auto& p = slot.ptr();
   return std::dynamic_pointer_cast<CheckpointSegmentImpl>(p) || std::dynamic_pointer_cast<OffloadSegmentImpl>(p) ||
          std::dynamic_pointer_cast<TileSegmentImpl>(p) ||
-         std::dynamic_pointer_cast<PassThroughImpl>(p) ||
+         std::dynamic_pointer_cast<PassThroughImpl>(p) || std::dynamic_pointer_cast<AutocastSlotImpl>(p) ||
          std::dynamic_pointer_cast<PlanningProbeImpl>(p) || std::dynamic_pointer_cast<InputCaptureImpl>(p);
 }
 
@@ -153,17 +156,23 @@ class attachment : public std::enable_shared_from_this<attachment> {
     commit_plan(ready, inputs, /*probe_the_others=*/true);
   }
 
-  /// Called by a chain's planning probe on its first training input.
-  torch::Tensor plan_on_first_call(std::size_t c, const torch::Tensor& x) {
+  /// Called by a chain's planning probe on its first training input. The probe
+  /// runs inside slot 0's AnyModule holder, which planning replaces: the holder
+  /// moves to `displaced` and lives until this call (and the probe's) returns.
+  torch::Tensor plan_on_first_call(std::size_t c, const torch::Tensor& x, torch::nn::AnyModule& displaced) {
     std::lock_guard<std::mutex> planning(plan_mutex_);
     if (!chains_[c].planned) {
       std::vector<torch::Tensor> inputs(chains_.size());
       inputs[c] = x.detach();
       try {
-        commit_plan({c}, inputs, /*probe_the_others=*/false);
+        commit_plan({c}, inputs, /*probe_the_others=*/false, &displaced);
       } catch (...) {
         // Leave the chain as it was before wrap(), then report the failure.
-        *chains_[c].ref.sequential->begin() = chains_[c].originals.front();
+        auto slot0 = chains_[c].ref.sequential->begin();
+        if (slot0->ptr().get() != chains_[c].originals.front().ptr().get()) {
+          if (displaced.is_empty()) displaced = std::move(*slot0);
+          *slot0 = chains_[c].originals.front();
+        }
         chains_[c].planned = true;
         throw;
       }
@@ -199,9 +208,10 @@ class attachment : public std::enable_shared_from_this<attachment> {
                                  "order");
     if (config_.use_mixed_precision)
       report_.notes.emplace_back(
-          "use_mixed_precision: optimize() keeps autocast open for the guard's lifetime on its thread (bfloat16 "
-          "on CPU, float16 on CUDA; scale float16 losses with memscale::amp::loss_scaler); wrap() has no scope "
-          "to hold it: open a memscale::autocast_scope yourself. The plan was profiled in full precision" +
+          "use_mixed_precision: the layers of the optimized chains run their forward under autocast (bfloat16 "
+          "on CPU, float16 on CUDA; scale float16 losses with memscale::amp::loss_scaler); backward, the "
+          "optimizer step and code outside the chains do not. To autocast the rest of the forward and the "
+          "loss too, open a memscale::autocast_scope around them. The plan was profiled in full precision" +
           std::string(TORCH_VERSION_MAJOR < 2 ? ". LibTorch 1.13: CPU LayerNorm refuses a bfloat16 input with "
                                                 "float32 weights under autocast (fixed in 2.x)"
                                               : ""));
@@ -221,7 +231,7 @@ class attachment : public std::enable_shared_from_this<attachment> {
   /// Plans chains `ready`, applies the plan (and probes on the other chains when
   /// asked) in one transaction, then publishes the report.
   void commit_plan(const std::vector<std::size_t>& ready, const std::vector<torch::Tensor>& inputs,
-                   bool probe_the_others) {
+                   bool probe_the_others, torch::nn::AnyModule* displaced = nullptr) {
     Report next = report_;
     std::vector<std::vector<unit>> units;
     if (!ready.empty()) units = plan(ready, inputs, next);
@@ -236,7 +246,7 @@ class attachment : public std::enable_shared_from_this<attachment> {
       after_first_change(first_change);
     }
     detail::fault_point(detail::pipeline_stage::commit);
-    swaps.commit();
+    swaps.commit(displaced);
     for (auto c : ready) chains_[c].planned = true;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -316,6 +326,15 @@ class attachment : public std::enable_shared_from_this<attachment> {
     in.static_bytes = out.static_bytes();
     in.tiling_allowed = in.checkpointing_allowed && static_cast<bool>(techniques_.tile);
     in.offload_allowed = static_cast<bool>(techniques_.offload);
+    if (in.offload_allowed) {
+      // Offload lives on saved-tensor hooks: without them it would save nothing.
+      if (const auto why = offload::hooks_unavailable_reason(device); !why.empty()) {
+        in.offload_allowed = false;
+        const auto note = "offload disabled: " + why + "; the plan uses the other techniques only";
+        if (std::find(out.notes.begin(), out.notes.end(), note) == out.notes.end()) out.notes.push_back(note);
+        if (config_.enable_logging) std::clog << "[memscale] warning: " << note << "\n";
+      }
+    }
     if (in.offload_allowed) {
       const auto engine_options = offload::options_from(config_);
       const auto tiers = offload_room(device, engine_options);
@@ -401,6 +420,10 @@ class attachment : public std::enable_shared_from_this<attachment> {
       for (int k = u.first + 1; k <= u.last; ++k)
         target[static_cast<std::size_t>(k)] = torch::nn::AnyModule(std::make_shared<PassThroughImpl>());
     }
+    if (config_.use_mixed_precision)
+      for (auto& slot : target)
+        if (!std::dynamic_pointer_cast<PassThroughImpl>(slot.ptr()))
+          slot = torch::nn::AnyModule(std::make_shared<AutocastSlotImpl>(std::move(slot)));
     auto it = seq.begin();
     for (std::size_t k = 0; k < target.size(); ++k, ++it) {
       if (it->ptr() == target[k].ptr()) continue;
@@ -420,12 +443,15 @@ class attachment : public std::enable_shared_from_this<attachment> {
 };
 
 inline torch::Tensor PlanningProbeImpl::forward(torch::Tensor x) {
-  auto keep_alive = shared_from_this();  // planning replaces this very slot
+  // Planning replaces this very slot: the module and the AnyModule holder that
+  // called us stay alive (in `displaced`) until we have returned to it.
+  auto keep_alive = shared_from_this();
+  torch::nn::AnyModule displaced;
   // Plan from a training call: an evaluation or no-grad first call would measure
   // nothing that backward keeps. Until then, the chain runs as it is.
   auto owner = owner_.lock();
   if (owner && owner->training_call() && torch::GradMode::is_enabled() && !c10::InferenceMode::is_enabled())
-    return owner->plan_on_first_call(chain_, x);
+    return owner->plan_on_first_call(chain_, x, displaced);
   return original_.forward<torch::Tensor>(std::move(x));
 }
 
@@ -452,7 +478,6 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
         throw AlreadyOptimizedError("memscale: Sequential '" + (chain.path.empty() ? root->name() : chain.path) +
                                     "' is already managed by memscale (through another model that contains "
                                     "it); detach that model first");
-  memory_tracker::install();
   auto attached = std::make_shared<attachment>(root, std::move(chains), config, techniques);
   std::vector<torch::Tensor> inputs;
   if (forward) inputs = attached->capture_inputs(forward);

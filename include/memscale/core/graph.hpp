@@ -53,6 +53,7 @@ struct chain_profile {
   std::vector<std::int64_t> input_shape;
   bool supported = true;                ///< false: some slot is not Tensor -> Tensor
   std::string unsupported_reason;
+  std::vector<std::string> caveats;     ///< what could not be measured as asked, and why (the Report prints them)
 };
 
 /// The whole model as the decision engine sees it.

@@ -1,18 +1,27 @@
-// memscale — measured memory: a counting CPU allocator installed through
-// c10::SetCPUAllocator, and CUDA caching-allocator statistics where LibTorch has
-// CUDA. The profiler, the OOM predictor, tests and benchmarks all read memory here.
+// memscale — measured memory. CPU bytes come from one of two sources: a scoped,
+// thread-local reporting_scope that listens to the allocation reports LibTorch
+// already makes (nothing replaced; what the profiler uses), or the counting CPU
+// allocator, an explicit opt-in (install()) that replaces the process's CPU
+// allocator. CUDA bytes are the caching allocator's own statistics.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/Device.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
 
 #include <memscale/errors.hpp>
 
@@ -26,9 +35,28 @@
 namespace memscale {
 namespace detail {
 
-/// The CPU allocator memscale installs: LibTorch's own alloc_cpu/free_cpu plus a
-/// 64-byte header holding the block's size, so live and peak bytes are counted.
-/// The data pointer doubles as the context, as raw_allocate() requires.
+/// Live and peak bytes, updated from any thread.
+class byte_counter {
+ public:
+  void add(std::int64_t bytes) noexcept {
+    const auto now = current_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    auto seen = peak_.load(std::memory_order_relaxed);
+    while (now > seen && !peak_.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+    }
+  }
+  [[nodiscard]] std::int64_t current() const noexcept { return current_.load(std::memory_order_relaxed); }
+  [[nodiscard]] std::int64_t peak() const noexcept { return peak_.load(std::memory_order_relaxed); }
+  void set_peak(std::int64_t value) noexcept { peak_.store(value, std::memory_order_relaxed); }
+
+ private:
+  std::atomic<std::int64_t> current_{0};
+  std::atomic<std::int64_t> peak_{0};
+};
+
+/// The CPU allocator memory_tracker::install() puts in place: LibTorch's own
+/// alloc_cpu/free_cpu plus a 64-byte header holding the block's size, so live and
+/// peak bytes are counted. The data pointer doubles as the context, as
+/// raw_allocate() requires. It reports nothing to LibTorch's memory profiler.
 /// Process-wide and never destroyed: tensors it allocated may outlive any scope.
 class counting_cpu_allocator final : public c10::Allocator {
  public:
@@ -44,9 +72,7 @@ class counting_cpu_allocator final : public c10::Allocator {
     if (count != 0) std::memcpy(dest, src, count);
   }
 
-  [[nodiscard]] std::int64_t current() const noexcept { return current_.load(std::memory_order_relaxed); }
-  [[nodiscard]] std::int64_t peak() const noexcept { return peak_.load(std::memory_order_relaxed); }
-  void set_peak(std::int64_t value) noexcept { peak_.store(value, std::memory_order_relaxed); }
+  [[nodiscard]] byte_counter& counter() noexcept { return counter_; }
 
   static counting_cpu_allocator& instance() {
     static auto* self = new counting_cpu_allocator();  // never destroyed, see above
@@ -61,7 +87,7 @@ class counting_cpu_allocator final : public c10::Allocator {
     auto* base = static_cast<char*>(data) - header_bytes;
     std::int64_t bytes = 0;
     std::memcpy(&bytes, base, sizeof bytes);
-    instance().current_.fetch_sub(bytes, std::memory_order_relaxed);
+    instance().counter_.add(-bytes);
     c10::free_cpu(base);
   }
 
@@ -71,17 +97,12 @@ class counting_cpu_allocator final : public c10::Allocator {
     auto* base = static_cast<char*>(c10::alloc_cpu(bytes + header_bytes));
     const auto size = static_cast<std::int64_t>(bytes);
     std::memcpy(base, &size, sizeof size);
-    auto& self = instance();
-    const auto now = self.current_.fetch_add(size, std::memory_order_relaxed) + size;
-    auto seen = self.peak_.load(std::memory_order_relaxed);
-    while (now > seen && !self.peak_.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
-    }
+    instance().counter_.add(size);
     void* data = base + header_bytes;
     return c10::DataPtr(data, data, &release, cpu);
   }
 
-  std::atomic<std::int64_t> current_{0};
-  std::atomic<std::int64_t> peak_{0};
+  byte_counter counter_;
 };
 
 inline std::atomic<bool>& tracker_installed() {
@@ -89,33 +110,130 @@ inline std::atomic<bool>& tracker_installed() {
   return installed;
 }
 
-}  // namespace detail
+/// The integer type of MemoryReportingInfoBase's totals: int64_t on LibTorch
+/// 1.13, size_t on 2.x. Deduced, so the overrides below say `override` on both.
+template <class>
+struct report_signature;
+template <class Base, class Size, class Total>
+struct report_signature<void (Base::*)(void*, Size, Total, Total, c10::Device)> {
+  using total = Total;
+};
+template <class Base, class Size, class Total>
+struct report_signature<void (Base::*)(Size, Total, Total, c10::Device)> {
+  using total = Total;
+};
+using report_total_t = report_signature<decltype(&c10::MemoryReportingInfoBase::reportMemoryUsage)>::total;
+using oom_total_t = report_signature<decltype(&c10::MemoryReportingInfoBase::reportOutOfMemory)>::total;
 
-/// Live and peak bytes per device, measured. CPU figures count every tensor
-/// allocated after install(); CUDA figures are the caching allocator's own.
-class memory_tracker {
+/// What a reporting_scope puts in the thread's PROFILER_STATE debug-info slot.
+/// It counts the CPU blocks reported while its scope is open (a free counts only
+/// for a block it saw allocated) and passes each report on to the reporter it
+/// shadows as that one would have received it: allocations while it has memory
+/// profiling enabled, frees of those blocks and of blocks from before the scope.
+class memory_reporter final : public c10::MemoryReportingInfoBase {
  public:
-  /// Installs the counting CPU allocator (idempotent, thread-safe). wrap() calls it;
-  /// call it before building a model to count the model's parameters too.
-  /// Install before other threads run tensor operations: a block allocated by the
-  /// previous allocator must not be raw-deallocated through this one.
-  static void install() {
-    static std::once_flag once;
-    std::call_once(once, [] {
-      auto* counting = &detail::counting_cpu_allocator::instance();
-      // SetCPUAllocator only replaces an allocator of lower or equal priority.
-      for (int priority = 0; priority <= 255 && c10::GetCPUAllocator() != counting; ++priority)
-        c10::SetCPUAllocator(counting, static_cast<std::uint8_t>(priority));
-      if (c10::GetCPUAllocator() != counting)
-        throw Error("memscale::memory_tracker: LibTorch refused the counting CPU allocator");
-      detail::tracker_installed() = true;
-    });
+  /// `outer_chain` owns `outer` (the thread's debug info when the scope opened).
+  memory_reporter(c10::MemoryReportingInfoBase* outer, std::shared_ptr<c10::ThreadLocalDebugInfo> outer_chain)
+      : outer_(outer), outer_chain_(std::move(outer_chain)) {}
+
+  void reportMemoryUsage(void* ptr, std::int64_t alloc_size, report_total_t total_allocated,
+                         report_total_t total_reserved, c10::Device device) override {
+    bool forward = outer_ != nullptr && outer_->memoryProfilingEnabled();
+    if (device.is_cpu() && ptr != nullptr) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const bool open = open_.load(std::memory_order_relaxed);
+      if (alloc_size > 0 && open) {
+        blocks_[ptr] = block{alloc_size, forward};
+        allocated_.fetch_add(alloc_size, std::memory_order_relaxed);
+        counter_.add(alloc_size);
+      } else if (const auto it = alloc_size < 0 ? blocks_.find(ptr) : blocks_.end(); it != blocks_.end()) {
+        forward = forward && it->second.forwarded;
+        if (open) counter_.add(-it->second.bytes);
+        blocks_.erase(it);
+      }
+    }
+    if (forward) outer_->reportMemoryUsage(ptr, alloc_size, total_allocated, total_reserved, device);
   }
 
-  [[nodiscard]] static bool installed() noexcept { return detail::tracker_installed(); }
+  void reportOutOfMemory(std::int64_t alloc_size, oom_total_t total_allocated, oom_total_t total_reserved,
+                         c10::Device device) override {
+    if (outer_ != nullptr) outer_->reportOutOfMemory(alloc_size, total_allocated, total_reserved, device);
+  }
 
+  /// LibTorch reports allocations only while this says yes: always while the
+  /// scope is open, else as the shadowed reporter says.
+  [[nodiscard]] bool memoryProfilingEnabled() const override {
+    return open_.load(std::memory_order_relaxed) || (outer_ != nullptr && outer_->memoryProfilingEnabled());
+  }
+
+  [[nodiscard]] byte_counter& counter() noexcept { return counter_; }
+  [[nodiscard]] const byte_counter& counter() const noexcept { return counter_; }
+  [[nodiscard]] std::int64_t allocated_bytes() const noexcept { return allocated_.load(std::memory_order_relaxed); }
+
+  /// The scope closed: stop counting. Reports may still arrive from threads that
+  /// inherited the debug info (autograd's); they are only passed on.
+  void close() noexcept { open_.store(false, std::memory_order_relaxed); }
+
+ private:
+  struct block {
+    std::int64_t bytes;
+    bool forwarded;  // the outer reporter saw this allocation
+  };
+
+  c10::MemoryReportingInfoBase* outer_;
+  std::shared_ptr<c10::ThreadLocalDebugInfo> outer_chain_;  // keeps outer_ alive
+  std::atomic<bool> open_{true};
+  std::mutex mutex_;
+  std::unordered_map<void*, block> blocks_;  // guarded by mutex_
+  byte_counter counter_;
+  std::atomic<std::int64_t> allocated_{0};
+};
+
+/// The open reporting scopes of this thread, innermost last.
+inline std::vector<std::shared_ptr<memory_reporter>>& reporting_stack() {
+  thread_local std::vector<std::shared_ptr<memory_reporter>> stack;
+  return stack;
+}
+
+}  // namespace detail
+
+/// Live and peak bytes per device, measured. CPU figures come from the counting
+/// allocator while it is installed (process-wide, counting from install()), else
+/// from the innermost open reporting_scope of this thread (counting from its
+/// opening); CUDA figures are the caching allocator's own.
+class memory_tracker {
+ public:
+  /// Opt-in: replaces the process's CPU allocator (c10::SetCPUAllocator, at the
+  /// lowest priority LibTorch accepts, up to 255) with memscale's counting one,
+  /// so every CPU tensor allocated afterwards, on any thread, is counted. An
+  /// allocator the program or another library installed is no longer used, and
+  /// LibTorch's memory profiler gets no CPU reports. memscale's own wrap(),
+  /// optimize() and profiler never call it; tests, benchmarks and the example do.
+  /// Idempotent and thread-safe; puts the counting allocator back if another one
+  /// replaced it since. Install before other threads run tensor operations: a
+  /// block allocated by the previous allocator must not be raw-deallocated
+  /// through this one.
+  static void install() {
+    static std::mutex mutex;
+    std::lock_guard<std::mutex> lock(mutex);
+    auto* counting = &detail::counting_cpu_allocator::instance();
+    // SetCPUAllocator only replaces an allocator of lower or equal priority.
+    for (int priority = 0; priority <= 255 && c10::GetCPUAllocator() != counting; ++priority)
+      c10::SetCPUAllocator(counting, static_cast<std::uint8_t>(priority));
+    if (c10::GetCPUAllocator() != counting)
+      throw Error("memscale::memory_tracker: LibTorch refused the counting CPU allocator");
+    detail::tracker_installed() = true;
+  }
+
+  /// Whether the counting allocator is LibTorch's CPU allocator now (installed,
+  /// and not replaced since).
+  [[nodiscard]] static bool installed() noexcept {
+    return detail::tracker_installed() && c10::GetCPUAllocator() == &detail::counting_cpu_allocator::instance();
+  }
+
+  /// Throws memscale::Error for CPU when neither source is there (see the class comment).
   [[nodiscard]] static std::int64_t current_bytes(c10::Device device = c10::kCPU) {
-    if (device.is_cpu()) return cpu().current();
+    if (device.is_cpu()) return cpu_counter()->current();
 #if MEMSCALE_HAS_CUDA()
     if (device.is_cuda())
       return c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index(device)).allocated_bytes[0].current;
@@ -124,7 +242,7 @@ class memory_tracker {
   }
 
   [[nodiscard]] static std::int64_t peak_bytes(c10::Device device = c10::kCPU) {
-    if (device.is_cpu()) return cpu().peak();
+    if (device.is_cpu()) return cpu_counter()->peak();
 #if MEMSCALE_HAS_CUDA()
     if (device.is_cuda())
       return c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index(device)).allocated_bytes[0].peak;
@@ -135,7 +253,8 @@ class memory_tracker {
   /// Sets the peak to the current live bytes.
   static void reset_peak(c10::Device device = c10::kCPU) {
     if (device.is_cpu()) {
-      cpu().set_peak(cpu().current());
+      const auto counter = cpu_counter();
+      counter->set_peak(counter->current());
       return;
     }
 #if MEMSCALE_HAS_CUDA()
@@ -147,38 +266,116 @@ class memory_tracker {
     throw Error("memscale::memory_tracker: no memory statistics for device " + device.str());
   }
 
-  /// Measures the peak within a scope. On CPU nested scopes compose (an outer
-  /// scope still sees an inner scope's peak); on CUDA the caching allocator has
-  /// one resettable peak, so an inner scope resets the outer one's.
+  /// Counts, on this thread, the CPU allocations LibTorch reports to its memory
+  /// profiler, without replacing any allocator: while open, it is the
+  /// c10::MemoryReportingInfoBase in the thread's PROFILER_STATE debug-info slot
+  /// (inherited by autograd's and at::launch's threads). LibTorch's default CPU
+  /// allocator reports, and so does any allocator that delegates to
+  /// c10::GetDefaultCPUAllocator(); one that allocates by itself (or memscale's
+  /// counting allocator) does not, and the scope then sees nothing.
+  /// A reporter already in the slot (the program's own) keeps receiving every
+  /// report it would have received. A LibTorch profiler's state is never
+  /// shadowed (its callbacks would mistake the scope for it): the scope then
+  /// stays inactive and counts nothing. Frees of blocks allocated before the
+  /// scope are not counted; LibTorch may log a warning for them (one per 1000).
+  /// Thread-local: open and close it on one thread, innermost first.
+  class reporting_scope {
+   public:
+    reporting_scope() {
+      const auto kind = c10::DebugInfoKind::PROFILER_STATE;
+      auto* occupant = c10::ThreadLocalDebugInfo::get(kind);
+      if (dynamic_cast<torch::profiler::impl::ProfilerStateBase*>(occupant) != nullptr) {
+        inactive_reason_ = "a LibTorch profiler is active on this thread and holds the PROFILER_STATE debug-info "
+                           "slot that memscale's reporting scope would need";
+        return;
+      }
+      auto* outer = dynamic_cast<c10::MemoryReportingInfoBase*>(occupant);
+      if (occupant != nullptr && outer == nullptr) {
+        inactive_reason_ = "the thread's PROFILER_STATE debug-info slot holds something other than a "
+                           "c10::MemoryReportingInfoBase";
+        return;
+      }
+      reporter_ = std::make_shared<detail::memory_reporter>(outer, c10::ThreadLocalDebugInfo::current());
+      guard_.emplace(kind, reporter_);
+      detail::reporting_stack().push_back(reporter_);
+    }
+    reporting_scope(const reporting_scope&) = delete;
+    reporting_scope& operator=(const reporting_scope&) = delete;
+    ~reporting_scope() {
+      if (!reporter_) return;
+      reporter_->close();
+      auto& stack = detail::reporting_stack();
+      stack.erase(std::remove(stack.begin(), stack.end(), reporter_), stack.end());
+      guard_.reset();  // the thread's debug info as it was before the scope
+    }
+
+    /// False when the scope could not take the slot; inactive_reason() says why.
+    [[nodiscard]] bool active() const noexcept { return reporter_ != nullptr; }
+    [[nodiscard]] const std::string& inactive_reason() const noexcept { return inactive_reason_; }
+    /// Live bytes of the blocks allocated since the scope opened.
+    [[nodiscard]] std::int64_t current_bytes() const noexcept { return reporter_ ? reporter_->counter().current() : 0; }
+    /// Highest current_bytes() so far (lowered only by memory_tracker::reset_peak).
+    [[nodiscard]] std::int64_t peak_bytes() const noexcept { return reporter_ ? reporter_->counter().peak() : 0; }
+    /// Bytes of every allocation reported since the scope opened, freed or not:
+    /// still 0 after a CPU allocation means the CPU allocator does not report.
+    [[nodiscard]] std::int64_t allocated_bytes() const noexcept {
+      return reporter_ ? reporter_->allocated_bytes() : 0;
+    }
+
+   private:
+    std::shared_ptr<detail::memory_reporter> reporter_;
+    std::optional<c10::DebugInfoGuard> guard_;
+    std::string inactive_reason_;
+  };
+
+  /// Measures the peak within a scope, from the source current_bytes() reads
+  /// when the scope begins. On CPU nested scopes compose (an outer scope still
+  /// sees an inner scope's peak); on CUDA the caching allocator has one
+  /// resettable peak, so an inner scope resets the outer one's.
   class peak_scope {
    public:
-    explicit peak_scope(c10::Device device = c10::kCPU)
-        : device_(device), outer_peak_(peak_bytes(device)) {
-      reset_peak(device_);
-      baseline_ = current_bytes(device_);
+    explicit peak_scope(c10::Device device = c10::kCPU) : device_(device) {
+      if (device_.is_cpu()) {
+        counter_ = cpu_counter();
+        outer_peak_ = counter_->peak();
+        counter_->set_peak(counter_->current());
+        baseline_ = counter_->current();
+      } else {
+        outer_peak_ = peak_bytes(device_);
+        reset_peak(device_);
+        baseline_ = current_bytes(device_);
+      }
     }
     peak_scope(const peak_scope&) = delete;
     peak_scope& operator=(const peak_scope&) = delete;
     ~peak_scope() {
-      if (device_.is_cpu()) cpu().set_peak(std::max(outer_peak_, cpu().peak()));
+      if (counter_) counter_->set_peak(std::max(outer_peak_, counter_->peak()));
     }
     /// Live bytes when the scope began.
     [[nodiscard]] std::int64_t baseline() const noexcept { return baseline_; }
     /// Highest live bytes since the scope began.
-    [[nodiscard]] std::int64_t peak() const { return peak_bytes(device_); }
+    [[nodiscard]] std::int64_t peak() const { return counter_ ? counter_->peak() : peak_bytes(device_); }
     /// Peak minus baseline: the scope's peak memory growth.
     [[nodiscard]] std::int64_t peak_growth() const { return peak() - baseline_; }
 
    private:
     c10::Device device_;
-    std::int64_t outer_peak_;
+    std::shared_ptr<detail::byte_counter> counter_;  // CPU only
+    std::int64_t outer_peak_ = 0;
     std::int64_t baseline_ = 0;
   };
 
  private:
-  static detail::counting_cpu_allocator& cpu() {
-    install();
-    return detail::counting_cpu_allocator::instance();
+  /// The CPU source: the counting allocator (never destroyed, so not owned) or
+  /// the innermost reporting scope's counter (shared: a peak_scope may outlive it).
+  static std::shared_ptr<detail::byte_counter> cpu_counter() {
+    if (installed())
+      return {std::shared_ptr<void>(), &detail::counting_cpu_allocator::instance().counter()};
+    const auto& stack = detail::reporting_stack();
+    if (!stack.empty()) return {stack.back(), &stack.back()->counter()};
+    throw Error("memscale::memory_tracker: nothing measures CPU memory on this thread: open a "
+                "memscale::memory_tracker::reporting_scope, or call memscale::memory_tracker::install() "
+                "(which replaces the process's CPU allocator)");
   }
 #if MEMSCALE_HAS_CUDA()
   static c10::DeviceIndex cuda_index(c10::Device device) {

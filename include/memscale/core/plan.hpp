@@ -121,6 +121,7 @@ struct Report {
     if (c < static_cast<int>(plan.segment_length.size())) os << ", segment length " << plan.segment_length[c];
     os << "\n";
     if (!chain.supported) os << "  not optimized: " << chain.unsupported_reason << "\n";
+    for (const auto& caveat : chain.caveats) os << "  note: " << caveat << "\n";
     os << "  profile:\n";
     for (std::size_t k = 0; k < chain.slots.size(); ++k) {
       const auto& s = chain.slots[k];

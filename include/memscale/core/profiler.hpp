@@ -3,6 +3,11 @@
 // (the empirical fallback): run alone on an input of the propagated shape,
 // `warmup_steps` times, measuring with the memory tracker the bytes it keeps for
 // backward, its output, its workspace, and its forward and backward time.
+// On CPU the bytes come from a memory_tracker::reporting_scope (LibTorch's own
+// allocation reports; the CPU allocator stays whatever the program installed),
+// or from the counting allocator where the program installed it. Where neither
+// sees allocations, a slot's memory is its static estimate, or else what
+// autograd saves, and the chain profile says so.
 // Slots are measured one at a time, so profiling never needs the step's peak.
 // Profiling draws no random numbers that training would see and leaves buffers
 // (BatchNorm running statistics) as they were.
@@ -12,7 +17,10 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include <torch/cuda.h>
@@ -26,6 +34,7 @@
 #include <memscale/detail/buffers.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
+#include <memscale/offload/hooks.hpp>
 
 namespace memscale::core {
 
@@ -69,19 +78,72 @@ inline torch::Tensor synthetic_input(const layer_input& in, const c10::Device& d
   return c10::isFloatingType(in.dtype) ? torch::randn(in.shape, options) : torch::zeros(in.shape, options);
 }
 
+/// Where measure_slot's byte figures came from.
+enum class byte_source : std::uint8_t {
+  allocations,     ///< the memory tracker: reported or counted allocations, or CUDA statistics
+  saved_tensors,   ///< allocations go unseen: storages autograd saved (workspace unmeasured)
+  none,            ///< neither: saved bytes unknown, input and output assumed kept
+};
+
 struct measured_slot {
   slot_cost cost;
   torch::Tensor output;  ///< detached, for the next slot
   bool tensor_output = true;
+  byte_source bytes = byte_source::allocations;
 };
 
-/// Runs one slot alone and measures what its forward keeps for backward.
-inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tensor& input, int passes) {
+/// The storages autograd saves while it is open (on this thread), through
+/// memscale's saved-tensor hooks; the tensors themselves are saved as usual.
+class saved_storage_log {
+ public:
+  struct entry {
+    const void* storage;
+    std::int64_t bytes;
+  };
+
+  [[nodiscard]] std::vector<entry> entries() const {
+    std::lock_guard<std::mutex> lock(record_->mutex);
+    return record_->entries;
+  }
+
+ private:
+  struct record {
+    std::mutex mutex;
+    std::vector<entry> entries;
+  };
+  struct pack {
+    std::shared_ptr<record> log;
+    at::Tensor operator()(const at::Tensor& t) const {
+      if (t.defined() && t.has_storage()) {
+        std::lock_guard<std::mutex> lock(log->mutex);
+        log->entries.push_back({t.storage().unsafeGetStorageImpl(), static_cast<std::int64_t>(t.storage().nbytes())});
+      }
+      return t;
+    }
+  };
+  struct unpack {
+    at::Tensor operator()(at::Tensor& t) const { return t; }
+  };
+
+  std::shared_ptr<record> record_ = std::make_shared<record>();
+  offload::saved_tensors_hooks<pack, unpack> hooks_{pack{record_}, unpack{}};
+};
+
+inline const void* storage_of(const torch::Tensor& t) {
+  return t.defined() && t.has_storage() ? static_cast<const void*>(t.storage().unsafeGetStorageImpl()) : nullptr;
+}
+
+/// Runs one slot alone and measures what its forward keeps for backward. On CPU
+/// with `reporting` (a scope the caller opened), bytes are what it reports, if it
+/// reports the input's copy; else what `byte_source` says.
+inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tensor& input, int passes,
+                                  const memory_tracker::reporting_scope* reporting = nullptr) {
   measured_slot result;
   const auto device = input.device();
   double fastest_forward = 1e300, fastest_backward = 1e300;
   for (int pass = 0; pass < std::max(1, passes); ++pass) {
     slot_cost cost;
+    const auto reported_before = reporting != nullptr ? reporting->allocated_bytes() : 0;
     // An owned, non-leaf copy (as inside a chain, where the input comes out of the
     // previous slot): dropping our reference then shows whether the slot keeps it.
     // A leaf would be kept alive by its gradient accumulator, whatever the slot saves.
@@ -93,13 +155,28 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       x = input.detach().clone();
     }
     cost.input_bytes = static_cast<std::int64_t>(x.nbytes());
+    // The copy is a CPU allocation of known size: a scope that missed it misses them all.
+    auto source = byte_source::allocations;
+    if (reporting != nullptr &&
+        (!reporting->active() || reporting->allocated_bytes() - reported_before < cost.input_bytes)) {
+      offload::install_hooks_engine();
+      source = offload::hooks_engine_active() ? byte_source::saved_tensors : byte_source::none;
+    }
+    const bool by_allocations = source == byte_source::allocations;
     const auto version = x._version();
     synchronize(device);
     torch::Tensor y;
     std::int64_t live_before = 0, live_after = 0, peak = 0;
+    std::vector<saved_storage_log::entry> saved;
     {
-      memory_tracker::peak_scope scope(device);
-      live_before = memory_tracker::current_bytes(device);
+      std::optional<memory_tracker::peak_scope> scope;
+      std::optional<saved_storage_log> log;
+      if (by_allocations) {
+        scope.emplace(device);
+        live_before = memory_tracker::current_bytes(device);
+      } else if (source == byte_source::saved_tensors) {
+        log.emplace();
+      }
       const auto start = std::chrono::steady_clock::now();
       auto out = slot.any_forward(x);
       auto* tensor = out.try_get<torch::Tensor>();
@@ -110,15 +187,34 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       y = *tensor;
       synchronize(device);
       cost.forward_seconds = seconds_since(start);
-      live_after = memory_tracker::current_bytes(device);
-      peak = scope.peak();
+      if (by_allocations) {
+        live_after = memory_tracker::current_bytes(device);
+        peak = scope->peak();
+      }
+      if (log) saved = log->entries();
     }
     cost.mutates_input = x._version() != version;
     cost.output_bytes = static_cast<std::int64_t>(y.nbytes());
     cost.output_is_view = y.storage().is_alias_of(x.storage());
-    cost.workspace_bytes = std::max<std::int64_t>(0, peak - live_after);
-    const auto kept = live_after - live_before;
-    cost.saved_bytes = std::max<std::int64_t>(0, kept - (cost.output_is_view ? 0 : cost.output_bytes));
+    if (by_allocations) {
+      cost.workspace_bytes = std::max<std::int64_t>(0, peak - live_after);
+      const auto kept = live_after - live_before;
+      cost.saved_bytes = std::max<std::int64_t>(0, kept - (cost.output_is_view ? 0 : cost.output_bytes));
+    } else if (source == byte_source::saved_tensors) {
+      // New storages autograd keeps, beyond the input, the output and the slot's own tensors.
+      std::unordered_set<const void*> counted{storage_of(x), storage_of(y)};
+      for (const auto& p : slot.ptr()->parameters()) counted.insert(storage_of(p));
+      for (const auto& b : slot.ptr()->buffers()) counted.insert(storage_of(b));
+      for (const auto& e : saved) {
+        if (!cost.output_is_view) {
+          cost.saves_input = cost.saves_input || e.storage == storage_of(x);
+          cost.saves_output = cost.saves_output || e.storage == storage_of(y);
+        }
+        if (counted.insert(e.storage).second) cost.saved_bytes += e.bytes;
+      }
+    } else {
+      cost.saves_input = cost.saves_output = !cost.output_is_view;  // unknown: assume both kept
+    }
 
     if (y.requires_grad()) {
       std::vector<torch::Tensor> targets;
@@ -134,18 +230,23 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       cost.backward_seconds = seconds_since(start);
     }
     auto next = y.detach().clone();
-    // Which of input and output does the graph keep alive?
-    const auto live_with_input = memory_tracker::current_bytes(device);
-    x = torch::Tensor();
-    const auto live_without_input = memory_tracker::current_bytes(device);
-    cost.saves_input = !cost.output_is_view && y.grad_fn() != nullptr &&
-                       live_with_input - live_without_input < cost.input_bytes / 2;
-    auto graph = y.grad_fn();
-    y = torch::Tensor();
-    const auto live_without_output = memory_tracker::current_bytes(device);
-    cost.saves_output = !cost.output_is_view && graph != nullptr &&
-                        live_without_input - live_without_output < cost.output_bytes / 2;
-    graph.reset();
+    if (by_allocations) {
+      // Which of input and output does the graph keep alive?
+      const auto live_with_input = memory_tracker::current_bytes(device);
+      x = torch::Tensor();
+      const auto live_without_input = memory_tracker::current_bytes(device);
+      cost.saves_input = !cost.output_is_view && y.grad_fn() != nullptr &&
+                         live_with_input - live_without_input < cost.input_bytes / 2;
+      auto graph = y.grad_fn();
+      y = torch::Tensor();
+      const auto live_without_output = memory_tracker::current_bytes(device);
+      cost.saves_output = !cost.output_is_view && graph != nullptr &&
+                          live_without_input - live_without_output < cost.output_bytes / 2;
+      graph.reset();
+    } else if (y.grad_fn() == nullptr) {
+      cost.saves_input = cost.saves_output = false;  // no graph: nothing is kept for backward
+      cost.saved_bytes = 0;
+    }
     // Memory from the last pass (one-time allocations are gone); the fastest times.
     fastest_forward = std::min(fastest_forward, cost.forward_seconds);
     fastest_backward = std::min(fastest_backward, cost.backward_seconds);
@@ -153,6 +254,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
     result.cost.forward_seconds = fastest_forward;
     result.cost.backward_seconds = fastest_backward;
     result.output = std::move(next);
+    result.bytes = source;
   }
   return result;
 }
@@ -162,6 +264,21 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
 inline double nominal_seconds(const layer_estimate& e, const c10::Device& device) {
   const double flops_per_second = device.is_cuda() ? 5e13 : 5e10;
   return e.flops / flops_per_second;
+}
+
+/// A slot's costs from a static estimate (times nominal, from its flops).
+inline slot_cost static_cost(const layer_estimate& e, std::int64_t input_bytes, const c10::Device& device) {
+  slot_cost cost;
+  cost.input_bytes = input_bytes;
+  cost.output_bytes = e.output_bytes();
+  cost.output_is_view = e.output_is_view;
+  cost.saved_bytes = e.saved_bytes;
+  cost.saves_input = e.saves_input;
+  cost.saves_output = e.saves_output;
+  cost.workspace_bytes = e.workspace_bytes;
+  cost.forward_seconds = nominal_seconds(e, device);
+  cost.backward_seconds = 2.0 * cost.forward_seconds;
+  return cost;
 }
 
 }  // namespace memscale::detail
@@ -187,10 +304,30 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
   profile.path = path;
   profile.input_shape = chain_input.sizes().vec();
   const auto device = chain_input.device();
-  if (device.is_cpu()) memory_tracker::install();
 
   detail::rng_fork no_visible_draws({device});
   detail::buffer_restore keep_buffers(slots);
+  // Opened before any tensor profiling makes, so it sees their frees too.
+  std::optional<memory_tracker::reporting_scope> reporting;
+  if (device.is_cpu() && options.use_empirical && !memory_tracker::installed()) reporting.emplace();
+  std::vector<std::string> unmeasured;  // slots whose bytes no allocation source saw
+  const auto note_unmeasured = [&] {
+    if (unmeasured.empty()) return;
+    std::string slots_named;
+    for (const auto& name : unmeasured) slots_named += (slots_named.empty() ? "" : ", ") + name;
+    const std::string why = reporting && !reporting->active()
+                                ? reporting->inactive_reason()
+                                : "the CPU allocator in use (set with c10::SetCPUAllocator) does not report "
+                                  "allocations to LibTorch's memory profiler";
+    const std::string instead = offload::hooks_engine_active()
+                                    ? "static rules where one exists, else the tensors autograd saves "
+                                      "(workspace unmeasured)"
+                                    : "static rules where one exists, else a guess (input and output kept)";
+    profile.caveats.push_back("memory of slot(s) " + slots_named + " not measured: " + why + "; their bytes come from " +
+                              instead + ". For measured figures, let the allocator delegate to "
+                              "c10::GetDefaultCPUAllocator(), or call memscale::memory_tracker::install() (which "
+                              "replaces it)");
+  };
   auto input_of = [&](std::vector<std::int64_t> shape, c10::ScalarType dtype) {
     return layer_input{std::move(shape), dtype, options.training, device.type()};
   };
@@ -210,17 +347,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
     std::optional<layer_estimate> estimate;
     if (options.use_static) estimate = estimate_layer(*slot.ptr(), current);
     if (estimate) {
-      slot_cost cost;
-      cost.input_bytes = current.bytes();
-      cost.output_bytes = estimate->output_bytes();
-      cost.output_is_view = estimate->output_is_view;
-      cost.saved_bytes = estimate->saved_bytes;
-      cost.saves_input = estimate->saves_input;
-      cost.saves_output = estimate->saves_output;
-      cost.workspace_bytes = estimate->workspace_bytes;
-      cost.forward_seconds = detail::nominal_seconds(*estimate, device);
-      cost.backward_seconds = 2.0 * cost.forward_seconds;
-      profile.slots.push_back(tiling(cost));
+      profile.slots.push_back(tiling(detail::static_cost(*estimate, current.bytes(), device)));
       profile.sources.push_back(profile_source::static_rule);
       profile.notes.emplace_back("static rule");
       current = input_of(estimate->output_shape, estimate->output_dtype);
@@ -236,24 +363,48 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
     auto input = current_tensor.defined() ? current_tensor : detail::synthetic_input(current, device);
     detail::measured_slot measured;
     try {
-      measured = detail::measure_slot(slot, input, options.passes);
+      measured = detail::measure_slot(slot, input, options.passes, reporting ? &*reporting : nullptr);
     } catch (const c10::Error& e) {
       profile.supported = false;
       profile.unsupported_reason = "slot " + profile.slot_names.back() + " failed on a tensor of shape " +
                                    c10::str(input.sizes()) + ": " + e.what_without_backtrace();
+      note_unmeasured();
       return profile;
     }
     if (!measured.tensor_output) {
       profile.supported = false;
       profile.unsupported_reason = "slot " + profile.slot_names.back() + " does not return a single Tensor";
+      note_unmeasured();
       return profile;
     }
-    profile.slots.push_back(tiling(measured.cost));
-    profile.sources.push_back(profile_source::empirical);
-    profile.notes.emplace_back(options.use_static ? "no static rule: measured" : "measured");
+    if (measured.bytes == detail::byte_source::allocations) {
+      profile.slots.push_back(tiling(measured.cost));
+      profile.sources.push_back(profile_source::empirical);
+      profile.notes.emplace_back(options.use_static ? "no static rule: measured" : "measured");
+    } else if (auto fallback = estimate_layer(*slot.ptr(), current)) {
+      // Only reached with use_static_profiling off: its bytes beat unmeasured ones; the times are measured.
+      auto cost = detail::static_cost(*fallback, measured.cost.input_bytes, device);
+      cost.forward_seconds = measured.cost.forward_seconds;
+      cost.backward_seconds = measured.cost.backward_seconds;
+      cost.mutates_input = measured.cost.mutates_input;
+      profile.slots.push_back(tiling(cost));
+      profile.sources.push_back(profile_source::static_rule);
+      profile.notes.emplace_back("allocations not seen: static rule for bytes, measured times");
+      unmeasured.push_back(profile.slot_names.back());
+    } else {
+      profile.slots.push_back(tiling(measured.cost));
+      profile.sources.push_back(profile_source::empirical);
+      profile.notes.emplace_back(measured.bytes == detail::byte_source::saved_tensors
+                                     ? "allocations not seen: saved bytes from autograd's saved tensors, "
+                                       "workspace unmeasured, times measured"
+                                     : "allocations not seen and saved-tensor hooks unavailable: input and "
+                                       "output assumed kept, times measured");
+      unmeasured.push_back(profile.slot_names.back());
+    }
     current = input_of(measured.output.sizes().vec(), measured.output.scalar_type());
     current_tensor = measured.output;
   }
+  note_unmeasured();
   return profile;
 }
 

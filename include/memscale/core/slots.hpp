@@ -9,6 +9,9 @@
 
 #include <torch/torch.h>
 
+#include <memscale/detail/assert.hpp>
+#include <memscale/detail/fault_injection.hpp>
+
 namespace memscale::core {
 
 /// Fills a slot that belongs to a checkpointed segment starting earlier.
@@ -42,12 +45,29 @@ class slot_transaction {
   slot_transaction& operator=(const slot_transaction&) = delete;
   ~slot_transaction() { rollback(); }
 
+  /// Puts `next` in slot `index`. Strong guarantee: the only allocation (the
+  /// undo entry) happens before the slot is touched, so a throw changes nothing.
   void replace(torch::nn::SequentialImpl& seq, std::size_t index, torch::nn::AnyModule next) {
+    MEMSCALE_ASSERT(index < seq.size(), "slot index out of range");
+    detail::fault_point(detail::pipeline_stage::reserve);
+    undo_.reserve(undo_.size() + 1);
     auto it = seq.begin() + static_cast<std::ptrdiff_t>(index);
-    undo_.push_back({&seq, index, std::move(*it)});
+    undo_.push_back({&seq, index, torch::nn::AnyModule()});  // cannot throw: capacity reserved
+    undo_.back().previous = std::move(*it);
     *it = std::move(next);
   }
-  void commit() noexcept { undo_.clear(); }
+  /// Keeps the changes. `running`, when given, receives the holder that was in a
+  /// slot a forward is still executing (see attachment::plan_on_first_call).
+  void commit(torch::nn::AnyModule* running = nullptr) noexcept {
+    if (running != nullptr && !undo_.empty() && running->is_empty()) {
+      for (auto& e : undo_)
+        if (e.index == 0) {
+          *running = std::move(e.previous);
+          break;
+        }
+    }
+    undo_.clear();
+  }
   void rollback() noexcept {
     for (auto it = undo_.rbegin(); it != undo_.rend(); ++it)
       *(it->seq->begin() + static_cast<std::ptrdiff_t>(it->index)) = std::move(it->previous);

@@ -1,7 +1,8 @@
 // memscale::detail — test seams: make one pipeline stage throw, to show that a
 // failing wrap() leaves the model exactly as it was; and make one offload-tier
-// operation fail (pinned allocation, disk directory, disk space), to show that
-// the offload engine degrades without losing a tensor. Internal; process-wide.
+// operation fail (pinned allocation, disk directory, disk space, an I/O job or
+// thread), to show that the offload engine degrades without losing a tensor
+// and that its I/O pool never terminates the process. Internal; process-wide.
 #pragma once
 
 #include <atomic>
@@ -11,7 +12,7 @@
 
 namespace memscale::detail {
 
-enum class pipeline_stage : int { none, capture, profile, plan, apply, commit };
+enum class pipeline_stage : int { none, capture, profile, plan, apply, commit, reserve };
 
 inline const char* stage_name(pipeline_stage s) {
   switch (s) {
@@ -21,6 +22,7 @@ inline const char* stage_name(pipeline_stage s) {
     case pipeline_stage::plan: return "plan";
     case pipeline_stage::apply: return "apply";
     case pipeline_stage::commit: return "commit";
+    case pipeline_stage::reserve: return "reserve";  // the allocation before a slot swap
   }
   return "?";
 }
@@ -36,8 +38,10 @@ inline void fault_point(pipeline_stage s) {
     throw Error(std::string("memscale: fault injected at stage '") + stage_name(s) + "'");
 }
 
-/// Offload-tier operations a test can make fail.
-enum class offload_fault : int { none, pinned_alloc, disk_unwritable, disk_full };
+/// Offload-tier operations a test can make fail. io_job_throws: the engine's
+/// disk write and prefetch jobs throw from inside; thread_start_fails: an I/O
+/// pool cannot start its second thread.
+enum class offload_fault : int { none, pinned_alloc, disk_unwritable, disk_full, io_job_throws, thread_start_fails };
 
 inline std::atomic<int>& injected_offload_fault() {
   static std::atomic<int> fault{0};

@@ -9,6 +9,11 @@
 // prefetches the groups (wrapped layers) that backward needs next. Without it
 // every copy is synchronous.
 //
+// In-place checks: autograd does not check hooked saved tensors, so a record
+// remembers the version of the tensor it was given, and load() refuses one
+// whose bytes it still read from that tensor's memory (kept, waiting for its
+// batch, written to disk asynchronously) after that tensor was modified in place.
+//
 // Ownership: hooks own the engine, records (stored_tensor) own only the shared
 // core (budgets, statistics, pinned pool, disk directory). I/O jobs own records
 // and the core, never the engine, so the engine (and its I/O pool) is never
@@ -53,7 +58,7 @@ struct engine_options {
   std::int64_t pinned_bytes = 256LL << 20;      ///< pinned pool capacity
   std::optional<std::int64_t> host_bytes{};     ///< pinned + pageable together; unset: no cap
   std::optional<std::int64_t> disk_bytes{};     ///< unset: as much as the file system takes
-  std::optional<std::string> disk_dir{};        ///< parent of the disk tier's directory; unset: temp dir
+  std::optional<std::string> disk_dir{};        ///< parent of the disk tier's directory; unset: disk_parent_candidates
   bool async = false;
   int io_threads = 2;
   int prefetch_depth = 2;                       ///< groups fetched ahead of backward
@@ -82,10 +87,14 @@ inline engine_options options_from(const Config& config) {
   if (async.max_disk_offload_gb) {
     o.disk_bytes = static_cast<std::int64_t>(*async.max_disk_offload_gb * gib);
   } else {
-    std::error_code ec;
-    const auto dir = async.disk_dir ? std::filesystem::path(*async.disk_dir) : std::filesystem::temp_directory_path(ec);
-    const auto space = std::filesystem::space(dir, ec);
-    o.disk_bytes = ec ? 0 : static_cast<std::int64_t>(space.available / 2);
+    o.disk_bytes = 0;  // no directory to measure: the disk tier takes nothing
+    for (const auto& dir : disk_parent_candidates(async.disk_dir)) {  // the disk tier's own choice
+      std::error_code ec;
+      const auto space = std::filesystem::space(dir, ec);
+      if (ec) continue;
+      o.disk_bytes = static_cast<std::int64_t>(space.available / 2);
+      break;
+    }
   }
   o.disk_dir = async.disk_dir;
   o.async = config.async_offload;
@@ -235,6 +244,26 @@ constexpr std::int64_t aligned(std::int64_t bytes) {
 inline at::Tensor byte_view(const at::Tensor& dense, std::int64_t bytes) {
   return at::from_blob(dense.data_ptr(), {bytes}, dense.options().dtype(at::kByte));
 }
+
+/// Autograd's own words for a saved tensor modified in place since it was saved.
+inline std::string modified_in_place(const tensor_layout& layout, std::uint32_t current, std::uint32_t expected) {
+  return c10::str("one of the variables needed for gradient computation has been modified by an inplace operation: [",
+                  c10::toString(layout.options.backend()), c10::toString(layout.options.dtype().toScalarType()),
+                  "Type ", c10::IntArrayRef(layout.sizes), "] is at version ", current, "; expected version ", expected,
+                  " instead.");
+}
+
+/// A test seam: the engine's I/O jobs throw from inside when a test asks.
+inline void io_job_fault_point() {
+  if (memscale::detail::offload_fault_injected(memscale::detail::offload_fault::io_job_throws))
+    throw std::runtime_error("I/O job failure injected by a test");
+}
+
+/// Wakes the waiters of a record on every way out of an I/O job (after its lock is released).
+struct notify_at_exit {
+  std::condition_variable& changed;
+  ~notify_at_exit() { changed.notify_all(); }
+};
 }  // namespace detail
 
 /// One tensor in the engine's care. Destroying it frees its tier (budget, pinned
@@ -242,7 +271,12 @@ inline at::Tensor byte_view(const at::Tensor& dense, std::int64_t bytes) {
 class stored_tensor {
  public:
   stored_tensor(std::shared_ptr<detail::engine_core> core, const at::Tensor& t, int group)
-      : core_(std::move(core)), layout_(detail::tensor_layout::of(t)), device_(t.device()), group_(group) {}
+      : core_(std::move(core)),
+        layout_(detail::tensor_layout::of(t)),
+        device_(t.device()),
+        group_(group),
+        source_version_(torch::autograd::impl::version_counter(t)),
+        saved_version_(source_version_.enabled() ? source_version_.current_version() : 0) {}
   stored_tensor(const stored_tensor&) = delete;
   stored_tensor& operator=(const stored_tensor&) = delete;
   ~stored_tensor() {
@@ -272,14 +306,34 @@ class stored_tensor {
   [[nodiscard]] std::int64_t bytes() const noexcept { return layout_.bytes; }
   [[nodiscard]] int group() const noexcept { return group_; }
   [[nodiscard]] c10::Device device() const noexcept { return device_; }
+  /// Dtype, sizes and (dense) strides of the tensor it holds.
+  [[nodiscard]] const detail::tensor_layout& layout() const noexcept { return layout_; }
 
  private:
   friend class engine;
+
+  /// Whether the tensor given to store() was modified in place since (false
+  /// when it has no version counter: an inference tensor).
+  [[nodiscard]] bool source_modified() const {
+    return source_version_.enabled() && source_version_.current_version() != saved_version_;
+  }
+
+  /// Refuses to return bytes read from a tensor modified since it was stored. Under mutex_.
+  void check_unmodified() const {
+    if (!aliases_source_ || !source_modified()) return;
+    const auto current = source_version_.current_version();
+    TORCH_CHECK(false, "memscale: ", detail::modified_in_place(layout_, current, saved_version_),
+                " The offload engine was still reading that tensor's own memory (it was kept, waiting for its "
+                "batch, or being written to disk), so it would return the modified values; make that operation "
+                "out of place.");
+  }
 
   std::shared_ptr<detail::engine_core> core_;
   detail::tensor_layout layout_;
   c10::Device device_;
   int group_;
+  c10::VariableVersion source_version_;  // shares the version counter of the tensor given to store()
+  std::uint32_t saved_version_;
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;
@@ -296,6 +350,7 @@ class stored_tensor {
   bool pending_batch_ = false;           // deferred: waits in held_ for the group's flush
   std::shared_ptr<detail::batch> batch_;
   std::int64_t batch_offset_ = 0;
+  bool aliases_source_ = false;          // what load() returns is (or was read from) the source's memory
 };
 
 using stored_handle = std::shared_ptr<stored_tensor>;
@@ -381,6 +436,7 @@ class engine {
     std::shared_ptr<detail::batch> in_batch;
     {
       std::lock_guard<std::mutex> lock(rec->mutex_);
+      rec->check_unmodified();
       if (rec->pending_batch_) return rec->held_;  // not flushed yet: still here
       in_batch = rec->batch_;
     }
@@ -398,6 +454,7 @@ class engine {
     auto rec = std::make_shared<stored_tensor>(core_, t, group_.load());
     rec->held_ = t.detach();  // see store()
     rec->pending_batch_ = true;
+    rec->aliases_source_ = true;
     std::lock_guard<std::mutex> lock(pending_mutex_);
     pending_.push_back(rec);
     return rec;
@@ -441,8 +498,11 @@ class engine {
     }
   }
 
-  /// Blocks until every queued disk write and prefetch finished (tests, benchmarks).
+  /// Blocks until every queued disk write and prefetch finished (tests,
+  /// benchmarks). Rethrows what an I/O job let escape (the engine's own jobs
+  /// fall back instead: a failed write keeps the tensor in memory).
   void wait_idle() {
+    if (io_) io_->wait();
     std::vector<stored_handle> alive;
     {
       std::lock_guard<std::mutex> lock(groups_mutex_);
@@ -457,7 +517,18 @@ class engine {
   }
 
  private:
-  void flush_one_device(const std::vector<stored_handle>& members) {
+  void flush_one_device(const std::vector<stored_handle>& waiting) {
+    // One modified in place since it was saved is not gathered (its bytes are
+    // not the saved ones): it stays, and load() refuses it.
+    std::vector<stored_handle> members;
+    for (const auto& r : waiting) {
+      std::lock_guard<std::mutex> lock(r->mutex_);
+      if (r->source_modified())
+        r->pending_batch_ = false;
+      else
+        members.push_back(r);
+    }
+    if (members.empty()) return;
     std::vector<std::int64_t> offsets;
     std::vector<at::Tensor> sources;
     std::int64_t total = 0;
@@ -483,6 +554,7 @@ class engine {
       members[i]->batch_ = shared;
       members[i]->batch_offset_ = offsets[i];
       members[i]->pending_batch_ = false;
+      members[i]->aliases_source_ = false;
       members[i]->held_ = at::Tensor();  // the staging buffer (or its copy) has the bytes now
     }
   }
@@ -544,6 +616,7 @@ class engine {
   static bool keep(stored_tensor& rec, const at::Tensor& t) {
     rec.where_ = tier::device;
     rec.held_ = t;
+    rec.aliases_source_ = true;
     rec.core_->update([&](engine_stats& s) { ++s.tiers[static_cast<std::size_t>(tier::device)].tensors; });
     return true;
   }
@@ -553,6 +626,7 @@ class engine {
 #if MEMSCALE_HAS_CUDA()
     if (t.is_cuda() && pinned && core_->options.async) {
       rec.ready_ = detail::copy_to_host_async(t, dst);
+      rec.aliases_source_ = true;  // the side stream may copy after a later in-place op on the compute stream
       return;
     }
 #endif
@@ -613,11 +687,13 @@ class engine {
   }
 
   bool to_disk(const stored_handle& rec, const at::Tensor& t) {
-    if (const auto why = core_->disk.prepare(); !why.empty()) {
+    std::string ram_backed;
+    if (const auto why = core_->disk.prepare(&ram_backed); !why.empty()) {
       core_->update([](engine_stats& s) { ++s.disk_failures; });
       core_->warn("disk offload tier unavailable (" + why + "); tensors stay where they are");
       return false;
     }
+    if (!ram_backed.empty()) core_->warn(ram_backed);
     const auto bytes = rec->layout_.bytes;
     if (!core_->reserve(tier::disk, bytes)) return false;
     at::Tensor source;
@@ -634,11 +710,21 @@ class engine {
       rec->where_ = tier::disk;
       rec->held_ = source;  // alive (and loadable) until written
       rec->writing_ = true;
+      rec->aliases_source_ = source.is_alias_of(t);  // read after store() returned
       auto job = [rec, core = core_, source] {
         const auto start = detail::clock::now();
-        const auto error = disk_store::write(rec->file_, source.data_ptr(), rec->layout_.bytes);
+        std::string error;
+        try {
+          detail::io_job_fault_point();
+          error = disk_store::write(rec->file_, source.data_ptr(), rec->layout_.bytes);
+        } catch (const std::exception& e) {
+          error = e.what();
+        } catch (...) {
+          error = "an unknown exception";
+        }
         const double took = detail::seconds_since(start);
         core->end_write(rec->layout_.bytes);
+        const detail::notify_at_exit notify{rec->changed_};
         std::lock_guard<std::mutex> lock(rec->mutex_);
         rec->writing_ = false;
         if (error.empty()) {
@@ -654,6 +740,8 @@ class engine {
           core->release(tier::disk, rec->layout_.bytes);
           rec->where_ = rec->device_.is_cpu() ? tier::device : tier::pageable_host;
           if (rec->where_ != tier::device) core->reserve(rec->where_, rec->layout_.bytes, /*force=*/true);
+          std::error_code ignored;
+          std::filesystem::remove(rec->file_, ignored);  // in case the failure came after the file
           rec->file_.clear();
           core->update([](engine_stats& s) {
             ++s.disk_failures;
@@ -661,7 +749,6 @@ class engine {
           });
           core->warn("disk offload write failed (" + error + "); the tensor stays in memory");
         }
-        rec->changed_.notify_all();
       };
       try {
         io_->submit(std::move(job));
@@ -670,6 +757,7 @@ class engine {
         core_->release(tier::disk, bytes);
         rec->where_ = tier::device;
         rec->writing_ = false;
+        rec->aliases_source_ = false;
         rec->held_ = at::Tensor();
         rec->file_.clear();
         throw;
@@ -806,24 +894,45 @@ class engine {
           continue;
         rec->reading_ = true;
       }
-      io_->submit([rec, core = core_] {
+      auto job = [rec, core = core_] {
         const auto start = detail::clock::now();
         at::Tensor host;
+        std::string error;
         try {
+          detail::io_job_fault_point();
           host = read_back(*rec);
         } catch (const std::exception& e) {
-          core->warn(e.what());  // load() reads again inline and reports it there
+          error = e.what();  // load() reads again inline and reports it there
+        } catch (...) {
+          error = "an unknown exception";
         }
         const double took = detail::seconds_since(start);
-        std::lock_guard<std::mutex> lock(rec->mutex_);
-        rec->prefetched_ = host;
-        rec->reading_ = false;
+        {
+          const detail::notify_at_exit notify{rec->changed_};
+          std::lock_guard<std::mutex> lock(rec->mutex_);
+          rec->prefetched_ = host;
+          rec->reading_ = false;
+        }
+        if (!error.empty()) {
+          core->warn("a disk prefetch failed (" + error + "); backward reads the tensor when it needs it");
+          return;
+        }
         core->update([&](engine_stats& s) {
           s.transfer_seconds += took;
           s.bytes_read += rec->layout_.bytes;
         });
-        rec->changed_.notify_all();
-      });
+      };
+      try {
+        io_->submit(std::move(job));
+      } catch (const std::exception& e) {
+        {
+          const detail::notify_at_exit notify{rec->changed_};
+          std::lock_guard<std::mutex> lock(rec->mutex_);
+          rec->reading_ = false;  // nobody will read it ahead: load() reads it inline
+        }
+        core_->warn(std::string("a disk prefetch could not be queued (") + e.what() + ")");
+        return;
+      }
     }
   }
 

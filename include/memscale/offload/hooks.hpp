@@ -8,10 +8,13 @@
 // With no scope open the engine returns no hooks, exactly as the base engine does.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <concepts>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -36,6 +39,15 @@ inline std::vector<std::shared_ptr<const hooks_factory>>& hook_stack() {
   return stack;
 }
 
+/// Set when a saved_tensors_hooks scope closed while an inner one was still
+/// open (a scope moved to the heap, or destroyed out of order): the next tensor
+/// saved on this thread fails with this message instead of going through
+/// hooks the program no longer means. Thread-local, like the stack.
+inline std::string& hook_stack_error() {
+  thread_local std::string error;
+  return error;
+}
+
 /// The autograd engine with hooks: identical to the base engine but for
 /// get_default_saved_variable_hooks(). Engine() is protected, so a subclass may
 /// construct it; stop() must run before the base destructor (see engine.h).
@@ -45,6 +57,11 @@ class hooks_engine final : public torch::autograd::Engine {
   ~hooks_engine() override { stop(); }
 
   std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
+    if (auto& error = hook_stack_error(); !error.empty()) {
+      const std::string message = std::move(error);
+      error.clear();
+      TORCH_CHECK(false, message);
+    }
     const auto& stack = hook_stack();
     return stack.empty() ? nullptr : stack.back()->make();
   }
@@ -63,10 +80,13 @@ inline std::atomic<bool>& engine_installed() {
 }  // namespace detail
 
 /// Makes memscale's engine LibTorch's default autograd engine (once per process;
-/// later calls do nothing). Install it before the first backward that should see
-/// hooks; saved_tensors_hooks does so itself. Results do not change: without an
-/// open scope it behaves as the base engine. A process that later loads
-/// libtorch_python gets Python's engine back, and with it no C++ hooks.
+/// later calls do nothing). Every program that includes this header does so
+/// while it loads (see below), before any backward can run: LibTorch starts the
+/// autograd device threads once per process, for whichever engine runs a CUDA
+/// backward first, and an engine that comes second cannot run CUDA backwards at
+/// all (measured on LibTorch 2.x; hooks_engine_usable() detects it). Results do
+/// not change: without an open scope it behaves as the base engine. A process
+/// that later loads libtorch_python gets Python's engine back, and no C++ hooks.
 inline void install_hooks_engine() {
   static const bool once = [] {
     torch::autograd::set_default_engine_stub(&detail::hooks_engine::instance);
@@ -76,11 +96,49 @@ inline void install_hooks_engine() {
   (void)once;
 }
 
+namespace detail {
+/// Installs the engine during static initialization of any program that
+/// includes memscale, so it is the first engine to run a backward.
+inline const bool hooks_engine_installed_at_load = (install_hooks_engine(), true);
+}  // namespace detail
+
 /// Whether LibTorch's default engine is memscale's (false before install, or
 /// after another library replaced it).
 [[nodiscard]] inline bool hooks_engine_active() {
   if (!detail::engine_installed()) return false;
   return &torch::autograd::Engine::get_default_engine() == &detail::hooks_engine::instance();
+}
+
+/// Why saved-tensor hooks cannot work for tensors on `device` (empty: they can).
+/// They need memscale's engine to be the default one, and, on CUDA, to own the
+/// autograd device threads: a one-element CUDA backward through it finds out
+/// once per process, and on failure puts LibTorch's base engine back.
+[[nodiscard]] inline std::string hooks_unavailable_reason(const c10::Device& device) {
+  if (!hooks_engine_active())
+    return "LibTorch's default autograd engine is not memscale's (another library, or libtorch_python, replaced "
+           "it with torch::autograd::set_default_engine_stub), so saved-tensor hooks would never be called";
+  if (!device.is_cuda()) return {};
+  static std::mutex mutex;
+  static std::string cuda_reason;
+  static bool probed = false;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!probed) {
+    try {
+      auto x = torch::ones({1}, torch::TensorOptions().device(device).requires_grad(true));
+      (x * 2).sum().backward();
+    } catch (const c10::Error& e) {
+      // Left in place, memscale's engine would fail every CUDA backward of the
+      // process: the base engine, which owns the device threads, comes back.
+      torch::autograd::set_default_engine_stub(&torch::autograd::Engine::get_base_engine);
+      detail::engine_installed() = false;
+      cuda_reason = std::string("memscale's autograd engine cannot run a CUDA backward in this process (") +
+                    e.what_without_backtrace() +
+                    "): another engine ran a CUDA backward before it became the default, so LibTorch's base "
+                    "engine was put back. Do not replace the engine with set_default_engine_stub";
+    }
+    probed = true;
+  }
+  return cuda_reason;
 }
 
 /// Pack: `const at::Tensor&` -> P (any movable type); Unpack: `P&` -> at::Tensor.
@@ -110,10 +168,23 @@ class saved_tensors_hooks {
   }
   saved_tensors_hooks(const saved_tensors_hooks&) = delete;
   saved_tensors_hooks& operator=(const saved_tensors_hooks&) = delete;
+  /// Scopes close innermost first (RAII does that). One closed out of order is
+  /// taken off the stack all the same, so no stale hook stays behind, and the
+  /// next tensor saved on this thread fails with an error that says so.
   ~saved_tensors_hooks() {
     auto& stack = detail::hook_stack();
-    // Scopes are RAII objects, so they close innermost first.
-    if (!stack.empty() && stack.back() == factory_) stack.pop_back();
+    if (!stack.empty() && stack.back() == factory_) {
+      stack.pop_back();
+      return;
+    }
+    const auto it = std::find(stack.begin(), stack.end(), factory_);
+    if (it != stack.end()) stack.erase(it);
+    detail::hook_stack_error() =
+        it == stack.end()
+            ? "memscale: a saved_tensors_hooks scope was closed on a thread other than the one that opened it; "
+              "scopes are thread-local and must be destroyed where they were created"
+            : "memscale: a saved_tensors_hooks scope was closed while a scope opened after it was still open; "
+              "scopes must be destroyed innermost first (keep them as local RAII objects)";
   }
 
  private:

@@ -1,13 +1,15 @@
 // memscale — offload tiers: where a saved tensor can live (device, pinned host,
 // pageable host, disk), the budget of each host tier, the reusable pinned
-// buffer pool, and the disk tier's memory-mapped files.
+// buffer pool, and the disk tier's memory-mapped files (and where they go: a
+// directory on a disk, since one on tmpfs would keep the bytes in RAM).
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
-#include <atomic>
 #include <stdexcept>
 #include <filesystem>
 #include <functional>
@@ -21,6 +23,9 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/vfs.h>
+#endif
 
 #include <torch/torch.h>
 
@@ -166,9 +171,47 @@ class pinned_pool {
   std::map<std::int64_t, std::vector<at::Tensor>> free_;
 };
 
+/// The RAM-backed file system `path` lies on ("tmpfs" or "ramfs"), or empty
+/// when it is on another one or cannot be told (no such path, not Linux).
+[[nodiscard]] inline std::string_view ram_file_system(const std::filesystem::path& path) noexcept {
+#if defined(__linux__)
+  struct statfs info {};
+  if (::statfs(path.c_str(), &info) != 0) return {};
+  // The magic numbers of linux/magic.h, compared as the 32-bit values they are.
+  const auto type = static_cast<std::uint32_t>(info.f_type);
+  if (type == 0x01021994u) return "tmpfs";
+  if (type == 0x858458f6u) return "ramfs";
+#else
+  (void)path;
+#endif
+  return {};
+}
+
+/// Whether files under `path` live in RAM (tmpfs, ramfs): "offloading" there
+/// only moves bytes from one part of host memory to another.
+[[nodiscard]] inline bool is_ram_backed(const std::filesystem::path& path) noexcept {
+  return !ram_file_system(path).empty();
+}
+
+/// Where the disk tier may create its directory, in order of preference. The
+/// user's directory when given; else $TMPDIR when set (also the user's
+/// choice); else /var/tmp unless it is RAM-backed, then the system temp
+/// directory (often tmpfs).
+[[nodiscard]] inline std::vector<std::filesystem::path> disk_parent_candidates(
+    const std::optional<std::string>& chosen) {
+  if (chosen) return {std::filesystem::path(*chosen)};
+  if (const char* tmpdir = std::getenv("TMPDIR"); tmpdir && *tmpdir) return {std::filesystem::path(tmpdir)};
+  std::vector<std::filesystem::path> candidates;
+  std::error_code ec;
+  const std::filesystem::path var_tmp = "/var/tmp";  // meant for files that outlive a reboot: on a disk
+  if (std::filesystem::is_directory(var_tmp, ec) && !is_ram_backed(var_tmp)) candidates.push_back(var_tmp);
+  if (auto temp = std::filesystem::temp_directory_path(ec); !ec) candidates.push_back(std::move(temp));
+  return candidates;
+}
+
 /// The disk tier's files: one memory-mapped file per tensor in a directory of
-/// its own (created on first use under the configured directory or the system
-/// temp directory, removed with everything in it on destruction).
+/// its own (created on first use under the first of disk_parent_candidates()
+/// that takes it, removed with everything in it on destruction).
 class disk_store {
  public:
   explicit disk_store(std::optional<std::string> parent) : parent_(std::move(parent)) {}
@@ -181,24 +224,38 @@ class disk_store {
   }
 
   /// Creates the directory if needed; on failure returns why (empty: ready).
-  std::string prepare() {
+  /// The call that creates it on a RAM-backed file system sets `warning`.
+  std::string prepare(std::string* warning = nullptr) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!dir_.empty()) return {};
     if (!failure_.empty()) return failure_;
-    std::error_code ec;
-    const std::filesystem::path parent =
-        parent_ ? std::filesystem::path(*parent_) : std::filesystem::temp_directory_path(ec);
-    if (memscale::detail::offload_fault_injected(memscale::detail::offload_fault::disk_unwritable)) {
-      return "cannot create a directory under " + parent.string() + ": unwritable (injected by a test)";
-    }
-    static std::atomic<int> counter{0};
-    const auto dir = parent / ("memscale-offload-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    if (ec || !std::filesystem::create_directories(dir, ec) || ec) {
-      failure_ = "cannot create " + dir.string() + ": " + (ec ? ec.message() : std::string("it already exists"));
+    const auto parents = disk_parent_candidates(parent_);
+    if (parents.empty()) {
+      failure_ = "no directory to create it under: the system temp directory cannot be determined";
       return failure_;
     }
-    dir_ = dir;
-    return {};
+    if (memscale::detail::offload_fault_injected(memscale::detail::offload_fault::disk_unwritable)) {
+      return "cannot create a directory under " + parents.front().string() + ": unwritable (injected by a test)";
+    }
+    static std::atomic<int> counter{0};
+    const auto name = "memscale-offload-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+    for (const auto& parent : parents) {
+      const auto dir = parent / name;
+      std::error_code ec;
+      if (!std::filesystem::create_directories(dir, ec) || ec) {
+        if (failure_.empty())
+          failure_ = "cannot create " + dir.string() + ": " + (ec ? ec.message() : std::string("it already exists"));
+        continue;  // the next candidate, if any
+      }
+      dir_ = dir;
+      failure_.clear();
+      if (const auto file_system = ram_file_system(dir); !file_system.empty() && warning)
+        *warning = "the disk offload tier's directory " + dir.string() + " is on " + std::string(file_system) +
+                   " (RAM): offloaded bytes still occupy host memory; set AsyncOffloadConfig::disk_dir to a "
+                   "directory on a disk";
+      return {};
+    }
+    return failure_;
   }
 
   [[nodiscard]] std::filesystem::path directory() const {

@@ -5,8 +5,8 @@
 // memscale::checkpoint(fn, inputs, params) directly.
 #pragma once
 
-#include <concepts>
 #include <algorithm>
+#include <concepts>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -23,6 +23,7 @@
 #include <memscale/detail/compat.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
+#include <memscale/offload/hooks.hpp>
 #include <memscale/techniques/concepts.hpp>
 
 namespace memscale {
@@ -79,14 +80,18 @@ class recompute_scope {
 
 /// Leaf tensors requiring grad that the graph behind `outputs` reaches, other
 /// than `known`: the same tensor, or one sharing its gradient accumulator (a
-/// saved leaf unpacked through saved-tensor hooks is a new tensor object).
+/// saved leaf unpacked through saved-tensor hooks is a new tensor object). The
+/// walk does not go past `stop` (the inputs' own histories).
 inline std::vector<torch::Tensor> reachable_leaves(const std::vector<torch::Tensor>& outputs,
-                                                   const std::vector<torch::Tensor>& known) {
+                                                   const std::vector<torch::Tensor>& known,
+                                                   const std::vector<torch::Tensor>& stop = {}) {
   std::unordered_set<const torch::autograd::Node*> known_accumulators;
   for (const auto& k : known)
     if (k.defined())
       if (auto acc = torch::autograd::impl::try_get_grad_accumulator(k)) known_accumulators.insert(acc.get());
   std::unordered_set<const torch::autograd::Node*> seen;
+  for (const auto& s : stop)
+    if (s.defined() && s.grad_fn()) seen.insert(s.grad_fn().get());
   std::vector<torch::autograd::Node*> stack;
   for (const auto& o : outputs)
     if (o.grad_fn()) stack.push_back(o.grad_fn().get());
@@ -108,6 +113,41 @@ inline std::vector<torch::Tensor> reachable_leaves(const std::vector<torch::Tens
       if (edge.function) stack.push_back(edge.function.get());
   }
   return leaves;
+}
+
+/// Leaves requiring grad that `body` reads on `probe` beyond `known` (a weight
+/// registered outside the segment, a tied weight, a captured tensor). Found by
+/// one run with grad mode on and every saved tensor dropped as it is saved, so
+/// it costs a forward but keeps nothing; RNG draws and the slots' buffers
+/// (BatchNorm statistics) are put back. Passing these leaves into the autograd
+/// function makes their gradients flow through autograd itself: one
+/// accumulation per backward, with every tensor hook, post-accumulate hook and
+/// c10d Reducer hook firing exactly as without memscale.
+inline std::vector<torch::Tensor> leaves_read_by(checkpoint_body& body, const std::vector<torch::Tensor>& probe,
+                                                 const std::vector<torch::Tensor>& known,
+                                                 const std::vector<torch::nn::AnyModule>& slots) {
+  rng_fork no_visible_draws(devices_of(probe));
+  buffer_restore keep_buffers(slots);
+  torch::AutoGradMode grad_on(true);
+  offload::saved_tensors_hooks drop_saved([](const at::Tensor&) { return 0; },
+                                          [](int&) -> at::Tensor {
+                                            TORCH_CHECK(false, "memscale: a probe's saved tensor was unpacked");
+                                            return {};
+                                          });
+  const auto outputs = body.fn(probe);
+  return reachable_leaves(outputs, known);
+}
+
+/// The error for leaves a recompute found that the autograd function was not
+/// given: their gradients would bypass autograd's hooks, so none are written.
+inline Error unlisted_leaves_error(const char* what, const std::vector<torch::Tensor>& leaves) {
+  std::string shapes;
+  for (const auto& l : leaves) shapes += (shapes.empty() ? "" : ", ") + c10::str(l.sizes());
+  return Error(std::string(what) + ": the function read " + std::to_string(leaves.size()) +
+               " tensor(s) requiring grad that were not passed in `params` (shapes " + shapes +
+               "); their gradients could only be written into .grad behind autograd's back, skipping tensor "
+               "hooks, gradient-clipping hooks and data-parallel reducers. Pass every tensor the function reads "
+               "that needs a gradient in `params` (the module forms do this for the module's parameters)");
 }
 
 /// Inputs: the body (not differentiable), the segment inputs, and the parameters
@@ -146,9 +186,18 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     const auto input_count = static_cast<std::size_t>(ctx->saved_data["inputs"].toInt());
     auto body = c10::static_intrusive_pointer_cast<checkpoint_body>(ctx->saved_data["body"].toCapsule());
     auto context = c10::static_intrusive_pointer_cast<forward_context>(ctx->saved_data["context"].toCapsule());
+    // The engine runs backward functions in grad mode exactly when the caller
+    // asked for create_graph (double backward, gradient penalties): then the
+    // recompute runs on the inputs themselves, so the gradients it returns keep
+    // their history back through them, and the recomputed graph is kept.
+    const bool create_graph = torch::GradMode::is_enabled();
 
     std::vector<torch::Tensor> inputs;
     for (std::size_t i = 0; i < input_count; ++i) {
+      if (create_graph) {
+        inputs.push_back(saved[i]);
+        continue;
+      }
       auto x = saved[i].detach();
       if (saved[i].requires_grad()) x.requires_grad_(true);
       inputs.push_back(std::move(x));
@@ -178,28 +227,18 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
       targets.push_back(i < input_count ? inputs[i] : saved[i]);
       target_slot.push_back(i);
     }
-    // Leaves the body reads but was not given (a weight registered outside the
-    // segment, a tied weight): their gradients cannot flow through this node, so
-    // they are accumulated here, as AccumulateGrad would. (Under autograd::grad
-    // rather than backward(), such a weight's .grad would be written: pass it in params.)
+    // Every leaf the recompute reaches must be one this node was given, so its
+    // gradient flows through autograd (hooks, reducers) and not behind its back.
     std::vector<torch::Tensor> known(saved.begin() + static_cast<std::ptrdiff_t>(input_count), saved.end());
     known.insert(known.end(), inputs.begin(), inputs.end());
-    const auto extra = reachable_leaves(differentiable_outputs, known);
-    const std::size_t own_targets = targets.size();
-    targets.insert(targets.end(), extra.begin(), extra.end());
+    if (const auto unlisted = reachable_leaves(differentiable_outputs, known, inputs); !unlisted.empty())
+      throw unlisted_leaves_error("memscale::checkpoint", unlisted);
 
     torch::autograd::variable_list result(1 + saved.size());  // [body, inputs..., params...]
     if (differentiable_outputs.empty() || targets.empty()) return result;
     auto grads = torch::autograd::grad(differentiable_outputs, targets, output_grads,
-                                       /*retain_graph=*/false, /*create_graph=*/false, /*allow_unused=*/true);
-    for (std::size_t t = 0; t < own_targets; ++t) result[1 + target_slot[t]] = grads[t];
-    torch::NoGradGuard no_grad;
-    for (std::size_t t = own_targets; t < targets.size(); ++t) {
-      if (!grads[t].defined()) continue;
-      auto leaf = targets[t];
-      if (leaf.grad().defined()) leaf.mutable_grad().add_(grads[t]);
-      else leaf.mutable_grad() = grads[t].clone();
-    }
+                                       /*retain_graph=*/create_graph, create_graph, /*allow_unused=*/true);
+    for (std::size_t t = 0; t < targets.size(); ++t) result[1 + target_slot[t]] = grads[t];
     return result;
   }
 };
@@ -297,15 +336,24 @@ class CheckpointSegmentImpl : public torch::nn::Module, public detail::slot_wrap
 
   torch::Tensor forward(torch::Tensor x) {
     if (!detail::needs_checkpoint(x, params_)) return body_->fn({std::move(x)})[0];
+    if (!probed_) {
+      // Once: leaves the slots read beyond their own parameters join them.
+      for (auto& leaf : detail::leaves_read_by(*body_, {x.detach()}, params_, slots_)) params_.push_back(leaf);
+      probed_ = true;
+    }
     return detail::checkpoint_function::apply(body_, at::TensorList(x), at::TensorList(params_))[0];
   }
 
   [[nodiscard]] const std::vector<torch::nn::AnyModule>& slots() const noexcept override { return slots_; }
+  /// The tensors whose gradients flow through this segment: the slots'
+  /// parameters, then (after the first training forward) leaves read beyond them.
+  [[nodiscard]] const std::vector<torch::Tensor>& gradient_inputs() const noexcept { return params_; }
 
  private:
   std::vector<torch::nn::AnyModule> slots_;
   std::vector<torch::Tensor> params_;
   c10::intrusive_ptr<detail::checkpoint_body> body_;
+  bool probed_ = false;
 };
 
 /// The checkpointing technique: a run of slots becomes one CheckpointSegment.

@@ -1,7 +1,7 @@
 // memscale — mixed precision: an RAII autocast scope (bfloat16 on CPU; float16
 // or bfloat16 on CUDA) and a dynamic loss scaler usable with any
-// torch::optim::Optimizer. optimize() opens an autocast_scope for the guard's
-// lifetime when Config::use_mixed_precision is set.
+// torch::optim::Optimizer. With Config::use_mixed_precision the executor runs
+// the layers of the chains it manages under autocast (AutocastSlot).
 //
 //   memscale::amp::loss_scaler scaler;
 //   scaler.scale(loss).backward();
@@ -21,6 +21,7 @@
 
 #include <memscale/detail/compat.hpp>
 #include <memscale/errors.hpp>
+#include <memscale/techniques/checkpoint.hpp>  // detail::slot_wrapper
 
 namespace memscale {
 
@@ -76,6 +77,29 @@ class autocast_scope {
 
   detail::compat::autocast_state previous_;
   bool previous_cache_;
+};
+
+/// A chain slot that runs its original (or memscale wrapper) under autocast:
+/// with Config::use_mixed_precision the executor puts one in every slot of a
+/// chain it manages, so autocast covers the forward of those layers and
+/// nothing else: backward, the optimizer step and code outside the chains run
+/// as the user wrote them (LibTorch's guidance: autocast the forward and the
+/// loss, not backward). Registers nothing, like the other wrappers.
+class AutocastSlotImpl : public torch::nn::Module, public detail::slot_wrapper {
+ public:
+  explicit AutocastSlotImpl(torch::nn::AnyModule inner)
+      : torch::nn::Module("memscale::AutocastSlot"), slots_{std::move(inner)} {}
+
+  torch::Tensor forward(torch::Tensor x) {
+    // CUDA autocast only for CUDA inputs: a CPU-only LibTorch has no CUDA casts.
+    autocast_scope scope(x.defined() && x.is_cuda() ? c10::kCUDA : c10::kCPU);
+    return slots_.front().forward<torch::Tensor>(std::move(x));
+  }
+
+  [[nodiscard]] const std::vector<torch::nn::AnyModule>& slots() const noexcept override { return slots_; }
+
+ private:
+  std::vector<torch::nn::AnyModule> slots_;
 };
 
 namespace amp {

@@ -5,7 +5,9 @@
 // the input the checkpoint keeps. Saved-tensor hooks: offload/hooks.hpp.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <unordered_set>
 #include <utility>
@@ -24,21 +26,38 @@ namespace memscale {
 namespace detail {
 
 /// What an offload scope saved for one tensor: the tensor itself (kept on the
-/// device) or the engine's record of where it went.
+/// device) or the engine's record of where it went, and the version the tensor
+/// had when autograd saved it.
 struct offload_packed {
   at::Tensor kept;  // detached: a saved output's grad_fn would own this very record
-  std::uint32_t version = 0;
   offload::stored_handle stored;
+  c10::VariableVersion version_counter;  // shares the saved tensor's counter, as autograd's SavedVariable does
+  std::uint32_t saved_version = 0;
 };
 
-/// A kept tensor as backward needs it: saved-tensor hooks turn off autograd's
-/// own in-place check, so the scope checks the version counter itself.
-inline at::Tensor unpack_kept(const offload_packed& p) {
-  TORCH_CHECK(p.kept._version() == p.version,
-              "memscale: a tensor saved for backward inside an offload scope was modified in place after it was "
-              "saved (version ", p.version, " -> ", p.kept._version(),
-              "); backward would compute a wrong gradient. Make that operation out of place.");
-  return p.kept;
+/// The record of `t`, saved as `kept` or `stored`, with its version now.
+inline offload_packed pack_for_offload(const at::Tensor& t, at::Tensor kept, offload::stored_handle stored) {
+  offload_packed p{std::move(kept), std::move(stored), c10::VariableVersion(), 0};
+  if (t.defined()) {
+    p.version_counter = torch::autograd::impl::version_counter(t);
+    if (p.version_counter.enabled()) p.saved_version = p.version_counter.current_version();
+  }
+  return p;
+}
+
+/// Saved-tensor hooks turn off autograd's own in-place check, so the scope
+/// makes it at unpack, on every path: a tensor modified in place since it was
+/// saved is refused whether its bytes were kept, batched, written or copied
+/// away, exactly where autograd would refuse it. `label` names the scope.
+inline void check_unmodified(const offload_packed& p, const std::string& label) {
+  if (!p.version_counter.enabled()) return;
+  const auto current = p.version_counter.current_version();
+  if (current == p.saved_version) return;
+  const auto layout = p.stored ? p.stored->layout() : offload::detail::tensor_layout::of(p.kept);
+  const std::string scope = label.empty() ? std::string("a with_offload call") : "'" + label + "'";
+  TORCH_CHECK(false, "memscale: ", offload::detail::modified_in_place(layout, current, p.saved_version),
+              " It was saved inside the offload scope of ", scope,
+              ", whose saved tensors autograd cannot check itself; make that in-place operation out of place.");
 }
 
 /// Storages the scope must not offload: its parameters and buffers (they stay
@@ -70,9 +89,10 @@ inline std::shared_ptr<const storage_set> storages_of(const std::vector<torch::n
 /// Runs `fn()` with every tensor autograd saves in it (except `keep` storages
 /// and tensors below the engine's min_bytes) handed to `engine`, as one prefetch
 /// group. The building block of OffloadSegment; usable from a custom forward.
+/// `label` names the layer or segment in errors (a saved tensor modified in place).
 template <class Fn>
 decltype(auto) with_offload(const std::shared_ptr<offload::engine>& engine, Fn&& fn,
-                            std::shared_ptr<const detail::storage_set> keep = {}) {
+                            std::shared_ptr<const detail::storage_set> keep = {}, std::string label = {}) {
   if (!engine) throw Error("memscale: with_offload needs an offload engine, got none");
   engine->begin_group();
   const auto min_bytes = engine->options().min_bytes;
@@ -91,11 +111,12 @@ decltype(auto) with_offload(const std::shared_ptr<offload::engine>& engine, Fn&&
         const bool stays = !t.defined() || t.layout() != c10::kStrided || !t.has_storage() ||
                            static_cast<std::int64_t>(t.nbytes()) < min_bytes ||
                            (keep && keep->count(t.storage().unsafeGetStorageImpl()) != 0);
-        if (stays) return {t.detach(), static_cast<std::uint32_t>(t._version()), nullptr};
-        return {at::Tensor(), 0, engine->store_or_defer(t)};
+        if (stays) return detail::pack_for_offload(t, t.detach(), nullptr);
+        return detail::pack_for_offload(t, at::Tensor(), engine->store_or_defer(t));
       },
-      [engine](detail::offload_packed& p) -> at::Tensor {
-        return p.stored ? engine->load(p.stored) : detail::unpack_kept(p);
+      [engine, label = std::move(label)](detail::offload_packed& p) -> at::Tensor {
+        detail::check_unmodified(p, label);
+        return p.stored ? engine->load(p.stored) : p.kept;
       });
   return std::forward<Fn>(fn)();
 }
@@ -107,6 +128,7 @@ class OffloadSegmentImpl : public torch::nn::Module {
   OffloadSegmentImpl(std::vector<torch::nn::AnyModule> slots, std::shared_ptr<offload::engine> engine)
       : torch::nn::Module("memscale::OffloadSegment"), slots_(std::move(slots)), engine_(std::move(engine)) {
     if (!engine_) throw Error("memscale: an OffloadSegment needs an offload engine, got none");
+    for (const auto& slot : slots_) label_ += (label_.empty() ? "" : " -> ") + slot.ptr()->name();
   }
 
   torch::Tensor forward(torch::Tensor x) {
@@ -115,7 +137,7 @@ class OffloadSegmentImpl : public torch::nn::Module {
       return x;
     };
     if (!torch::GradMode::is_enabled()) return run();  // nothing is saved
-    return with_offload(engine_, run, detail::storages_of(slots_));
+    return with_offload(engine_, run, detail::storages_of(slots_), label_);
   }
 
   [[nodiscard]] const std::vector<torch::nn::AnyModule>& slots() const noexcept { return slots_; }
@@ -124,6 +146,7 @@ class OffloadSegmentImpl : public torch::nn::Module {
  private:
   std::vector<torch::nn::AnyModule> slots_;
   std::shared_ptr<offload::engine> engine_;
+  std::string label_;  // the slots' module names, for errors
 };
 
 /// The offload technique: a run of slots becomes one OffloadSegment using the

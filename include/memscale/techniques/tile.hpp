@@ -101,9 +101,14 @@ struct tile_function : torch::autograd::Function<tile_function> {
     torch::autograd::variable_list result(4 + params.size());  // [body, x, dim, tiles, params...]
     const auto& grad_out = grad_outputs[0];
     if (!grad_out.defined()) return result;
+    // The engine runs backward functions in grad mode exactly under create_graph.
+    if (torch::GradMode::is_enabled())
+      throw Error("memscale::tile: double backward (create_graph=true, e.g. a gradient penalty) through a tiled "
+                  "segment is not supported: its chunked backward does not record a graph. Checkpointing "
+                  "supports it: leave enable_tiling off (or drop Tile from the Strategy) for such training");
     const bool input_grad = x.requires_grad();
     torch::Tensor grad_x = input_grad ? at::empty_like(x) : torch::Tensor();
-    std::vector<torch::Tensor> param_grads(params.size()), extra, extra_grads;
+    std::vector<torch::Tensor> param_grads(params.size());
 
     recompute_scope recompute;
     rng_fork keep_training_stream(context->devices);  // backward must not shift the RNG sequence
@@ -131,16 +136,15 @@ struct tile_function : torch::autograd::Function<tile_function> {
           targets.push_back(params[p]);
           param_slot.push_back(p);
         }
-      // Leaves the body reads but was not given: found once, accumulated here.
+      // Every leaf the body reads must be one this node was given (see checkpoint).
       if (!searched) {
         std::vector<torch::Tensor> known(params);
         known.push_back(chunk);
-        extra = reachable_leaves({y}, known);
-        extra_grads.resize(extra.size());
+        if (const auto unlisted = reachable_leaves({y}, known); !unlisted.empty())
+          throw unlisted_leaves_error("memscale::tile", unlisted);
         searched = true;
       }
       const auto own = targets.size();
-      targets.insert(targets.end(), extra.begin(), extra.end());
       if (targets.empty()) continue;
       auto grads = torch::autograd::grad({y}, targets, {grad_out.narrow(dim, start, rows)}, /*retain_graph=*/false,
                                          /*create_graph=*/false, /*allow_unused=*/true);
@@ -160,14 +164,6 @@ struct tile_function : torch::autograd::Function<tile_function> {
         else sum = tiles > 1 ? g.clone() : g;
       };
       for (std::size_t j = 0; t < own; ++t, ++j) accumulate(param_grads[param_slot[j]], grads[t]);
-      for (std::size_t j = 0; j < extra.size(); ++j) accumulate(extra_grads[j], grads[own + j]);
-    }
-    torch::NoGradGuard no_grad;
-    for (std::size_t j = 0; j < extra.size(); ++j) {
-      if (!extra_grads[j].defined()) continue;
-      auto leaf = extra[j];
-      if (leaf.grad().defined()) leaf.mutable_grad().add_(extra_grads[j]);
-      else leaf.mutable_grad() = extra_grads[j].clone();
     }
     result[1] = grad_x;
     for (std::size_t p = 0; p < params.size(); ++p) result[4 + p] = param_grads[p];
@@ -238,6 +234,13 @@ class TileSegmentImpl : public torch::nn::Module, public detail::slot_wrapper {
       throw Error("memscale::TileSegment: planned to chunk input dimension " + std::to_string(dim_) +
                   " but got an input of shape " + c10::str(x.sizes()) +
                   "; the chain's input rank changed after planning: detach and wrap again");
+    if (!probed_ && x.defined() && x.size(dim_) > 0 && detail::needs_checkpoint(x, params_)) {
+      // Once, on the first chunk: leaves the slots read beyond their parameters join them.
+      const auto rows = detail::chunk_of(x.size(dim_), std::clamp<std::int64_t>(tiles_, 1, x.size(dim_)), 0).second;
+      for (auto& leaf : detail::leaves_read_by(*body_, {x.narrow(dim_, 0, rows).detach()}, params_, slots_))
+        params_.push_back(leaf);
+      probed_ = true;
+    }
     return detail::run_tiled(body_, x, tiles_, dim_, params_);
   }
 
@@ -251,6 +254,7 @@ class TileSegmentImpl : public torch::nn::Module, public detail::slot_wrapper {
   c10::intrusive_ptr<detail::checkpoint_body> body_;
   int tiles_;
   int dim_;
+  bool probed_ = false;
 };
 
 /// The tiling technique: a run of slots becomes one TileSegment over
