@@ -107,6 +107,25 @@ TEST_CASE("checkpointed segments accumulate every gradient through autograd: hoo
                         std::vector<torch::Tensor>(expected.grads.begin() + 1, expected.grads.end())));
 }
 
+TEST_CASE("a gradient-modifying tensor hook applies once through checkpoint and tile, as without memscale",
+          "[foundations][checkpoint][tile][hooks]") {
+  torch::manual_seed(15);
+  torch::nn::Linear fc(16, 16);
+  const auto x = torch::randn({8, 16});
+  auto halved_grad = [&](const std::function<torch::Tensor(const torch::Tensor&)>& f) {
+    auto handle = fc->weight.register_hook([](const torch::Tensor& g) { return g * 0.5; });
+    fc->weight.mutable_grad() = torch::Tensor();
+    f(x).pow(2).sum().backward();
+    fc->weight.remove_hook(handle);
+    return fc->weight.grad().clone();
+  };
+  const auto expected = halved_grad([&](const torch::Tensor& t) { return fc->forward(t); });
+  memscale::CheckpointSegmentImpl checkpointed({torch::nn::AnyModule(fc)});
+  memscale::TileSegmentImpl tiled({torch::nn::AnyModule(fc)}, 4, 0);
+  CHECK(test::bit_equal(halved_grad([&](const torch::Tensor& t) { return checkpointed.forward(t); }), expected));
+  CHECK(torch::allclose(halved_grad([&](const torch::Tensor& t) { return tiled.forward(t); }), expected, 1e-5, 1e-7));
+}
+
 TEST_CASE("a tiled segment accumulates a weight it reads but does not own through autograd",
           "[foundations][tile][hooks]") {
   torch::manual_seed(12);
@@ -168,12 +187,15 @@ TEST_CASE("a checkpointed segment supports create_graph: a gradient penalty matc
   const auto expected = penalty_step(*plain, [&](torch::Tensor x) { return plain->forward(x); });
   memscale::CheckpointSegmentImpl segment(std::vector<torch::nn::AnyModule>(wrapped->begin(), wrapped->end()));
   const auto got = penalty_step(*wrapped, [&](torch::Tensor x) { return segment.forward(x); });
+  // Second-order kernels may sum in another order: equal to float rounding.
   REQUIRE(got.first.size() == expected.first.size());
   for (std::size_t i = 0; i < got.first.size(); ++i) {
     REQUIRE(got.first[i].defined());
-    CHECK(torch::allclose(got.first[i], expected.first[i], 1e-5, 1e-7));
+    INFO("parameter " << i << ": max |difference| " << (got.first[i] - expected.first[i]).abs().max().item<double>()
+                      << ", max |gradient| " << expected.first[i].abs().max().item<double>());
+    CHECK(torch::allclose(got.first[i], expected.first[i], 1e-4, 1e-6));
   }
-  CHECK(torch::allclose(got.second, expected.second, 1e-5, 1e-7));
+  CHECK(torch::allclose(got.second, expected.second, 1e-4, 1e-6));
   // Without the penalty term the second-order path is not taken; the test must see it differ.
   CHECK_FALSE(torch::allclose(expected.first[0], [&] {
     test::clear_grads(*plain);

@@ -11,11 +11,13 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
@@ -114,6 +116,55 @@ inline std::vector<torch::Tensor> reachable_leaves(const std::vector<torch::Tens
   }
   return leaves;
 }
+
+/// LibTorch 2.x runs a tensor's hooks (Tensor::register_hook, retain_grad)
+/// whenever autograd::grad captures its gradient; 1.13 only when the gradient
+/// is accumulated or flows on. A recompute's own grad() captures the gradients
+/// of the segment's inputs and parameters, which then flow on through this
+/// node into autograd, where those hooks run as they would without memscale:
+/// running them in the capture too would apply a gradient-modifying hook twice.
+/// So for one internal grad() they are set aside, and put back after.
+class tensor_hooks_set_aside {
+ public:
+  explicit tensor_hooks_set_aside(const std::vector<torch::Tensor>& targets) {
+#if TORCH_VERSION_MAJOR >= 2
+    for (const auto& t : targets) {
+      if (!t.defined() || !t.requires_grad()) continue;
+      const auto node = torch::autograd::impl::gradient_edge(t).function;
+      if (!node || (node->tensor_pre_hooks().empty() && node->retains_grad_hooks().empty())) continue;
+      if (std::any_of(aside_.begin(), aside_.end(), [&](const entry& e) { return e.node == node; })) continue;
+      aside_.push_back({node, std::move(node->tensor_pre_hooks()), std::move(node->retains_grad_hooks())});
+      node->tensor_pre_hooks().clear();
+      node->retains_grad_hooks().clear();
+    }
+#else
+    (void)targets;
+#endif
+  }
+  tensor_hooks_set_aside(const tensor_hooks_set_aside&) = delete;
+  tensor_hooks_set_aside& operator=(const tensor_hooks_set_aside&) = delete;
+  ~tensor_hooks_set_aside() {
+#if TORCH_VERSION_MAJOR >= 2
+    for (auto& e : aside_) {
+      auto& pre = e.node->tensor_pre_hooks();
+      for (auto& h : pre) e.pre.push_back(std::move(h));  // registered meanwhile: after the originals
+      pre = std::move(e.pre);
+      for (auto& [index, h] : e.node->retains_grad_hooks()) e.retains.emplace(index, std::move(h));
+      e.node->retains_grad_hooks() = std::move(e.retains);
+    }
+#endif
+  }
+
+ private:
+#if TORCH_VERSION_MAJOR >= 2
+  struct entry {
+    std::shared_ptr<torch::autograd::Node> node;
+    std::vector<std::unique_ptr<torch::autograd::FunctionPreHook>> pre;
+    std::unordered_map<std::size_t, std::unique_ptr<torch::autograd::FunctionPreHook>> retains;
+  };
+  std::vector<entry> aside_;
+#endif
+};
 
 /// Leaves requiring grad that `body` reads on `probe` beyond `known` (a weight
 /// registered outside the segment, a tied weight, a captured tensor). Found by
@@ -236,8 +287,12 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
 
     torch::autograd::variable_list result(1 + saved.size());  // [body, inputs..., params...]
     if (differentiable_outputs.empty() || targets.empty()) return result;
-    auto grads = torch::autograd::grad(differentiable_outputs, targets, output_grads,
-                                       /*retain_graph=*/create_graph, create_graph, /*allow_unused=*/true);
+    std::vector<torch::Tensor> grads;
+    {
+      tensor_hooks_set_aside hooks_run_in_autograd(targets);
+      grads = torch::autograd::grad(differentiable_outputs, targets, output_grads,
+                                    /*retain_graph=*/create_graph, create_graph, /*allow_unused=*/true);
+    }
     for (std::size_t t = 0; t < targets.size(); ++t) result[1 + target_slot[t]] = grads[t];
     return result;
   }

@@ -146,8 +146,12 @@ struct tile_function : torch::autograd::Function<tile_function> {
       }
       const auto own = targets.size();
       if (targets.empty()) continue;
-      auto grads = torch::autograd::grad({y}, targets, {grad_out.narrow(dim, start, rows)}, /*retain_graph=*/false,
-                                         /*create_graph=*/false, /*allow_unused=*/true);
+      std::vector<torch::Tensor> grads;
+      {
+        tensor_hooks_set_aside hooks_run_in_autograd(targets);
+        grads = torch::autograd::grad({y}, targets, {grad_out.narrow(dim, start, rows)}, /*retain_graph=*/false,
+                                      /*create_graph=*/false, /*allow_unused=*/true);
+      }
       torch::NoGradGuard no_grad;
       std::size_t t = 0;
       if (input_grad) {
