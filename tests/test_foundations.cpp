@@ -2,6 +2,8 @@
 // autograd (every hook fires as without memscale), double backward, the
 // executor's slot swaps under failure and while a forward runs, saved-tensor
 // hook scopes, and planning when the hooks engine is not LibTorch's default.
+#include <thread>
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 
@@ -165,6 +167,40 @@ TEST_CASE("checkpoint() refuses to write the gradient of a tensor its function r
   CHECK(w.grad().defined());
 }
 
+TEST_CASE("a segment that reads a tensor computed before it runs unoptimized, with the baseline's gradients",
+          "[foundations][checkpoint][tile]") {
+  // An attention-style bias built from a parameter outside the segment and read inside it.
+  struct UsesBiasImpl : torch::nn::Module {
+    explicit UsesBiasImpl(torch::Tensor* b) : bias(b) { fc = register_module("fc", torch::nn::Linear(16, 16)); }
+    torch::Tensor forward(torch::Tensor x) { return torch::tanh(fc->forward(x) + *bias); }
+    torch::Tensor* bias;
+    torch::nn::Linear fc{nullptr};
+  };
+  torch::manual_seed(16);
+  auto p = torch::randn({16}, torch::requires_grad());
+  torch::Tensor bias;
+  auto block = std::make_shared<UsesBiasImpl>(&bias);
+  const auto x = torch::randn({8, 16});
+  auto grads = [&](const std::function<torch::Tensor(const torch::Tensor&)>& f) {
+    p.mutable_grad() = torch::Tensor();
+    block->zero_grad();
+    bias = p * 2;  // computed before the segment, read by it and by the loss
+    (f(x).pow(2).sum() + bias.sum()).backward();
+    return std::make_pair(p.grad().clone(), block->fc->weight.grad().clone());
+  };
+  const auto expected = grads([&](const torch::Tensor& t) { return block->forward(t); });
+  memscale::CheckpointSegmentImpl checkpointed({torch::nn::AnyModule(block)});
+  memscale::TileSegmentImpl tiled({torch::nn::AnyModule(block)}, 4, 0);
+  for (int step = 0; step < 2; ++step) {
+    const auto c = grads([&](const torch::Tensor& t) { return checkpointed.forward(t); });
+    CHECK(test::bit_equal(c.first, expected.first));
+    CHECK(test::bit_equal(c.second, expected.second));
+    const auto t = grads([&](const torch::Tensor& in) { return tiled.forward(in); });
+    CHECK(test::bit_equal(t.first, expected.first));
+    CHECK(test::bit_equal(t.second, expected.second));
+  }
+}
+
 // --- double backward ------------------------------------------------------------------
 
 TEST_CASE("a checkpointed segment supports create_graph: a gradient penalty matches the baseline",
@@ -228,24 +264,28 @@ TEST_CASE("an allocation failure while swapping slots leaves every slot as it wa
       CHECK(slot.ptr().get() == before[k++]);
     }
   };
+  const auto config = test::quiet({.mode = OptimizationMode::Aggressive});
+  // With an example input: one swap while the input is captured (undone), then
+  // the plan's swaps. The third swap fails, after the plan has changed a slot.
   {
-    memscale::detail::inject_fault fault(memscale::detail::pipeline_stage::reserve);
-    CHECK_THROWS_WITH(memscale::wrap(model, x, test::quiet({.mode = OptimizationMode::Aggressive})),
-                      Catch::Contains("reserve"));
+    memscale::detail::inject_fault fault(memscale::detail::pipeline_stage::reserve, /*passes=*/2);
+    CHECK_THROWS_WITH(memscale::wrap(model, x, config), Catch::Contains("reserve"));
   }
   check_unchanged();
   CHECK_FALSE(memscale::is_optimized(model));
 
-  // Lazily planned: the failure comes in the first training forward, which
-  // throws and leaves the chain unoptimized, and the next forward runs.
-  memscale::wrap(model, test::quiet({.mode = OptimizationMode::Aggressive}));
+  // Lazily planned: the probe goes into slot 0, then the first training forward
+  // plans; its second swap fails. The forward throws, the chain is as before
+  // wrap() (probe gone too), and the next forward runs unoptimized.
+  memscale::wrap(model, config);
   {
-    memscale::detail::inject_fault fault(memscale::detail::pipeline_stage::reserve);
+    memscale::detail::inject_fault fault(memscale::detail::pipeline_stage::reserve, /*passes=*/1);
     CHECK_THROWS_WITH(model->forward(x), Catch::Contains("reserve"));
   }
-  memscale::detach(model);
   check_unchanged();
   CHECK(model->forward(x).sizes() == x.sizes());
+  memscale::detach(model);
+  check_unchanged();
 }
 
 TEST_CASE("lazy planning keeps the displaced probe alive until its forward returns", "[foundations][executor]") {
@@ -288,6 +328,16 @@ TEST_CASE("a saved-tensor hook scope closed out of order fails loudly and leaves
   const int inner_before = inner_packs;
   (void)torch::tanh(w);
   CHECK(inner_packs == inner_before);
+
+  // Closed on another thread: this thread's next save says so, and the hook is gone.
+  int elsewhere_packs = 0;
+  auto elsewhere =
+      std::make_unique<memscale::offload::saved_tensors_hooks<decltype(count(elsewhere_packs)), decltype(same)>>(
+          count(elsewhere_packs), same);
+  std::thread([&] { elsewhere.reset(); }).join();
+  CHECK_THROWS_WITH(torch::tanh(w).sum(), Catch::Contains("closed on another thread"));
+  (void)torch::tanh(w);
+  CHECK(elsewhere_packs == 0);
 }
 
 // --- the hooks engine --------------------------------------------------------------------

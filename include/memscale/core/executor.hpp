@@ -237,7 +237,11 @@ class attachment : public std::enable_shared_from_this<attachment> {
     if (!ready.empty()) units = plan(ready, inputs, next);
     slot_transaction swaps;
     bool first_change = true;
-    for (std::size_t i = 0; i < ready.size(); ++i) apply_units(ready[i], units[i], swaps, first_change);
+    for (std::size_t i = 0; i < ready.size(); ++i) {
+      // plan() appended the profiles of `ready` last, in order.
+      const auto& profile = next.chains[next.chains.size() - ready.size() + i];
+      apply_units(ready[i], units[i], profile.supported, swaps, first_change);
+    }
     for (std::size_t c = 0; probe_the_others && c < chains_.size(); ++c) {
       if (std::find(ready.begin(), ready.end(), c) != ready.end()) continue;
       swaps.replace(*chains_[c].ref.sequential, 0,
@@ -246,13 +250,15 @@ class attachment : public std::enable_shared_from_this<attachment> {
       after_first_change(first_change);
     }
     detail::fault_point(detail::pipeline_stage::commit);
+    // Nothing below may throw: the slots are swapped, and a caller that saw an
+    // exception would restore only some of them.
     swaps.commit(displaced);
     for (auto c : ready) chains_[c].planned = true;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      report_ = std::move(next);
+      std::swap(report_, next);
+      observability::log_report(config_, report_);  // noexcept
     }
-    observability::log_report(config_, report());
   }
 
   void after_first_change(bool& first_change) {
@@ -326,9 +332,11 @@ class attachment : public std::enable_shared_from_this<attachment> {
     in.static_bytes = out.static_bytes();
     in.tiling_allowed = in.checkpointing_allowed && static_cast<bool>(techniques_.tile);
     in.offload_allowed = static_cast<bool>(techniques_.offload);
-    if (in.offload_allowed) {
+    // On CUDA this also finds out whether memscale's engine can run the
+    // process's CUDA backwards at all (and hands them back to LibTorch's if not).
+    if (in.offload_allowed || device.is_cuda()) {
       // Offload lives on saved-tensor hooks: without them it would save nothing.
-      if (const auto why = offload::hooks_unavailable_reason(device); !why.empty()) {
+      if (const auto why = offload::hooks_unavailable_reason(device); !why.empty() && in.offload_allowed) {
         in.offload_allowed = false;
         const auto note = "offload disabled: " + why + "; the plan uses the other techniques only";
         if (std::find(out.notes.begin(), out.notes.end(), note) == out.notes.end()) out.notes.push_back(note);
@@ -393,7 +401,8 @@ class attachment : public std::enable_shared_from_this<attachment> {
   }
 
   /// Replaces chain c's slots as `units` say (originals where a unit is kept).
-  void apply_units(std::size_t c, const std::vector<unit>& units, slot_transaction& swaps, bool& first_change) {
+  void apply_units(std::size_t c, const std::vector<unit>& units, bool supported, slot_transaction& swaps,
+                   bool& first_change) {
     auto& chain = chains_[c];
     auto& seq = *chain.ref.sequential;
     std::vector<torch::nn::AnyModule> target = chain.originals;
@@ -420,7 +429,9 @@ class attachment : public std::enable_shared_from_this<attachment> {
       for (int k = u.first + 1; k <= u.last; ++k)
         target[static_cast<std::size_t>(k)] = torch::nn::AnyModule(std::make_shared<PassThroughImpl>());
     }
-    if (config_.use_mixed_precision)
+    // A chain whose slots are not all Tensor -> Tensor runs as it is: the
+    // autocast wrapper has one Tensor forward.
+    if (config_.use_mixed_precision && supported)
       for (auto& slot : target)
         if (!std::dynamic_pointer_cast<PassThroughImpl>(slot.ptr()))
           slot = torch::nn::AnyModule(std::make_shared<AutocastSlotImpl>(std::move(slot)));

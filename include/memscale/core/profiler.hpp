@@ -159,7 +159,6 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
     auto source = byte_source::allocations;
     if (reporting != nullptr &&
         (!reporting->active() || reporting->allocated_bytes() - reported_before < cost.input_bytes)) {
-      offload::install_hooks_engine();
       source = offload::hooks_engine_active() ? byte_source::saved_tensors : byte_source::none;
     }
     const bool by_allocations = source == byte_source::allocations;

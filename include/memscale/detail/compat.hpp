@@ -56,15 +56,26 @@ inline void set_autocast(const autocast_state& s) {
 #endif
 
 /// Sets an autocast state for a scope and puts the previous one back at its end.
+/// Casts are not cached inside it: a recompute runs after optimizer steps may
+/// have changed the weights in place, often on an autograd device thread whose
+/// cache nothing else ever clears, so a cached cast could be stale.
 class autocast_as {
  public:
-  explicit autocast_as(const autocast_state& state) : previous_(current_autocast()) { set_autocast(state); }
+  explicit autocast_as(const autocast_state& state)
+      : previous_(current_autocast()), previous_cache_(at::autocast::is_autocast_cache_enabled()) {
+    set_autocast(state);
+    at::autocast::set_autocast_cache_enabled(false);
+  }
   autocast_as(const autocast_as&) = delete;
   autocast_as& operator=(const autocast_as&) = delete;
-  ~autocast_as() { set_autocast(previous_); }
+  ~autocast_as() {
+    at::autocast::set_autocast_cache_enabled(previous_cache_);
+    set_autocast(previous_);
+  }
 
  private:
   autocast_state previous_;
+  bool previous_cache_;
 };
 
 }  // namespace memscale::detail::compat

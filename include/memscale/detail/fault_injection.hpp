@@ -32,9 +32,15 @@ inline std::atomic<int>& injected_fault() {
   return stage;
 }
 
-/// Throws when a test injected a fault at this stage.
+/// Times the injected stage is passed before it throws.
+inline std::atomic<int>& injected_fault_passes() {
+  static std::atomic<int> passes{0};
+  return passes;
+}
+
+/// Throws when a test injected a fault at this stage (after its passes).
 inline void fault_point(pipeline_stage s) {
-  if (injected_fault().load() == static_cast<int>(s))
+  if (injected_fault().load() == static_cast<int>(s) && injected_fault_passes().fetch_sub(1) <= 0)
     throw Error(std::string("memscale: fault injected at stage '") + stage_name(s) + "'");
 }
 
@@ -57,7 +63,11 @@ inline std::atomic<int>& injected_offload_fault() {
 /// for the guard's lifetime.
 class inject_fault {
  public:
-  explicit inject_fault(pipeline_stage s) : slot_(injected_fault()) { slot_ = static_cast<int>(s); }
+  /// A fault at stage `s`, reached `passes` times without failing first.
+  explicit inject_fault(pipeline_stage s, int passes = 0) : slot_(injected_fault()) {
+    injected_fault_passes() = passes;
+    slot_ = static_cast<int>(s);
+  }
   explicit inject_fault(offload_fault f) : slot_(injected_offload_fault()) { slot_ = static_cast<int>(f); }
   inject_fault(const inject_fault&) = delete;
   inject_fault& operator=(const inject_fault&) = delete;

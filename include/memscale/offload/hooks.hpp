@@ -32,6 +32,8 @@ class hooks_factory {
  public:
   virtual ~hooks_factory() = default;
   [[nodiscard]] virtual std::unique_ptr<torch::autograd::SavedVariableHooks> make() const = 0;
+  /// Set when its scope closed on another thread than the one whose stack holds it.
+  mutable std::atomic<bool> closed_elsewhere{false};
 };
 
 inline std::vector<std::shared_ptr<const hooks_factory>>& hook_stack() {
@@ -62,7 +64,13 @@ class hooks_engine final : public torch::autograd::Engine {
       error.clear();
       TORCH_CHECK(false, message);
     }
-    const auto& stack = hook_stack();
+    auto& stack = hook_stack();
+    if (!stack.empty() && stack.back()->closed_elsewhere.load()) {
+      while (!stack.empty() && stack.back()->closed_elsewhere.load()) stack.pop_back();
+      TORCH_CHECK(false,
+                  "memscale: a saved_tensors_hooks scope opened on this thread was closed on another thread; "
+                  "scopes are thread-local and must be destroyed where they were created");
+    }
     return stack.empty() ? nullptr : stack.back()->make();
   }
 
@@ -80,13 +88,14 @@ inline std::atomic<bool>& engine_installed() {
 }  // namespace detail
 
 /// Makes memscale's engine LibTorch's default autograd engine (once per process;
-/// later calls do nothing). Every program that includes this header does so
-/// while it loads (see below), before any backward can run: LibTorch starts the
-/// autograd device threads once per process, for whichever engine runs a CUDA
-/// backward first, and an engine that comes second cannot run CUDA backwards at
-/// all (measured on LibTorch 2.x; hooks_engine_usable() detects it). Results do
-/// not change: without an open scope it behaves as the base engine. A process
-/// that later loads libtorch_python gets Python's engine back, and no C++ hooks.
+/// later calls do nothing). Programs that include this header get it while they
+/// load (see below), before any backward can run, whenever LibTorch's base
+/// engine is the default then: LibTorch starts the autograd device threads once
+/// per process, for whichever engine runs a backward first, and an engine that
+/// comes second cannot run CUDA backwards at all (measured on LibTorch 2.11;
+/// hooks_unavailable_reason() detects it). Results do not change: without an
+/// open scope it behaves as the base engine. Nothing else installs it: a process
+/// whose default engine is another (Python's) keeps it, and gets no C++ hooks.
 inline void install_hooks_engine() {
   static const bool once = [] {
     torch::autograd::set_default_engine_stub(&detail::hooks_engine::instance);
@@ -98,8 +107,14 @@ inline void install_hooks_engine() {
 
 namespace detail {
 /// Installs the engine during static initialization of any program that
-/// includes memscale, so it is the first engine to run a backward.
-inline const bool hooks_engine_installed_at_load = (install_hooks_engine(), true);
+/// includes memscale, so it is the first engine to run a backward; but only
+/// over LibTorch's base engine: inside Python (an extension that includes
+/// memscale) Python's engine stays, with the hooks Python gives.
+inline const bool hooks_engine_installed_at_load = [] {
+  if (&torch::autograd::Engine::get_default_engine() == &torch::autograd::Engine::get_base_engine())
+    install_hooks_engine();
+  return true;
+}();
 }  // namespace detail
 
 /// Whether LibTorch's default engine is memscale's (false before install, or
@@ -163,7 +178,6 @@ class saved_tensors_hooks {
  public:
   saved_tensors_hooks(Pack pack, Unpack unpack)
       : factory_(std::make_shared<const factory>(std::move(pack), std::move(unpack))) {
-    install_hooks_engine();
     detail::hook_stack().push_back(factory_);
   }
   saved_tensors_hooks(const saved_tensors_hooks&) = delete;
@@ -178,13 +192,15 @@ class saved_tensors_hooks {
       return;
     }
     const auto it = std::find(stack.begin(), stack.end(), factory_);
-    if (it != stack.end()) stack.erase(it);
+    if (it == stack.end()) {
+      // Closed on another thread: the opening thread's next save finds it.
+      factory_->closed_elsewhere = true;
+      return;
+    }
+    stack.erase(it);
     detail::hook_stack_error() =
-        it == stack.end()
-            ? "memscale: a saved_tensors_hooks scope was closed on a thread other than the one that opened it; "
-              "scopes are thread-local and must be destroyed where they were created"
-            : "memscale: a saved_tensors_hooks scope was closed while a scope opened after it was still open; "
-              "scopes must be destroyed innermost first (keep them as local RAII objects)";
+        "memscale: a saved_tensors_hooks scope was closed while a scope opened after it was still open; "
+        "scopes must be destroyed innermost first (keep them as local RAII objects)";
   }
 
  private:

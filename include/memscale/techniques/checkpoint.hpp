@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <concepts>
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <string>
@@ -19,6 +20,7 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <memscale/detail/buffers.hpp>
@@ -128,14 +130,17 @@ class tensor_hooks_set_aside {
  public:
   explicit tensor_hooks_set_aside(const std::vector<torch::Tensor>& targets) {
 #if TORCH_VERSION_MAJOR >= 2
+    aside_.reserve(targets.size());  // nothing below allocates once a hook has moved
     for (const auto& t : targets) {
       if (!t.defined() || !t.requires_grad()) continue;
-      const auto node = torch::autograd::impl::gradient_edge(t).function;
+      auto node = torch::autograd::impl::gradient_edge(t).function;
       if (!node || (node->tensor_pre_hooks().empty() && node->retains_grad_hooks().empty())) continue;
-      if (std::any_of(aside_.begin(), aside_.end(), [&](const entry& e) { return e.node == node; })) continue;
-      aside_.push_back({node, std::move(node->tensor_pre_hooks()), std::move(node->retains_grad_hooks())});
-      node->tensor_pre_hooks().clear();
-      node->retains_grad_hooks().clear();
+      if (std::any_of(aside_.begin(), aside_.end(), [&](const entry& e) { return e.node.get() == node.get(); }))
+        continue;
+      auto& e = aside_.emplace_back();
+      e.node = std::move(node);
+      std::swap(e.pre, e.node->tensor_pre_hooks());
+      std::swap(e.retains, e.node->retains_grad_hooks());
     }
 #else
     (void)targets;
@@ -158,7 +163,8 @@ class tensor_hooks_set_aside {
  private:
 #if TORCH_VERSION_MAJOR >= 2
   struct entry {
-    std::shared_ptr<torch::autograd::Node> node;
+    // shared_ptr up to LibTorch 2.12, intrusive_ptr from 2.13
+    decltype(torch::autograd::impl::gradient_edge(std::declval<const torch::Tensor&>()).function) node;
     std::vector<std::unique_ptr<torch::autograd::FunctionPreHook>> pre;
     std::unordered_map<std::size_t, std::unique_ptr<torch::autograd::FunctionPreHook>> retains;
   };
@@ -166,17 +172,25 @@ class tensor_hooks_set_aside {
 #endif
 };
 
-/// Leaves requiring grad that `body` reads on `probe` beyond `known` (a weight
-/// registered outside the segment, a tied weight, a captured tensor). Found by
-/// one run with grad mode on and every saved tensor dropped as it is saved, so
-/// it costs a forward but keeps nothing; RNG draws and the slots' buffers
-/// (BatchNorm statistics) are put back. Passing these leaves into the autograd
+/// What a segment's forward reads that needs a gradient, beyond its own parameters.
+struct segment_reads {
+  std::vector<torch::Tensor> leaves;  ///< leaves requiring grad (a tied weight, a captured tensor)
+  bool outer_history = false;         ///< a non-leaf computed before the segment (its graph is not ours)
+};
+
+/// What `body` reads on `probe` beyond `known`. Found by one run with grad mode
+/// on and every saved tensor dropped as it is saved, so it costs a forward but
+/// keeps nothing (with memscale's engine in charge; without it the run holds
+/// what autograd saves until it returns); RNG draws and the slots' buffers
+/// (BatchNorm statistics) are put back. Passing the leaves into the autograd
 /// function makes their gradients flow through autograd itself: one
 /// accumulation per backward, with every tensor hook, post-accumulate hook and
-/// c10d Reducer hook firing exactly as without memscale.
-inline std::vector<torch::Tensor> leaves_read_by(checkpoint_body& body, const std::vector<torch::Tensor>& probe,
-                                                 const std::vector<torch::Tensor>& known,
-                                                 const std::vector<torch::nn::AnyModule>& slots) {
+/// c10d Reducer hook firing exactly as without memscale. A node older than the
+/// probe belongs to a tensor computed outside the segment: its gradient would
+/// have to flow into a graph the recompute does not own, so it is reported.
+inline segment_reads leaves_read_by(checkpoint_body& body, const std::vector<torch::Tensor>& probe,
+                                    const std::vector<torch::Tensor>& known,
+                                    const std::vector<torch::nn::AnyModule>& slots) {
   rng_fork no_visible_draws(devices_of(probe));
   buffer_restore keep_buffers(slots);
   torch::AutoGradMode grad_on(true);
@@ -185,8 +199,26 @@ inline std::vector<torch::Tensor> leaves_read_by(checkpoint_body& body, const st
                                             TORCH_CHECK(false, "memscale: a probe's saved tensor was unpacked");
                                             return {};
                                           });
+  const auto first_node = at::sequence_number::peek();  // nodes the probe creates on this thread come after
   const auto outputs = body.fn(probe);
-  return reachable_leaves(outputs, known);
+  segment_reads reads;
+  reads.leaves = reachable_leaves(outputs, known);
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& o : outputs)
+    if (o.defined() && o.grad_fn()) stack.push_back(o.grad_fn().get());
+  while (!stack.empty() && !reads.outer_history) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second || dynamic_cast<torch::autograd::AccumulateGrad*>(node)) continue;
+    if (node->sequence_nr() < first_node) {
+      reads.outer_history = true;
+      break;
+    }
+    for (const auto& edge : node->next_edges())
+      if (edge.function) stack.push_back(edge.function.get());
+  }
+  return reads;
 }
 
 /// The error for leaves a recompute found that the autograd function was not
@@ -324,6 +356,13 @@ inline std::vector<torch::Tensor> parameters_of(const std::vector<torch::nn::Any
   return params;
 }
 
+/// "LinearImpl -> GELUImpl": the slots' module names, for messages.
+inline std::string slot_names(const std::vector<torch::nn::AnyModule>& slots) {
+  std::string names;
+  for (const auto& slot : slots) names += (names.empty() ? "" : " -> ") + slot.ptr()->name();
+  return names;
+}
+
 /// A memscale wrapper that runs original chain slots it does not register
 /// (CheckpointSegment, TileSegment): what owns parameters is in slots().
 class slot_wrapper {
@@ -393,9 +432,16 @@ class CheckpointSegmentImpl : public torch::nn::Module, public detail::slot_wrap
     if (!detail::needs_checkpoint(x, params_)) return body_->fn({std::move(x)})[0];
     if (!probed_) {
       // Once: leaves the slots read beyond their own parameters join them.
-      for (auto& leaf : detail::leaves_read_by(*body_, {x.detach()}, params_, slots_)) params_.push_back(leaf);
+      auto reads = detail::leaves_read_by(*body_, {x.detach()}, params_, slots_);
+      for (auto& leaf : reads.leaves) params_.push_back(leaf);
+      runs_plainly_ = reads.outer_history;
+      if (runs_plainly_)
+        std::clog << "[memscale] warning: a checkpointed segment (" << detail::slot_names(slots_)
+                  << ") reads a tensor computed before it that needs a gradient; its gradient cannot flow back "
+                     "through a recompute, so the segment runs without checkpointing\n";
       probed_ = true;
     }
+    if (runs_plainly_) return body_->fn({std::move(x)})[0];
     return detail::checkpoint_function::apply(body_, at::TensorList(x), at::TensorList(params_))[0];
   }
 
@@ -409,6 +455,7 @@ class CheckpointSegmentImpl : public torch::nn::Module, public detail::slot_wrap
   std::vector<torch::Tensor> params_;
   c10::intrusive_ptr<detail::checkpoint_body> body_;
   bool probed_ = false;
+  bool runs_plainly_ = false;  // reads a non-leaf from outside: checkpointing it would be wrong
 };
 
 /// The checkpointing technique: a run of slots becomes one CheckpointSegment.

@@ -108,7 +108,10 @@ decltype(auto) with_offload(const std::shared_ptr<offload::engine>& engine, Fn&&
   } flush{*engine};
   offload::saved_tensors_hooks scope(
       [engine, keep = std::move(keep), min_bytes](const at::Tensor& t) -> detail::offload_packed {
+        // Leaves that need a gradient (parameters, tied weights a checkpoint
+        // reads, a caller's input) live on anyway: moving them only costs copies.
         const bool stays = !t.defined() || t.layout() != c10::kStrided || !t.has_storage() ||
+                           (t.is_leaf() && t.requires_grad()) ||
                            static_cast<std::int64_t>(t.nbytes()) < min_bytes ||
                            (keep && keep->count(t.storage().unsafeGetStorageImpl()) != 0);
         if (stays) return detail::pack_for_offload(t, t.detach(), nullptr);
@@ -128,7 +131,7 @@ class OffloadSegmentImpl : public torch::nn::Module {
   OffloadSegmentImpl(std::vector<torch::nn::AnyModule> slots, std::shared_ptr<offload::engine> engine)
       : torch::nn::Module("memscale::OffloadSegment"), slots_(std::move(slots)), engine_(std::move(engine)) {
     if (!engine_) throw Error("memscale: an OffloadSegment needs an offload engine, got none");
-    for (const auto& slot : slots_) label_ += (label_.empty() ? "" : " -> ") + slot.ptr()->name();
+    label_ = detail::slot_names(slots_);
   }
 
   torch::Tensor forward(torch::Tensor x) {
