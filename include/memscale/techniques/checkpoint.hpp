@@ -172,6 +172,13 @@ class tensor_hooks_set_aside {
 #endif
 };
 
+/// "LinearImpl -> GELUImpl": the slots' module names, for messages.
+inline std::string slot_names(const std::vector<torch::nn::AnyModule>& slots) {
+  std::string names;
+  for (const auto& slot : slots) names += (names.empty() ? "" : " -> ") + slot.ptr()->name();
+  return names;
+}
+
 /// What a segment's forward reads that needs a gradient, beyond its own parameters.
 struct segment_reads {
   std::vector<torch::Tensor> leaves;  ///< leaves requiring grad (a tied weight, a captured tensor)
@@ -219,6 +226,20 @@ inline segment_reads leaves_read_by(checkpoint_body& body, const std::vector<tor
       if (edge.function) stack.push_back(edge.function.get());
   }
   return reads;
+}
+
+/// A segment's first training forward: leaves its slots read beyond `params`
+/// join them; returns true (with a warning naming `technique`) when the slots
+/// read a tensor computed before the segment, which must then run plainly.
+inline bool adopt_reads(checkpoint_body& body, const torch::Tensor& probe, std::vector<torch::Tensor>& params,
+                        const std::vector<torch::nn::AnyModule>& slots, const char* technique) {
+  auto reads = leaves_read_by(body, {probe}, params, slots);
+  for (auto& leaf : reads.leaves) params.push_back(std::move(leaf));
+  if (reads.outer_history)
+    std::clog << "[memscale] warning: a " << technique << " segment (" << slot_names(slots)
+              << ") reads a tensor computed before it that needs a gradient; its gradient cannot flow back "
+                 "through a recompute, so the segment runs as it is\n";
+  return reads.outer_history;
 }
 
 /// The error for leaves a recompute found that the autograd function was not
@@ -356,13 +377,6 @@ inline std::vector<torch::Tensor> parameters_of(const std::vector<torch::nn::Any
   return params;
 }
 
-/// "LinearImpl -> GELUImpl": the slots' module names, for messages.
-inline std::string slot_names(const std::vector<torch::nn::AnyModule>& slots) {
-  std::string names;
-  for (const auto& slot : slots) names += (names.empty() ? "" : " -> ") + slot.ptr()->name();
-  return names;
-}
-
 /// A memscale wrapper that runs original chain slots it does not register
 /// (CheckpointSegment, TileSegment): what owns parameters is in slots().
 class slot_wrapper {
@@ -431,14 +445,7 @@ class CheckpointSegmentImpl : public torch::nn::Module, public detail::slot_wrap
   torch::Tensor forward(torch::Tensor x) {
     if (!detail::needs_checkpoint(x, params_)) return body_->fn({std::move(x)})[0];
     if (!probed_) {
-      // Once: leaves the slots read beyond their own parameters join them.
-      auto reads = detail::leaves_read_by(*body_, {x.detach()}, params_, slots_);
-      for (auto& leaf : reads.leaves) params_.push_back(leaf);
-      runs_plainly_ = reads.outer_history;
-      if (runs_plainly_)
-        std::clog << "[memscale] warning: a checkpointed segment (" << detail::slot_names(slots_)
-                  << ") reads a tensor computed before it that needs a gradient; its gradient cannot flow back "
-                     "through a recompute, so the segment runs without checkpointing\n";
+      runs_plainly_ = detail::adopt_reads(*body_, x.detach(), params_, slots_, "checkpointed");
       probed_ = true;
     }
     if (runs_plainly_) return body_->fn({std::move(x)})[0];

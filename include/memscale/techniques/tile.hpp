@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <iostream>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -242,13 +241,7 @@ class TileSegmentImpl : public torch::nn::Module, public detail::slot_wrapper {
     if (!probed_ && x.defined() && x.size(dim_) > 0 && detail::needs_checkpoint(x, params_)) {
       // Once, on the first chunk: leaves the slots read beyond their parameters join them.
       const auto rows = detail::chunk_of(x.size(dim_), std::clamp<std::int64_t>(tiles_, 1, x.size(dim_)), 0).second;
-      auto reads = detail::leaves_read_by(*body_, {x.narrow(dim_, 0, rows).detach()}, params_, slots_);
-      for (auto& leaf : reads.leaves) params_.push_back(leaf);
-      runs_plainly_ = reads.outer_history;
-      if (runs_plainly_)
-        std::clog << "[memscale] warning: a tiled segment (" << detail::slot_names(slots_)
-                  << ") reads a tensor computed before it that needs a gradient; its gradient cannot flow back "
-                     "through a recompute, so the segment runs untiled\n";
+      runs_plainly_ = detail::adopt_reads(*body_, x.narrow(dim_, 0, rows).detach(), params_, slots_, "tiled");
       probed_ = true;
     }
     if (runs_plainly_) return body_->fn({std::move(x)})[0];
