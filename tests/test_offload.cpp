@@ -25,6 +25,19 @@ namespace fs = std::filesystem;
 
 namespace {
 
+/// Stores one random size x size tensor per group, `groups` groups in order.
+std::pair<std::vector<torch::Tensor>, std::vector<memscale::offload::stored_handle>> store_groups(
+    memscale::offload::engine& e, int groups, std::int64_t size) {
+  std::vector<torch::Tensor> originals;
+  std::vector<memscale::offload::stored_handle> stored;
+  for (int g = 0; g < groups; ++g) {
+    e.begin_group();
+    originals.push_back(torch::randn({size, size}));
+    stored.push_back(e.store(originals.back()));
+  }
+  return {std::move(originals), std::move(stored)};
+}
+
 /// A model whose step exercises what the engine must not change: dropout RNG,
 /// BatchNorm statistics, in-place ReLU, a checkpointed segment.
 struct hooks_model {
@@ -497,13 +510,7 @@ TEST_CASE("an async disk write whose I/O job throws keeps the tensor in memory; 
 
 TEST_CASE("a prefetch read whose I/O job throws leaves the read to backward", "[offload][engine][faults]") {
   engine e(quiet_options({.async = true, .prefetch_depth = 2}));
-  std::vector<torch::Tensor> originals;
-  std::vector<memscale::offload::stored_handle> stored;
-  for (int g = 0; g < 4; ++g) {
-    e.begin_group();
-    originals.push_back(torch::randn({64, 64}));
-    stored.push_back(e.store(originals.back()));
-  }
+  auto [originals, stored] = store_groups(e, 4, 64);
   e.wait_idle();  // written, before the fault
   inject_fault fault(offload_fault::io_job_throws);
   for (int g = 3; g >= 0; --g) {
@@ -552,13 +559,7 @@ TEST_CASE("a job that throws does not end the process: the pool reports it once 
 
 TEST_CASE("async loads prefetch earlier groups in backward order", "[offload][engine]") {
   engine e(quiet_options({.async = true, .io_threads = 2, .prefetch_depth = 2}));
-  std::vector<torch::Tensor> originals;
-  std::vector<memscale::offload::stored_handle> stored;
-  for (int g = 0; g < 6; ++g) {
-    e.begin_group();
-    originals.push_back(torch::randn({128, 128}));
-    stored.push_back(e.store(originals.back()));
-  }
+  auto [originals, stored] = store_groups(e, 6, 128);
   e.wait_idle();
   for (int g = 5; g >= 0; --g) {
     CHECK(torch::equal(e.load(stored[static_cast<std::size_t>(g)]), originals[static_cast<std::size_t>(g)]));
