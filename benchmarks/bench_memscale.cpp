@@ -1,6 +1,7 @@
 // memscale benchmark: measured memory and time of a training step, without
-// memscale and with each OptimizationMode, for two workloads:
-//   - the example GPT (a bit larger than the example's default), and
+// memscale and with each OptimizationMode, for three workloads:
+//   - the example GPT (a bit larger than the example's default),
+//   - a ResNet-style CNN (residual blocks, BatchNorm, in-place ReLU), and
 //   - a flat Sequential of primitive layers: (Linear(256,1024), GELU,
 //     Linear(1024,256), LayerNorm(256), Dropout(0.1)) x 8 on input [32,128,256].
 // Rows: baseline, Conservative (no budget), Balanced (memory_budget_gb = 60% of
@@ -27,7 +28,11 @@
 // their largest relative loss difference from the baseline instead of bit-exactness.
 // Last, the optimizer on its own (benchmarks/bench_optim8bit.hpp).
 //
-//   memscale_bench [--steps N] [--only gpt|flat|offload|tile|precision|optimizer] [--csv]
+// The GPT and a ResNet-style CNN keep their blocks in a ModuleList and call them
+// through memscale::forward (call-site units); last, what memscale::forward
+// costs over a direct call.
+//
+//   memscale_bench [--steps N] [--only gpt|cnn|flat|offload|tile|precision|optimizer|calls] [--csv]
 #include <algorithm>
 #include <array>
 #include <bit>
@@ -66,6 +71,7 @@
 #include "bench_optim8bit.hpp"
 #include "gpt.hpp"
 #include "host_info.hpp"
+#include "resnet.hpp"
 
 namespace {
 
@@ -621,12 +627,63 @@ Workload bench_gpt(int steps) {
     data.push_back({b.input, b.target});
   }
   std::ostringstream desc;
-  desc << "GPT (examples/gpt.hpp): " << o.layers << " x TransformerBlock in a Sequential, d_model " << o.d_model
+  desc << "GPT (examples/gpt.hpp): " << o.layers
+       << " x TransformerBlock in a ModuleList, each called through memscale::forward (call-site units), d_model "
+       << o.d_model
        << ", " << o.heads << " heads, context " << o.context << ", dropout " << o.dropout << "; batch " << batch
        << "; cross-entropy, AdamW lr " << learning_rate;
   return run_workload<gpt::GPT>(
       "GPT", desc.str(), [o] { return gpt::GPT(o); },
       [](gpt::GPT& m, const Sample& s) { return gpt::loss(m->forward(s.input), s.target); }, data, steps);
+}
+
+Workload bench_cnn(int steps) {
+  static constexpr int blocks = 4;
+  static constexpr std::int64_t channels = 64, batch = 16, side = 32;
+  torch::manual_seed(95);
+  std::vector<Sample> data;
+  for (int s = 0; s <= steps; ++s)
+    data.push_back({torch::randn({batch, 3, side, side}), torch::randint(10, {batch}, torch::kLong)});
+  std::ostringstream desc;
+  desc << "ResNet-style CNN (examples/resnet.hpp): stem conv + BatchNorm, " << blocks << " x BasicBlock (conv3x3, "
+       << "BatchNorm, in-place ReLU, conv3x3, BatchNorm, residual add, in-place ReLU) in a ModuleList called "
+          "through memscale::forward, "
+       << channels << " channels, input [" << batch << ",3," << side << "," << side
+       << "]; global average pool, Linear, cross-entropy, AdamW lr " << learning_rate;
+  return run_workload<resnet::ResNet>(
+      "ResNet-style CNN", desc.str(), [] { return resnet::ResNet(blocks, channels); },
+      [](resnet::ResNet& m, const Sample& s) { return torch::cross_entropy_loss(m->forward(s.input), s.target); },
+      data, steps);
+}
+
+/// What memscale::forward costs over a direct call, per call, on a module that
+/// does nothing (torch::nn::Identity): without any guard, and with a guard
+/// active on another model (the call then looks its module up).
+void bench_call_overhead(std::ostream& out) {
+  torch::nn::Identity identity;
+  auto x = torch::ones({1});
+  constexpr int calls = 1'000'000;
+  auto per_call_ns = [&](auto&& call) {
+    double best = 1e300;
+    for (int round = 0; round < 5; ++round) {
+      const auto start = clock_type::now();
+      for (int i = 0; i < calls; ++i) {
+        auto y = call();
+        asm volatile("" : : "r"(y.unsafeGetTensorImpl()) : "memory");
+      }
+      best = std::min(best, std::chrono::duration<double>(clock_type::now() - start).count() * 1e9 / calls);
+    }
+    return best;
+  };
+  const auto direct = per_call_ns([&] { return identity->forward(x); });
+  const auto unguarded = per_call_ns([&] { return memscale::forward(identity, x); });
+  torch::nn::Sequential other(torch::nn::Linear(8, 8));
+  auto guard = memscale::optimize(other, torch::ones({2, 8}), quiet_config(memscale::OptimizationMode::Conservative));
+  const auto guarded_elsewhere = per_call_ns([&] { return memscale::forward(identity, x); });
+  out << "\n## memscale::forward call overhead (torch::nn::Identity, best of 5 x " << calls << " calls)\n"
+      << std::fixed << std::setprecision(1) << "direct call " << direct << " ns; memscale::forward with no guard "
+      << unguarded << " ns (+" << unguarded - direct << "); with a guard on another model " << guarded_elsewhere
+      << " ns (+" << guarded_elsewhere - direct << ", one locked index lookup)\n";
 }
 
 /// The flat Sequential workload: (Linear(256,1024), GELU, Linear(1024,256),
@@ -769,7 +826,8 @@ int main(int argc, char** argv) {
   int steps = 5;
   bool csv = false;
   std::string only;
-  constexpr std::array<std::string_view, 6> parts{"gpt", "flat", "offload", "tile", "precision", "optimizer"};
+  constexpr std::array<std::string_view, 8> parts{"gpt", "cnn", "flat", "offload", "tile", "precision", "optimizer",
+                                                 "calls"};
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string_view arg = argv[i];
@@ -780,7 +838,7 @@ int main(int argc, char** argv) {
         only = argv[++i];
       else if (arg == "-h" || arg == "--help") {
         std::cout << "usage: memscale_bench [--steps N (measured steps after 1 warm-up, default 5)] "
-                     "[--only gpt|flat|offload|tile|precision|optimizer] [--csv]\n";
+                     "[--only gpt|cnn|flat|offload|tile|precision|optimizer|calls] [--csv]\n";
         return 0;
       } else {
         std::cerr << "memscale_bench: unknown or incomplete argument '" << arg << "' (see --help)\n";
@@ -810,6 +868,7 @@ int main(int argc, char** argv) {
   std::vector<Workload> all;
   try {
     if (only.empty() || only == "gpt") all.push_back(bench_gpt(steps));
+    if (only.empty() || only == "cnn") all.push_back(bench_cnn(steps));
     if (only.empty() || only == "flat") all.push_back(bench_flat(steps));
     if (only.empty() || only == "offload") all.push_back(bench_offload(steps));
     if (only.empty() || only == "tile") all.push_back(bench_tile(steps));
@@ -828,6 +887,7 @@ int main(int argc, char** argv) {
   }
   if (csv) print_csv(all, std::cout);
   if (only.empty() || only == "optimizer") bench_optimizer(std::cout, steps, csv);
+  if (only.empty() || only == "calls") bench_call_overhead(std::cout);
   std::cout << "\nload avg: " << load_average() << " (at end); total wall time "
             << std::fixed << std::setprecision(1)
             << std::chrono::duration<double>(clock_type::now() - start).count() << " s\n";

@@ -1,6 +1,8 @@
-// A GPT-style decoder for memscale's example and benchmarks: token and position
-// embeddings, N pre-norm transformer blocks in a torch::nn::Sequential (the chain
-// memscale optimizes), a final LayerNorm and an LM head. Also the embedded
+// A GPT-style decoder for memscale's example and benchmarks, written the way
+// LibTorch users write one: token and position embeddings, N pre-norm
+// transformer blocks in a torch::nn::ModuleList looped over in forward (each
+// call through memscale::forward, the one line that makes it a unit memscale
+// can plan), a final LayerNorm and an LM head. Also the embedded
 // training text and a character-level batch sampler, so the example needs no files.
 #pragma once
 
@@ -90,7 +92,7 @@ class GPTImpl : public torch::nn::Module {
   explicit GPTImpl(const Options& o)
       : options(o),
         token(register_module("token", torch::nn::Embedding(o.vocab, o.d_model))),
-        blocks(register_module("blocks", torch::nn::Sequential())),
+        blocks(register_module("blocks", torch::nn::ModuleList())),
         ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})))),
         head(register_module("head", torch::nn::Linear(o.d_model, o.vocab))) {
     position = register_parameter("position", torch::randn({o.context, o.d_model}) * 0.02);
@@ -101,12 +103,13 @@ class GPTImpl : public torch::nn::Module {
   torch::Tensor forward(torch::Tensor tokens) {
     const auto T = tokens.size(1);
     auto x = token(tokens) + position.slice(0, 0, T);
-    return head(ln_f(blocks->forward(x)));
+    for (const auto& block : *blocks) x = memscale::forward(*block->as<TransformerBlock>(), x);
+    return head(ln_f(x));
   }
 
   Options options;
   torch::nn::Embedding token;
-  torch::nn::Sequential blocks;
+  torch::nn::ModuleList blocks;
   torch::nn::LayerNorm ln_f;
   torch::nn::Linear head;
   torch::Tensor position;

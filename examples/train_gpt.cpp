@@ -1,6 +1,8 @@
 // memscale example: train a small GPT twice on the same batches, once as is
 // (the baseline) and once inside memscale::optimize(), and compare the peak
-// memory growth of a training step, the step time and the losses.
+// memory growth of a training step, the step time and the losses. The GPT
+// (gpt.hpp) keeps its blocks in a torch::nn::ModuleList and calls each through
+// memscale::forward, which makes every call a unit memscale can plan.
 //
 //   train_gpt [--steps N] [--mode conservative|balanced|aggressive]
 //             [--budget-gb X] [--batch B] [--layers L] [--context T]

@@ -43,6 +43,27 @@ static_assert(all_checkpointed_peak(primitive, 9, 1) == baseline_peak(primitive,
 static_assert(all_checkpointed_peak(primitive, 9, 9) == baseline_peak(primitive, 9));
 static_assert(all_checkpointed_peak(primitive, 9, 3) == 70);
 static_assert([] { auto c = chain_of(primitive, 9); return choose_segment_length(c); }() == 2);
+// A chain of call sites (segment limit 1): user code runs between units, so no
+// segment spans two, not even in the refinement that extends kept runs.
+static_assert([] { auto c = chain_of(primitive, 9); return choose_segment_length(c, 1); }() == 1);
+static_assert([] {
+  engine_input in{memscale::OptimizationMode::Aggressive, true, true, 1000, 0};
+  in.segment_limit = {1};
+  const auto p = decide({chain_of(primitive, 9)}, {true}, in);
+  for (const auto& u : p.units[0])
+    if (u.first != u.last) return false;
+  return true;
+}());
+// A whole model (no boundaries) offloads as one unit and keeps two prefetch
+// groups of its saved bytes: 90 saved, groups of 20 -> 50 fewer at the peak.
+static_assert([] {
+  engine_input in{memscale::OptimizationMode::Aggressive, false, true, 1000, 0};
+  in.offload_allowed = true;
+  in.offload_budget_bytes = 1000;
+  in.whole_model_group_bytes = 20;
+  const auto p = decide({chain_of(block, 1)}, {true}, in);
+  return p.units[0][0].offloaded && p.baseline_peak - p.planned_peak == 50;
+}());
 
 constexpr engine_plan plan_for(memscale::OptimizationMode mode, std::int64_t usable, bool force = false) {
   return decide({chain_of(block, 4)}, {true}, engine_input{mode, true, force, usable, 0});

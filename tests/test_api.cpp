@@ -69,13 +69,19 @@ struct NoSequentialImpl : torch::nn::Module {
 };
 TORCH_MODULE(NoSequential);
 
-TEST_CASE("a model without a Sequential gets UnsupportedModelError saying how to structure it", "[api]") {
+TEST_CASE("a model without a Sequential, wrapped without an example, waits for its call sites and says so",
+          "[api]") {
   NoSequential model;
-  try {
-    (void)memscale::wrap(model, test::quiet());
-    FAIL("wrap accepted a model without a Sequential");
-  } catch (const memscale::UnsupportedModelError& e) {
-    CHECK_THAT(e.what(), Catch::Contains("torch::nn::Sequential") && Catch::Contains("memscale::checkpoint"));
+  {
+    auto guard = memscale::optimize(model, test::quiet());
+    const auto report = guard.report();
+    CHECK_FALSE(report.planned);
+    CHECK_THAT(report.str(), Catch::Contains("the units will be the memscale::forward calls") &&
+                                 Catch::Contains("whole-model offload only when wrapped with an example input"));
+    // Its forward makes no call site: training runs as it is.
+    auto x = torch::randn({2, 4});
+    model->forward(x).sum().backward();
+    CHECK_FALSE(guard.report().planned);
   }
   CHECK_FALSE(memscale::is_optimized(model));
 }
@@ -95,11 +101,30 @@ TEST_CASE("wrap twice is refused, detach of a plain model is a no-op", "[api][ex
   CHECK_FALSE(memscale::detach(seq));
 }
 
+namespace {
+/// A model whose layers sit in a Sequential member.
+class WithBodyImpl : public torch::nn::Module {
+ public:
+  WithBodyImpl() : body(register_module("body", test::flat_chain(3))) {}
+  torch::Tensor forward(torch::Tensor x) { return body->forward(x); }
+  torch::nn::Sequential body;
+};
+TORCH_MODULE(WithBody);
+
+/// The modules a ModuleList holds, by identity.
+std::vector<const void*> children_of(torch::nn::ModuleListImpl& list) {
+  std::vector<const void*> ids;
+  for (const auto& m : list) ids.push_back(m.get());
+  return ids;
+}
+}  // namespace
+
 TEST_CASE("a Sequential inside an optimized model cannot be wrapped on its own", "[api][executor]") {
-  gpt::GPT model(test::small_gpt());
-  auto tokens = torch::randint(256, {2, 64}, torch::kLong);
-  auto guard = memscale::optimize(model, tokens, test::quiet({.mode = OptimizationMode::Aggressive}));
-  CHECK_THROWS_AS(memscale::wrap(model->blocks, test::quiet()), memscale::AlreadyOptimizedError);
+  WithBody model;
+  auto x = torch::randn({4, 64});
+  auto guard = memscale::optimize(model, x, test::quiet({.mode = OptimizationMode::Aggressive}));
+  REQUIRE(guard.report().checkpointed_segments() > 0);
+  CHECK_THROWS_AS(memscale::wrap(model->body, test::quiet()), memscale::AlreadyOptimizedError);
 }
 
 TEST_CASE("wrap keeps parameters, names and buffers; detach restores outputs and gradients bit-exactly",
@@ -112,21 +137,21 @@ TEST_CASE("wrap keeps parameters, names and buffers; detach restores outputs and
   auto tokens = torch::randint(256, {4, 64}, torch::kLong);
   auto targets = torch::randint(256, {4, 64}, torch::kLong);
   const auto identity = test::parameter_identity(*model);
-  const auto slots = test::slot_identity(*model->blocks);
+  const auto blocks = children_of(*model->blocks);
 
   auto forward = [&](gpt::GPT& m) { return [&] { return gpt::loss(m->forward(tokens), targets); }; };
   const auto expected = test::step(*reference, forward(reference));
   {
     auto guard = memscale::optimize(model, tokens, test::quiet({.mode = OptimizationMode::Aggressive}));
     REQUIRE(guard.report().checkpointed_segments() > 0);
-    CHECK(test::slot_identity(*model->blocks) != slots);
+    CHECK(children_of(*model->blocks) == blocks);  // call sites change nothing in the model
     CHECK(test::parameter_identity(*model) == identity);
     const auto optimized = test::step(*model, forward(model));
     CHECK(test::bit_equal(expected.first, optimized.first));
     CHECK(test::bit_equal(expected.second, optimized.second));
   }
   CHECK_FALSE(memscale::is_optimized(model));
-  CHECK(test::slot_identity(*model->blocks) == slots);
+  CHECK(children_of(*model->blocks) == blocks);
   CHECK(test::parameter_identity(*model) == identity);
   const auto after = test::step(*model, forward(model));
   CHECK(test::bit_equal(expected.first, after.first));
@@ -226,10 +251,12 @@ TEST_CASE("nested chains: every outermost Sequential is planned", "[api][executo
   auto chains = memscale::core::find_chains(outer.ptr());
   REQUIRE(chains.size() == 1);  // the inner one is a slot of the outer
   CHECK(chains[0].path.empty());
-  gpt::GPT model(test::small_gpt());
-  auto gpt_chains = memscale::core::find_chains(model.ptr());
-  REQUIRE(gpt_chains.size() == 1);
-  CHECK(gpt_chains[0].path == "blocks");
+  WithBody model;
+  auto body_chains = memscale::core::find_chains(model.ptr());
+  REQUIRE(body_chains.size() == 1);
+  CHECK(body_chains[0].path == "body");
+  gpt::GPT gpt_model(test::small_gpt());  // blocks in a ModuleList: its units are call sites
+  CHECK(memscale::core::find_chains(gpt_model.ptr()).empty());
 }
 
 TEST_CASE("Config and Strategy can exclude checkpointing; low pressure skips", "[api][engine]") {
@@ -268,7 +295,8 @@ TEST_CASE("the report explains the plan line by line", "[api]") {
   const auto text = guard.report().str();
   CHECK_THAT(text, Catch::Contains("host:"));
   CHECK_THAT(text, Catch::Contains("pressure"));
-  CHECK_THAT(text, Catch::Contains("chain 'blocks'"));
+  CHECK_THAT(text, Catch::Contains("chain 'memscale::forward call sites blocks.0 .. blocks.3'"));
+  CHECK_THAT(text, Catch::Contains("blocks.2 (TransformerBlock)"));
   CHECK_THAT(text, Catch::Contains("TransformerBlock"));
   CHECK_THAT(text, Catch::Contains("R4 checkpoint-segment"));
   // Nothing offloaded here: every tensor the blocks keep is below min_offload_kb.

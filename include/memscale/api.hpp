@@ -46,10 +46,33 @@ std::function<void()> example_forward(M& model, const torch::Tensor& example) {
 }
 
 /// The one way the entry points attach: `example` empty means plan at the first call.
+/// The model's forward as a Tensor -> Tensor function, when it is one (a model
+/// with no unit boundaries is then profiled and offloaded as a whole).
+template <class M>
+std::function<torch::Tensor(const torch::Tensor&)> whole_forward(M& model) {
+  if constexpr (requires(M& m, const torch::Tensor& x) {
+                  { m->forward(x) } -> std::same_as<torch::Tensor>;
+                }) {
+    // A weak reference: the attachment must not keep the model alive.
+    using Contained = std::remove_cvref_t<decltype(*model)>;
+    std::weak_ptr<Contained> typed = std::dynamic_pointer_cast<Contained>(root_of(model));
+    return [typed](const torch::Tensor& x) -> torch::Tensor {
+      auto m = typed.lock();
+      if (!m) throw Error("memscale: the model was destroyed while still wrapped");
+      return m->forward(x);
+    };
+  } else {
+    return {};
+  }
+}
+
+/// `agree` (data parallel): turns this process's plan into the one every rank applies.
 template <StrategyType S, class M>
-std::shared_ptr<core::attachment> attach(M& model, const Config& config, const torch::Tensor* example) {
+std::shared_ptr<core::attachment> attach(M& model, const Config& config, const torch::Tensor* example,
+                                         core::plan_agreement agree = {}) {
   return core::attach(root_of(model), config, techniques_for<S>(config),
-                      example ? example_forward(model, *example) : std::function<void()>{});
+                      example ? example_forward(model, *example) : std::function<void()>{}, std::move(agree),
+                      whole_forward(model), example);
 }
 
 }  // namespace detail

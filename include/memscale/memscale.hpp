@@ -5,6 +5,7 @@
 
 #include <memscale/api.hpp>
 #include <memscale/config.hpp>
+#include <memscale/core/call_sites.hpp>
 #include <memscale/core/hardware.hpp>
 #include <memscale/core/layer_rules.hpp>
 #include <memscale/core/memory_tracker.hpp>

@@ -74,6 +74,12 @@ struct engine_input {
   double offload_bytes_per_second = 1e9;    ///< one-way transfer rate to the offload tier
   std::int64_t offload_min_bytes = 0;       ///< the engine keeps smaller saved tensors where they are
   bool tiling_allowed = false;              ///< Config::enable_tiling and the Strategy
+  /// Per chain: the most slots one segment may span (0: any). A chain of call
+  /// sites has 1: user code runs between its units, so none can share a segment.
+  std::vector<int> segment_limit{};
+  /// One chain of one slot that is the whole model (no unit boundaries): its
+  /// saved tensors stream to the tiers in prefetch groups of about this many bytes.
+  std::int64_t whole_model_group_bytes = 0;
 };
 
 /// One decision about one run of slots, in the order the engine made it.
@@ -114,13 +120,16 @@ struct engine_plan {
 /// Segments of `length` slots, checkpointed, except that a segment is extended
 /// rather than let the next one start at a slot that modifies its input in place
 /// (its recompute would read the modified input); a chain starting with such a
-/// slot keeps that first segment.
-[[nodiscard]] constexpr std::vector<unit> segments_of_length(std::span<const slot_cost> s, int length) {
+/// slot keeps that first segment. With `limit` (the most slots a segment may
+/// span), a segment is never extended past it: such a slot is then kept.
+[[nodiscard]] constexpr std::vector<unit> segments_of_length(std::span<const slot_cost> s, int length,
+                                                             int limit = 0) {
   const int n = static_cast<int>(s.size());
+  if (limit > 0) length = std::min(length, limit);
   std::vector<unit> units;
   for (int first = 0; first < n;) {
     int last = std::min(first + length, n) - 1;
-    while (last + 1 < n && s[last + 1].mutates_input) ++last;
+    while (last + 1 < n && s[last + 1].mutates_input && (limit <= 0 || last + 1 - first < limit)) ++last;
     units.push_back({first, last, !s[first].mutates_input, false});
     first = last + 1;
   }
@@ -130,12 +139,12 @@ struct engine_plan {
 /// Segment length whose all-checkpointed plan has the lowest projected peak:
 /// one length for blocks (1), about sqrt(n) for runs of primitive layers. Ties
 /// go to the shorter segment: finer candidates let the greedy expansion stop sooner.
-[[nodiscard]] constexpr int choose_segment_length(std::span<const slot_cost> s) {
-  const int n = static_cast<int>(s.size());
+[[nodiscard]] constexpr int choose_segment_length(std::span<const slot_cost> s, int limit = 0) {
+  const int n = limit > 0 ? std::min(limit, static_cast<int>(s.size())) : static_cast<int>(s.size());
   int best_length = 1;
   std::int64_t best_peak = -1;
   for (int length = 1; length <= n; ++length) {
-    const auto units = segments_of_length(s, length);
+    const auto units = segments_of_length(s, length, limit);
     const auto peak = project_chain(s, units).peak;
     if (best_peak < 0 || peak < best_peak) {
       best_peak = peak;
@@ -335,6 +344,33 @@ constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains,
   }
 }
 
+/// Offload of a model with no unit boundaries: one unit, the whole forward,
+/// whose saved tensors go to the tiers as they are saved and come back in
+/// backward a prefetch group at a time, so the step keeps about two groups of
+/// them (the one in use and the one fetched ahead) instead of all.
+constexpr void assign_whole_model_offload(const std::vector<std::vector<slot_cost>>& chains,
+                                          const engine_input& in, engine_plan& plan) {
+  if (!in.offload_allowed || plan.planned_peak <= plan.target_bytes || chains.size() != 1 || chains[0].size() != 1)
+    return;
+  const auto& s = chains[0][0];
+  const auto moved = s.saved_bytes;
+  if (moved <= in.offload_min_bytes) return;
+  const auto held = std::min(moved, 2 * in.whole_model_group_bytes);
+  const auto peak = plan.planned_peak - (moved - held);
+  const double transfer = 2.0 * static_cast<double>(moved) / in.offload_bytes_per_second;
+  const double compute = s.forward_seconds + s.backward_seconds;
+  if (moved > in.offload_budget_bytes) {
+    plan.decisions.push_back({0, 0, 0, false, rule_id::offload_no_room, moved, transfer, plan.planned_peak, peak,
+                              false, compute});
+    return;
+  }
+  plan.decisions.push_back({0, 0, 0, false, rule_id::offload_segment, moved, transfer, plan.planned_peak, peak, true,
+                            compute});
+  plan.units[0][0].offloaded = true;
+  plan.planned_peak = peak;
+  plan.overall = rule_id::offload_segment;
+}
+
 /// The rule engine. `supported[c]` false leaves chain c alone.
 [[nodiscard]] constexpr engine_plan decide(const std::vector<std::vector<slot_cost>>& chains,
                                            const std::vector<bool>& supported, const engine_input& in) {
@@ -371,10 +407,16 @@ constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains,
   if (!in.checkpointing_allowed) {
     whole_chain_decisions(rule_id::checkpointing_disabled);
     plan.overall = rule_id::checkpointing_disabled;
-    assign_offload(chains, supported, in, plan);
+    if (in.whole_model_group_bytes > 0)
+      assign_whole_model_offload(chains, in, plan);
+    else
+      assign_offload(chains, supported, in, plan);
     return plan;
   }
 
+  const auto limit_of = [&](int c) {
+    return static_cast<std::size_t>(c) < in.segment_limit.size() ? in.segment_limit[static_cast<std::size_t>(c)] : 0;
+  };
   std::vector<detail_engine::candidate> candidates;
   for (int c = 0; c < static_cast<int>(chains.size()); ++c) {
     const auto& s = chains[c];
@@ -384,8 +426,8 @@ constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains,
                                 0.0, plan.baseline_peak, plan.baseline_peak});
       continue;
     }
-    plan.segment_length[c] = choose_segment_length(s);
-    for (const auto& u : segments_of_length(s, plan.segment_length[c])) {
+    plan.segment_length[c] = choose_segment_length(s, limit_of(c));
+    for (const auto& u : segments_of_length(s, plan.segment_length[c], limit_of(c))) {
       if (!u.checkpointed) continue;
       double seconds = 0.0;
       for (int k = u.first; k <= u.last; ++k) seconds += s[k].forward_seconds;
@@ -436,7 +478,8 @@ constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains,
         if (u.checkpointed || s[u.first].mutates_input) continue;
         // u is one kept slot; extend over the following kept slots, up to twice the
         // chain's segment length (longer runs recompute more than they free).
-        const int longest = std::min(static_cast<int>(s.size()), u.first + 2 * plan.segment_length[c]);
+        const int longest = std::min(static_cast<int>(s.size()),
+                                     u.first + (limit_of(c) > 0 ? limit_of(c) : 2 * plan.segment_length[c]));
         for (int last = u.first; last < longest; ++last) {
           bool all_kept = true;
           for (const auto& v : plan.units[c])

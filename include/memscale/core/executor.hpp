@@ -10,11 +10,15 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -22,6 +26,7 @@
 #include <torch/version.h>
 
 #include <memscale/config.hpp>
+#include <memscale/core/call_sites.hpp>
 #include <memscale/core/decision_engine.hpp>
 #include <memscale/core/hardware.hpp>
 #include <memscale/core/plan.hpp>
@@ -59,6 +64,12 @@ inline constexpr double nominal_disk_bytes_per_second = 1e9;        // a local S
 
 class attachment;
 
+/// Runs after this process decided a plan and before anything is applied: gets
+/// the chains just profiled and the local plan, returns the plan to apply.
+/// Data parallel training sets it so every rank applies rank 0's plan
+/// (memscale/distributed.hpp); it may throw (nothing has changed yet).
+using plan_agreement = std::function<engine_plan(const std::vector<chain_profile>& profiles, engine_plan local)>;
+
 /// Slot 0 of a chain whose plan waits for its first input (wrap without an example).
 class PlanningProbeImpl : public torch::nn::Module {
  public:
@@ -84,30 +95,132 @@ inline bool is_memscale_slot(const torch::nn::AnyModule& slot) {
          std::dynamic_pointer_cast<PlanningProbeImpl>(p) || std::dynamic_pointer_cast<InputCaptureImpl>(p);
 }
 
-struct managed_chain {
-  chain_ref ref;
-  std::vector<torch::nn::AnyModule> originals;
-  bool planned = false;
+/// Where a chain's units come from.
+enum class chain_source : std::uint8_t {
+  sequential,   ///< the slots of a torch::nn::Sequential (swapped in place)
+  call_sites,   ///< recorded memscale::forward calls (run through the call sequence)
+  whole_model,  ///< no unit boundaries: the whole forward, one unit (offload only)
 };
 
-class attachment : public std::enable_shared_from_this<attachment> {
+struct managed_chain {
+  chain_ref ref;  ///< ref.sequential is null unless source is sequential
+  std::vector<torch::nn::AnyModule> originals;
+  bool planned = false;
+  chain_source source = chain_source::sequential;
+  std::vector<std::string> unit_names;     ///< call sites: "blocks.3 (Block)"
+  std::vector<torch::Tensor> unit_inputs;  ///< call sites: what each call received (until planned)
+  std::vector<std::size_t> positions;      ///< call sites: each unit's place in the call sequence
+  bool inside_call_site = false;           ///< a Sequential first run inside a memscale::forward call
+};
+
+/// One memscale::forward call seen while recording.
+struct call_record {
+  const torch::nn::Module* module = nullptr;
+  torch::nn::AnyModule slot;  ///< empty: the call cannot be a unit (why_not says why)
+  std::string why_not;
+  torch::Tensor input;        ///< detached
+  int depth = 0;
+};
+
+/// A call of the planned sequence and what runs for it (empty: the module itself).
+struct planned_call {
+  const torch::nn::Module* module = nullptr;
+  torch::nn::AnyModule runner;
+};
+
+/// While planning runs on this thread, chain probes and call sites run as they are.
+inline bool& planning_on_this_thread() {
+  thread_local bool planning = false;
+  return planning;
+}
+
+class attachment : public std::enable_shared_from_this<attachment>, public call_site_host {
  public:
   attachment(const std::shared_ptr<torch::nn::Module>& root, std::vector<chain_ref> chains, Config config,
-             technique_set techniques)
-      : root_(root), config_(std::move(config)), techniques_(techniques) {
+             technique_set techniques, plan_agreement agree = {},
+             std::function<torch::Tensor(const torch::Tensor&)> whole_forward = {})
+      : root_(root),
+        config_(std::move(config)),
+        techniques_(techniques),
+        agree_(std::move(agree)),
+        whole_forward_(std::move(whole_forward)) {
     for (auto& ref : chains) {
-      managed_chain chain{std::move(ref), {}, false};
+      managed_chain chain;
+      chain.ref = std::move(ref);
       for (const auto& slot : *chain.ref.sequential) chain.originals.push_back(slot);
       chains_.push_back(std::move(chain));
     }
+    sequential_chains_ = chains_.size();
+    for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/true))
+      paths_.emplace(item.value().get(), item.key());
     report_.mode = config_.mode;
     report_.hardware = detect_hardware();
     add_technique_notes();
   }
 
+  attachment(const attachment&) = delete;
+  attachment& operator=(const attachment&) = delete;
+  /// A model dropped without detach() takes its attachment with it: its call
+  /// sites stop reaching it.
+  ~attachment() override { stop_listening(); }
+
   [[nodiscard]] Report report() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return report_;
+    Report r;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      r = report_;
+    }
+    const auto diverged = diverged_forwards_.load();
+    const auto short_ones = short_forwards_.load();
+    if (diverged != 0 || short_ones != 0)
+      r.notes.push_back("call sites: " + std::to_string(diverged) +
+                        " forward(s) left the recorded call sequence (each ran unoptimized from there on), " +
+                        std::to_string(short_ones) + " ended before its last recorded call");
+    return r;
+  }
+
+  /// Makes memscale::forward calls on the model's modules reach this attachment
+  /// (undone by restore()).
+  void listen_to_call_sites() {
+    auto self = shared_from_this();
+    for (const auto& [module, path] : paths_) call_sites::index::global().add(module, self);
+    if (!listening_.exchange(true)) call_sites::active_hosts().fetch_add(1);
+  }
+
+  void stop_listening() noexcept {
+    if (!listening_.exchange(false)) return;
+    call_sites::index::global().remove_host(this);
+    call_sites::active_hosts().fetch_sub(1);
+  }
+
+  /// memscale::forward: records, plans (lazily) or runs a call (call_sites.hpp).
+  call_ticket begin_call(torch::nn::Module& module, int depth, const std::function<torch::nn::AnyModule()>* make_slot,
+                         const torch::Tensor* input, const char* why_not) override {
+    if (detail::recompute_scope::current() != nullptr || planning_on_this_thread()) return {};
+    switch (sites_.load()) {
+      case sites_state::waiting: {
+        // Without an example input, record the first training forward.
+        if (!training_call() || !torch::GradMode::is_enabled() || c10::InferenceMode::is_enabled()) return {};
+        std::lock_guard<std::mutex> planning(plan_mutex_);
+        if (sites_.load() == sites_state::waiting) {
+          recording_epoch_ = offload::backwards_started();
+          sites_ = sites_state::recording_lazily;
+        }
+        [[fallthrough]];
+      }
+      case sites_state::recording_lazily:
+        if (recording_complete(module, depth)) {
+          plan_recorded_calls();
+          return sites_.load() == sites_state::active ? next_call(module, depth) : call_ticket{};
+        }
+        [[fallthrough]];
+      case sites_state::recording:
+        record(module, depth, make_slot, input, why_not);
+        return {};
+      case sites_state::active: return next_call(module, depth);
+      case sites_state::off: return {};
+    }
+    return {};
   }
 
   /// The offload engine, once a plan offloaded something (else null).
@@ -120,6 +233,7 @@ class attachment : public std::enable_shared_from_this<attachment> {
   /// what each chain receives. Chains the forward never reaches get no input.
   std::vector<torch::Tensor> capture_inputs(const std::function<void()>& forward) {
     detail::fault_point(detail::pipeline_stage::capture);
+    sites_ = sites_state::recording;  // memscale::forward calls of the example forward are recorded
     std::vector<std::shared_ptr<InputCaptureImpl>> probes;
     slot_transaction probes_in_place;  // always rolled back: capture changes nothing
     for (auto& chain : chains_) {
@@ -143,18 +257,59 @@ class attachment : public std::enable_shared_from_this<attachment> {
       }
     }
     std::vector<torch::Tensor> inputs;
-    for (const auto& probe : probes) inputs.push_back(probe->captured());
+    for (std::size_t c = 0; c < probes.size(); ++c) {
+      // A Sequential first reached inside a memscale::forward call is part of that unit.
+      if (probes[c]->inside_call_site()) {
+        chains_[c].planned = true;
+        chains_[c].inside_call_site = true;
+        inputs.emplace_back();
+        continue;
+      }
+      inputs.push_back(probes[c]->captured());
+    }
     return inputs;
   }
 
   /// Profiles, plans and applies the chains with a defined input; the others get
   /// a planning probe. Nothing changes in the model unless all of it succeeds.
-  void plan_and_apply(const std::vector<torch::Tensor>& inputs) {
+  void plan_and_apply(std::vector<torch::Tensor> inputs) {
+    inputs.resize(chains_.size());
     std::vector<std::size_t> ready;
     for (std::size_t c = 0; c < chains_.size(); ++c)
-      if (c < inputs.size() && inputs[c].defined()) ready.push_back(c);
+      if (inputs[c].defined()) ready.push_back(c);
+    const bool captured = sites_.load() == sites_state::recording;
+    if (captured) {
+      for (auto c : add_call_chains(/*lazy=*/false)) {
+        ready.push_back(c);
+        inputs.push_back(chains_[c].unit_inputs.front());
+      }
+    }
+    // No Sequential and no call site: what needs no unit boundaries, from the example.
+    if (captured && chains_.empty() && allows_whole_model_offload() && whole_input_.defined()) {
+      add_whole_model_chain();
+      ready.push_back(0);
+      inputs.push_back(whole_input_);
+    }
+    if (!captured && chains_.empty())
+      report_.notes.emplace_back(
+          "no torch::nn::Sequential: the units will be the memscale::forward calls of the first training forward "
+          "(recorded then, planned at the next forward). A model with neither gets whole-model offload only when "
+          "wrapped with an example input");
+    if (captured && chains_.empty())
+      throw UnsupportedModelError(
+          "memscale: the model (" + root_name() + ") has no unit boundaries (no torch::nn::Sequential, and its "
+          "example forward made no memscale::forward call), and what needs none cannot apply: " +
+          (whole_forward_ ? std::string("offload is disabled (Config::enable_offloading, the Strategy, or "
+                                        "memscale's autograd engine is not the default one)")
+                          : std::string("its forward does not take and return one Tensor, so it cannot be profiled")) +
+          ". Mark the blocks your forward loops over with `x = memscale::forward(*blocks[i], x);` (or keep them "
+          "in a torch::nn::Sequential) to get checkpointing, tiling and per-unit offload");
     commit_plan(ready, inputs, /*probe_the_others=*/true);
+    if (captured && sites_.load() == sites_state::recording) sites_ = sites_state::off;  // no call sites
   }
+
+  /// The example input, for a model planned as one whole-forward unit.
+  void set_whole_input(const torch::Tensor& x) { whole_input_ = x.detach(); }
 
   /// Called by a chain's planning probe on its first training input. The probe
   /// runs inside slot 0's AnyModule holder, which planning replaces: the holder
@@ -186,10 +341,16 @@ class attachment : public std::enable_shared_from_this<attachment> {
     return root && root->is_training();
   }
 
-  /// Puts every original slot back. Never throws.
+  /// Puts every original slot back, stops listening to call sites and closes a
+  /// whole-model offload scope. Never throws.
   void restore() noexcept {
     std::lock_guard<std::mutex> planning(plan_mutex_);
+    sites_ = sites_state::off;
+    stop_listening();
+    sequence_.clear();
+    whole_scope_.reset();
     for (auto& chain : chains_) {
+      if (chain.source != chain_source::sequential) continue;
       auto it = chain.ref.sequential->begin();
       for (std::size_t k = 0; k < chain.originals.size(); ++k, ++it) *it = chain.originals[k];
     }
@@ -228,32 +389,62 @@ class attachment : public std::enable_shared_from_this<attachment> {
       report_.notes.emplace_back("verify_correctness: not implemented in this release");
   }
 
+  /// What a plan changes besides Sequential slots, made before it commits and
+  /// moved into place after (noexcept).
+  struct pending_changes {
+    slot_transaction swaps;
+    std::vector<std::pair<std::size_t, torch::nn::AnyModule>> runners;  // call sequence position -> runner
+    std::unique_ptr<offload_scope> whole_scope;
+  };
+
   /// Plans chains `ready`, applies the plan (and probes on the other chains when
   /// asked) in one transaction, then publishes the report.
   void commit_plan(const std::vector<std::size_t>& ready, const std::vector<torch::Tensor>& inputs,
                    bool probe_the_others, torch::nn::AnyModule* displaced = nullptr) {
+    struct planning_flag {
+      bool before = planning_on_this_thread();
+      planning_flag() { planning_on_this_thread() = true; }
+      ~planning_flag() { planning_on_this_thread() = before; }
+    } planning;
     Report next = report_;
     std::vector<std::vector<unit>> units;
     if (!ready.empty()) units = plan(ready, inputs, next);
-    slot_transaction swaps;
+    pending_changes changes;
     bool first_change = true;
     for (std::size_t i = 0; i < ready.size(); ++i) {
       // plan() appended the profiles of `ready` last, in order.
       const auto& profile = next.chains[next.chains.size() - ready.size() + i];
-      apply_units(ready[i], units[i], profile.supported, swaps, first_change);
+      apply_units(ready[i], units[i], profile.supported, changes, first_change);
     }
     for (std::size_t c = 0; probe_the_others && c < chains_.size(); ++c) {
+      if (chains_[c].source != chain_source::sequential || chains_[c].planned) continue;
       if (std::find(ready.begin(), ready.end(), c) != ready.end()) continue;
-      swaps.replace(*chains_[c].ref.sequential, 0,
-                    torch::nn::AnyModule(std::make_shared<PlanningProbeImpl>(weak_from_this(), c,
-                                                                              chains_[c].originals.front())));
+      changes.swaps.replace(*chains_[c].ref.sequential, 0,
+                            torch::nn::AnyModule(std::make_shared<PlanningProbeImpl>(weak_from_this(), c,
+                                                                                      chains_[c].originals.front())));
       after_first_change(first_change);
     }
+    auto sequence = pending_sequence_;  // copies AnyModule handles only
+    for (auto& [position, runner] : changes.runners) sequence[position].runner = std::move(runner);
+    next.notes.insert(next.notes.end(), pending_notes_.begin(), pending_notes_.end());
     detail::fault_point(detail::pipeline_stage::commit);
     // Nothing below may throw: the slots are swapped, and a caller that saw an
     // exception would restore only some of them.
-    swaps.commit(displaced);
-    for (auto c : ready) chains_[c].planned = true;
+    changes.swaps.commit(displaced);
+    for (auto c : ready) {
+      chains_[c].planned = true;
+      chains_[c].unit_inputs.clear();  // the recorded activations are not needed any more
+    }
+    if (!pending_sequence_.empty()) {
+      sequence_ = std::move(sequence);
+      cursor_ = 0;
+      diverged_ = false;
+      cursor_epoch_ = offload::backwards_started();
+      sites_ = sites_state::active;
+    }
+    pending_sequence_.clear();
+    pending_notes_.clear();
+    if (changes.whole_scope) whole_scope_ = std::move(changes.whole_scope);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       std::swap(report_, next);
@@ -279,8 +470,13 @@ class attachment : public std::enable_shared_from_this<attachment> {
     std::vector<chain_profile> profiles;
     {
       torch::AutoGradMode grad_on(true);  // profiling measures what backward keeps
-      for (auto c : which)
-        profiles.push_back(profile_chain(chains_[c].ref.path, chains_[c].originals, inputs[c], options));
+      for (auto c : which) {
+        const auto& chain = chains_[c];
+        profiles.push_back(chain.source == chain_source::call_sites
+                               ? profile_chain(chain.ref.path, chain.originals, inputs[c], options,
+                                               &chain.unit_inputs, chain.unit_names)
+                               : profile_chain(chain.ref.path, chain.originals, inputs[c], options));
+      }
     }
     detail::fault_point(detail::pipeline_stage::plan);
 
@@ -332,6 +528,11 @@ class attachment : public std::enable_shared_from_this<attachment> {
     in.static_bytes = out.static_bytes();
     in.tiling_allowed = in.checkpointing_allowed && static_cast<bool>(techniques_.tile);
     in.offload_allowed = static_cast<bool>(techniques_.offload);
+    for (auto c : which) in.segment_limit.push_back(chains_[c].source == chain_source::sequential ? 0 : 1);
+    if (chains_[which.front()].source == chain_source::whole_model) {  // the only chain then
+      in.checkpointing_allowed = in.tiling_allowed = false;
+      in.whole_model_group_bytes = whole_group_bytes;
+    }
     // On CUDA this also finds out whether memscale's engine can run the
     // process's CUDA backwards at all (and hands them back to LibTorch's if not).
     if (in.offload_allowed || device.is_cuda()) {
@@ -355,6 +556,7 @@ class attachment : public std::enable_shared_from_this<attachment> {
       in.offload_min_bytes = engine_options.min_bytes;
     }
     auto decided = decide(costs, supported, in);
+    if (agree_) decided = agree_(profiles, std::move(decided));
 
     // Merge into the report: chains planned earlier stay; indices shift.
     const int offset = static_cast<int>(out.chains.size());
@@ -400,11 +602,26 @@ class attachment : public std::enable_shared_from_this<attachment> {
     return engine_;
   }
 
-  /// Replaces chain c's slots as `units` say (originals where a unit is kept).
-  void apply_units(std::size_t c, const std::vector<unit>& units, bool supported, slot_transaction& swaps,
+  /// Replaces chain c's slots as `units` say (originals where a unit is kept):
+  /// a Sequential's slots are swapped, call sites get runners, and a whole
+  /// model that offloads gets its offload scope.
+  void apply_units(std::size_t c, const std::vector<unit>& units, bool supported, pending_changes& changes,
                    bool& first_change) {
     auto& chain = chains_[c];
-    auto& seq = *chain.ref.sequential;
+    if (chain.source == chain_source::whole_model) {
+      if (units.empty() || !units.front().offloaded) return;
+      auto keep = std::make_shared<detail::storage_set>();
+      if (auto root = root_.lock()) {
+        for (const auto& t : root->parameters())
+          if (t.defined() && t.has_storage()) keep->insert(t.storage().unsafeGetStorageImpl());
+        for (const auto& t : root->buffers())
+          if (t.defined() && t.has_storage()) keep->insert(t.storage().unsafeGetStorageImpl());
+      }
+      changes.whole_scope = std::make_unique<offload_scope>(engine_for_plan(), std::move(keep), whole_group_bytes,
+                                                            root_name());
+      after_first_change(first_change);
+      return;
+    }
     std::vector<torch::nn::AnyModule> target = chain.originals;
     for (const auto& u : units) {
       if (!u.checkpointed && !u.offloaded) continue;
@@ -435,18 +652,305 @@ class attachment : public std::enable_shared_from_this<attachment> {
       for (auto& slot : target)
         if (!std::dynamic_pointer_cast<PassThroughImpl>(slot.ptr()))
           slot = torch::nn::AnyModule(std::make_shared<AutocastSlotImpl>(std::move(slot)));
+    if (chain.source == chain_source::call_sites) {
+      for (std::size_t k = 0; k < target.size(); ++k)
+        if (target[k].ptr() != chain.originals[k].ptr()) changes.runners.emplace_back(chain.positions[k], target[k]);
+      return;
+    }
+    auto& seq = *chain.ref.sequential;
     auto it = seq.begin();
     for (std::size_t k = 0; k < target.size(); ++k, ++it) {
       if (it->ptr() == target[k].ptr()) continue;
-      swaps.replace(seq, k, std::move(target[k]));
+      changes.swaps.replace(seq, k, std::move(target[k]));
       after_first_change(first_change);
     }
+  }
+
+  // --- call sites ------------------------------------------------------------
+
+  /// Prefetch groups of a whole-model offload scope (it has no layer boundaries).
+  static constexpr std::int64_t whole_group_bytes = std::int64_t{32} << 20;
+  /// A lazy recording longer than this ends (a training forward never followed by a backward).
+  static constexpr std::size_t max_recorded_calls = 1 << 16;
+
+  enum class sites_state : std::uint8_t { waiting, recording, recording_lazily, active, off };
+
+  [[nodiscard]] std::string root_name() const {
+    auto root = root_.lock();
+    return root ? root->name() : std::string("model");
+  }
+
+  /// "TransformerBlock" for gpt::TransformerBlockImpl: the name users write.
+  static std::string type_name(const torch::nn::Module& module) {
+    auto name = module.name();
+    if (const auto colon = name.rfind("::"); colon != std::string::npos) name = name.substr(colon + 2);
+    if (name.size() > 4 && name.compare(name.size() - 4, 4, "Impl") == 0) name.resize(name.size() - 4);
+    return name;
+  }
+
+  [[nodiscard]] std::string path_of(const torch::nn::Module* module) const {
+    const auto it = paths_.find(module);
+    if (it == paths_.end()) return "<not registered in the model>";
+    return it->second.empty() ? "<root>" : it->second;
+  }
+
+  [[nodiscard]] bool allows_whole_model_offload() const {
+    return whole_forward_ && static_cast<bool>(techniques_.offload) && offload::hooks_engine_active();
+  }
+
+  void record(torch::nn::Module& module, int depth, const std::function<torch::nn::AnyModule()>* make_slot,
+              const torch::Tensor* input, const char* why_not) {
+    if (records_.size() >= max_recorded_calls) return;
+    call_record r;
+    r.module = &module;
+    r.depth = depth;
+    if (make_slot != nullptr) {
+      try {
+        r.slot = (*make_slot)();
+      } catch (const std::bad_weak_ptr&) {
+        r.why_not = "the module is not owned by a std::shared_ptr (build it through its ModuleHolder, "
+                    "std::make_shared or register_module)";
+      }
+    } else if (why_not != nullptr) {
+      r.why_not = why_not;
+    }
+    if (input != nullptr && !r.slot.is_empty()) r.input = input->detach();
+    records_.push_back(std::move(r));
+  }
+
+  /// Whether a lazy recording holds a whole training forward: a backward ran
+  /// since it began (memscale's engine counts them), or, without that engine,
+  /// the first recorded module is called again at its depth.
+  [[nodiscard]] bool recording_complete(const torch::nn::Module& module, int depth) const {
+    if (records_.empty()) return false;
+    if (records_.size() >= max_recorded_calls) return true;
+    if (offload::hooks_engine_active()) return offload::backwards_started() != recording_epoch_;
+    return depth == records_.front().depth && &module == records_.front().module;
+  }
+
+  /// Several forwards before the first backward (gradient accumulation): the
+  /// shortest period of the recorded sequence is one forward.
+  static std::vector<call_record> one_forward(std::vector<call_record> records) {
+    const auto n = records.size();
+    for (std::size_t p = 1; p < n; ++p) {
+      if (n % p != 0) continue;
+      bool periodic = true;
+      for (std::size_t i = p; i < n && periodic; ++i)
+        periodic = records[i].module == records[i % p].module && records[i].depth == records[i % p].depth;
+      if (periodic) {
+        records.resize(p);
+        break;
+      }
+    }
+    return records;
+  }
+
+  /// Lazy planning of the recorded calls, at the first call after the recording
+  /// ended (the next forward). On failure call sites run directly from then on.
+  void plan_recorded_calls() {
+    std::lock_guard<std::mutex> planning(plan_mutex_);
+    if (sites_.load() != sites_state::recording_lazily) return;
+    try {
+      const auto added = add_call_chains(/*lazy=*/true);
+      if (added.empty()) {
+        sites_ = sites_state::off;
+        pending_notes_.clear();
+        return;
+      }
+      std::vector<torch::Tensor> inputs(chains_.size());
+      for (auto c : added) inputs[c] = chains_[c].unit_inputs.front();
+      commit_plan(added, inputs, /*probe_the_others=*/false);
+    } catch (...) {
+      sites_ = sites_state::off;
+      pending_sequence_.clear();
+      pending_notes_.clear();
+      throw;
+    }
+  }
+
+  /// Turns the recorded calls into chains of call-site units (appended to
+  /// chains_; their indices are returned), the call sequence and report notes.
+  std::vector<std::size_t> add_call_chains(bool lazy) {
+    auto records = std::move(records_);
+    records_.clear();
+    if (lazy) records = one_forward(std::move(records));
+    // Calls inside a Sequential memscale manages run in its slots, its units.
+    std::vector<std::string> managed;
+    for (const auto& chain : chains_)
+      if (chain.source == chain_source::sequential && !chain.inside_call_site) managed.push_back(chain.ref.path);
+    const auto in_managed = [&](const torch::nn::Module* m) {
+      const auto it = paths_.find(m);
+      if (it == paths_.end()) return false;
+      return std::any_of(managed.begin(), managed.end(), [&](const std::string& p) {
+        return p.empty() || it->second == p || it->second.rfind(p + ".", 0) == 0;
+      });
+    };
+    excluded_.clear();
+    std::vector<const call_record*> eligible;
+    for (const auto& r : records) {
+      if (in_managed(r.module)) excluded_.insert(r.module);
+      else eligible.push_back(&r);
+    }
+    // The outermost depth with at least two calls (else the outermost).
+    std::map<int, int> per_depth;
+    for (const auto* r : eligible) ++per_depth[r->depth];
+    level_ = per_depth.empty() ? 0 : per_depth.begin()->first;
+    for (const auto& [d, n] : per_depth)
+      if (n >= 2) {
+        level_ = d;
+        break;
+      }
+    pending_sequence_.clear();
+    pending_notes_.clear();
+    std::vector<std::size_t> added;
+    std::unordered_map<const torch::nn::Module*, int> calls_of;
+    std::size_t open = 0;
+    bool is_open = false;
+    int nested = 0;
+    std::vector<std::string> direct;
+    for (const auto* r : eligible) {
+      if (r->depth != level_) {
+        nested += r->depth > level_ ? 1 : 0;
+        continue;
+      }
+      const auto position = pending_sequence_.size();
+      pending_sequence_.push_back({r->module, {}});
+      if (r->slot.is_empty()) {
+        is_open = false;
+        const auto line = "call site '" + path_of(r->module) + "' (" + type_name(*r->module) + ") runs as it is: " +
+                          r->why_not;
+        if (std::find(direct.begin(), direct.end(), line) == direct.end()) direct.push_back(line);
+        continue;
+      }
+      if (!is_open) {
+        managed_chain chain;
+        chain.source = chain_source::call_sites;
+        chains_.push_back(std::move(chain));
+        open = chains_.size() - 1;
+        is_open = true;
+        added.push_back(open);
+      }
+      auto& chain = chains_[open];
+      auto name = path_of(r->module) + " (" + type_name(*r->module) + ")";
+      if (const int k = ++calls_of[r->module]; k > 1) name += " call " + std::to_string(k);
+      chain.originals.push_back(r->slot);
+      chain.unit_inputs.push_back(r->input);
+      chain.positions.push_back(position);
+      chain.unit_names.push_back(std::move(name));
+    }
+    for (std::size_t i = 0; i < added.size(); ++i) {
+      auto& chain = chains_[added[i]];
+      chain.ref.path = "memscale::forward call sites " + chain.unit_names.front().substr(0, chain.unit_names.front().find(' ')) +
+                       " .. " + chain.unit_names.back().substr(0, chain.unit_names.back().find(' '));
+    }
+    if (!pending_sequence_.empty()) {
+      int units = 0;
+      for (auto c : added) units += static_cast<int>(chains_[c].originals.size());
+      std::string line = "call sites: " + std::to_string(pending_sequence_.size()) + " memscale::forward call(s) per " +
+                         "forward at depth " + std::to_string(level_) + ", " + std::to_string(units) +
+                         " of them planned as units";
+      if (level_ > per_depth.begin()->first)
+        line += "; the outermost depth has a single call, so the plan goes one level finer";
+      if (nested > 0)
+        line += "; " + std::to_string(nested) + " nested call(s) inside them run directly (the plan uses the "
+                "outermost depth with at least two calls: whole blocks are the boundaries where a checkpoint "
+                "keeps least, and a unit's recompute re-runs its nested calls anyway)";
+      line += lazy ? "; recorded over the first training forward" : "; recorded from the example forward";
+      pending_notes_.push_back(std::move(line));
+    }
+    for (auto& line : direct) pending_notes_.push_back(std::move(line));
+    if (!excluded_.empty())
+      pending_notes_.push_back(std::to_string(excluded_.size()) + " module(s) called through memscale::forward inside "
+                               "a managed Sequential run directly: that Sequential's slots are the units there");
+    for (const auto& chain : chains_)
+      if (chain.source == chain_source::sequential && chain.inside_call_site)
+        pending_notes_.push_back("Sequential '" + chain.ref.path + "' runs inside a memscale::forward call: it is "
+                                 "part of that unit, not planned on its own");
+    return added;
+  }
+
+  /// A model with no Sequential and no call site: its whole forward, one unit.
+  void add_whole_model_chain() {
+    managed_chain chain;
+    chain.source = chain_source::whole_model;
+    chain.ref.path = "<whole model> " + root_name();
+    auto root = root_.lock();
+    MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
+    chain.originals.push_back(torch::nn::AnyModule(std::make_shared<WholeModelImpl>(root, whole_forward_)));
+    chains_.push_back(std::move(chain));
+    pending_notes_.push_back(
+        "no unit boundaries: the model has no torch::nn::Sequential and its forward makes no memscale::forward "
+        "call, so checkpointing and tiling cannot apply. Write `x = memscale::forward(*blocks[i], x);` where "
+        "your forward calls its blocks to get them. What needs no boundaries applies: offload of every tensor "
+        "autograd saves on the thread that called wrap/optimize while the model is wrapped (the forward and "
+        "the loss), the 8-bit optimizer (memscale::make_optimizer), and mixed precision through "
+        "memscale::autocast_scope around your forward");
+  }
+
+  /// The planned call for a memscale::forward call at `depth`, following the
+  /// recorded sequence (call_sites.hpp has the rules).
+  call_ticket next_call(const torch::nn::Module& module, int depth) {
+    if (depth != level_ || sequence_.empty() || excluded_.count(&module) != 0) return {};
+    if (!torch::GradMode::is_enabled() || c10::InferenceMode::is_enabled()) return {};  // nothing is saved
+    const auto epoch = offload::backwards_started();
+    if (epoch != cursor_epoch_) {
+      end_forward();
+      cursor_epoch_ = epoch;
+    }
+    if (diverged_) return {};
+    const auto* first = sequence_.front().module;
+    if (cursor_ == sequence_.size() && &module == first) {
+      cursor_ = 0;  // the sequence completed: a new forward
+    } else if (cursor_ > 0 && cursor_ < sequence_.size() && sequence_[cursor_].module != &module && &module == first) {
+      end_forward();  // a shorter forward ended; this call starts the next
+    }
+    if (cursor_ >= sequence_.size() || sequence_[cursor_].module != &module) {
+      diverged_ = true;
+      const auto n = ++diverged_forwards_;
+      if (config_.enable_logging && n <= 5)
+        std::clog << "[memscale] warning: memscale::forward call " << cursor_ << " of this forward is '"
+                  << path_of(&module) << "', but the plan recorded "
+                  << (cursor_ < sequence_.size() ? "'" + path_of(sequence_[cursor_].module) + "'"
+                                                 : std::to_string(sequence_.size()) + " calls")
+                  << "; the rest of this forward runs unoptimized"
+                  << (n == 5 ? " (further occurrences are only counted in the report)" : "") << "\n";
+      return {};
+    }
+    return {sequence_[cursor_++].runner};
+  }
+
+  void end_forward() {
+    if (cursor_ != 0 && cursor_ < sequence_.size() && !diverged_) ++short_forwards_;
+    cursor_ = 0;
+    diverged_ = false;
   }
 
   std::weak_ptr<torch::nn::Module> root_;
   Config config_;
   technique_set techniques_;
+  plan_agreement agree_;
+  std::function<torch::Tensor(const torch::Tensor&)> whole_forward_;  // empty: forward is not Tensor -> Tensor
+  torch::Tensor whole_input_;
+  std::unique_ptr<offload_scope> whole_scope_;
   std::vector<managed_chain> chains_;
+  std::size_t sequential_chains_ = 0;
+  std::unordered_map<const torch::nn::Module*, std::string> paths_;  // every module of the model
+  // Call sites. The recording and the sequence change under plan_mutex_; the
+  // cursor belongs to the thread that runs the forward (one at a time).
+  std::atomic<sites_state> sites_{sites_state::waiting};
+  std::atomic<bool> listening_{false};
+  std::vector<call_record> records_;
+  std::uint64_t recording_epoch_ = 0;
+  std::vector<planned_call> pending_sequence_;
+  std::vector<std::string> pending_notes_;
+  std::vector<planned_call> sequence_;
+  std::unordered_set<const torch::nn::Module*> excluded_;
+  int level_ = 0;
+  std::size_t cursor_ = 0;
+  bool diverged_ = false;
+  std::uint64_t cursor_epoch_ = 0;
+  std::atomic<std::int64_t> diverged_forwards_{0};
+  std::atomic<std::int64_t> short_forwards_{0};
   std::shared_ptr<offload::engine> engine_;  // guarded by mutex_
   mutable std::mutex mutex_;  // guards report_ and engine_
   std::mutex plan_mutex_;     // serializes lazy planning and restore
@@ -460,40 +964,47 @@ inline torch::Tensor PlanningProbeImpl::forward(torch::Tensor x) {
   torch::nn::AnyModule displaced;
   // Plan from a training call: an evaluation or no-grad first call would measure
   // nothing that backward keeps. Until then, the chain runs as it is.
+  // Inside a memscale::forward call, a recompute or planning, the chain is part
+  // of something being run or measured: it runs as it is.
+  if (call_sites::depth() > 0 || detail::recompute_scope::current() != nullptr || planning_on_this_thread())
+    return original_.forward<torch::Tensor>(std::move(x));
   auto owner = owner_.lock();
   if (owner && owner->training_call() && torch::GradMode::is_enabled() && !c10::InferenceMode::is_enabled())
     return owner->plan_on_first_call(chain_, x, displaced);
   return original_.forward<torch::Tensor>(std::move(x));
 }
 
-/// The pipeline behind wrap(): validate, find chains, (capture), profile, plan,
-/// apply, register. `forward`: runs the example input through the model, or empty.
+/// The pipeline behind wrap(): validate, find chains, listen to call sites,
+/// (capture), profile, plan, apply, register. `forward`: runs the example input
+/// through the model, or empty. `whole_forward`: the model's Tensor -> Tensor
+/// forward, when it has one (a model with no unit boundaries is planned as one).
 inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Module>& root, const Config& config,
-                                          technique_set techniques, const std::function<void()>& forward) {
+                                          technique_set techniques, const std::function<void()>& forward,
+                                          plan_agreement agree = {},
+                                          std::function<torch::Tensor(const torch::Tensor&)> whole_forward = {},
+                                          const torch::Tensor* example = nullptr) {
   config.validate();
   if (!root) throw UnsupportedModelError("memscale: the model is empty (a null module holder)");
   if (registry::global().find(root.get()))
     throw AlreadyOptimizedError("memscale: this model is already optimized; call memscale::detach(model) "
                                 "before wrapping it again");
   auto chains = find_chains(root);
-  if (chains.empty())
-    throw UnsupportedModelError(
-        "memscale: the model (" + root->name() +
-        ") contains no torch::nn::Sequential, so memscale has no layer slots to optimize. Put the "
-        "repeated layers in a torch::nn::Sequential member (for example a Sequential of transformer "
-        "blocks registered with register_module), or call memscale::checkpoint(fn, inputs, params) "
-        "from a custom forward");
   for (const auto& chain : chains)
     for (const auto& slot : *chain.sequential)
       if (is_memscale_slot(slot))
         throw AlreadyOptimizedError("memscale: Sequential '" + (chain.path.empty() ? root->name() : chain.path) +
                                     "' is already managed by memscale (through another model that contains "
                                     "it); detach that model first");
-  auto attached = std::make_shared<attachment>(root, std::move(chains), config, techniques);
-  std::vector<torch::Tensor> inputs;
-  if (forward) inputs = attached->capture_inputs(forward);
-  attached->plan_and_apply(inputs);
+  auto attached = std::make_shared<attachment>(root, std::move(chains), config, techniques, std::move(agree),
+                                               std::move(whole_forward));
   try {
+    attached->listen_to_call_sites();
+    std::vector<torch::Tensor> inputs;
+    if (forward) {
+      if (example != nullptr) attached->set_whole_input(*example);
+      inputs = attached->capture_inputs(forward);
+    }
+    attached->plan_and_apply(std::move(inputs));
     registry::global().add(root, attached);
   } catch (...) {
     attached->restore();

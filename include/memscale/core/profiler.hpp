@@ -295,10 +295,14 @@ inline profile_options profile_options_from(const Config& config, bool training)
   return {config.use_static_profiling, config.use_empirical_fallback, std::max(1, config.warmup_steps), training};
 }
 
-/// Profiles the original `slots` of a chain for the given chain input.
+/// Profiles the original `slots` of a chain for the given chain input. With
+/// `slot_inputs` (one per slot: what each call site received, which need not be
+/// the previous slot's output), each slot is profiled on its own input.
 /// Throws ProfilingError when a slot can be profiled neither way.
 inline chain_profile profile_chain(const std::string& path, std::vector<torch::nn::AnyModule> slots,
-                                   const torch::Tensor& chain_input, const profile_options& options) {
+                                   const torch::Tensor& chain_input, const profile_options& options,
+                                   const std::vector<torch::Tensor>* slot_inputs = nullptr,
+                                   std::vector<std::string> names = {}) {
   chain_profile profile;
   profile.path = path;
   profile.input_shape = chain_input.sizes().vec();
@@ -335,7 +339,11 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
 
   for (std::size_t k = 0; k < slots.size(); ++k) {
     auto& slot = slots[k];
-    profile.slot_names.push_back(std::to_string(k) + " (" + slot.ptr()->name() + ")");
+    profile.slot_names.push_back(k < names.size() ? names[k] : std::to_string(k) + " (" + slot.ptr()->name() + ")");
+    if (slot_inputs != nullptr && k < slot_inputs->size() && (*slot_inputs)[k].defined()) {
+      current_tensor = (*slot_inputs)[k];
+      current = input_of(current_tensor.sizes().vec(), current_tensor.scalar_type());
+    }
     // What tiling may do with this slot, from its input's shape.
     const auto tiling = [&, in = current](slot_cost cost) {
       cost.row_dims = row_independent_dims(*slot.ptr(), in);

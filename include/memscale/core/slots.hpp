@@ -4,11 +4,14 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include <torch/torch.h>
 
+#include <memscale/core/call_sites.hpp>
 #include <memscale/detail/assert.hpp>
 #include <memscale/detail/fault_injection.hpp>
 
@@ -27,14 +30,35 @@ class InputCaptureImpl : public torch::nn::Module {
   explicit InputCaptureImpl(torch::nn::AnyModule original)
       : torch::nn::Module("memscale::InputCapture"), original_(std::move(original)) {}
   torch::Tensor forward(torch::Tensor x) {
-    if (!captured_.defined()) captured_ = x.detach();
+    if (!captured_.defined()) {
+      captured_ = x.detach();
+      inside_call_site_ = call_sites::depth() > 0;
+    }
     return original_.forward<torch::Tensor>(std::move(x));
   }
   [[nodiscard]] const torch::Tensor& captured() const noexcept { return captured_; }
+  /// Whether the chain first ran inside a memscale::forward call (it is then part of that unit).
+  [[nodiscard]] bool inside_call_site() const noexcept { return inside_call_site_; }
 
  private:
   torch::nn::AnyModule original_;
   torch::Tensor captured_;
+  bool inside_call_site_ = false;
+};
+
+/// The one slot of a model with no unit boundaries: its whole forward. It
+/// registers the model, so the profiler sees its parameters and puts its
+/// buffers back.
+class WholeModelImpl : public torch::nn::Module {
+ public:
+  WholeModelImpl(const std::shared_ptr<torch::nn::Module>& model, std::function<torch::Tensor(const torch::Tensor&)> fn)
+      : torch::nn::Module("memscale::WholeModel"), fn_(std::move(fn)) {
+    register_module("model", model);
+  }
+  torch::Tensor forward(torch::Tensor x) { return fn_(x); }
+
+ private:
+  std::function<torch::Tensor(const torch::Tensor&)> fn_;
 };
 
 /// Slot replacements done so far; undone in reverse unless committed.

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <concepts>
 #include <memory>
 #include <mutex>
@@ -74,10 +75,26 @@ class hooks_engine final : public torch::autograd::Engine {
     return stack.empty() ? nullptr : stack.back()->make();
   }
 
-  static torch::autograd::Engine& instance() {
+  /// Counts every backward this engine runs (backward(), autograd::grad, a
+  /// checkpoint's internal grad): call sites use it to tell training steps apart.
+  torch::autograd::variable_list execute(const torch::autograd::edge_list& roots,
+                                         const torch::autograd::variable_list& inputs, bool keep_graph,
+                                         bool create_graph, bool accumulate_grad,
+                                         const torch::autograd::edge_list& outputs = {}) override {
+    backwards_.fetch_add(1, std::memory_order_relaxed);
+    return torch::autograd::Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
+  }
+  [[nodiscard]] std::uint64_t backwards() const noexcept { return backwards_.load(std::memory_order_relaxed); }
+
+  static hooks_engine& self() {
     static hooks_engine engine;  // one per process, as the Engine requires
     return engine;
   }
+  /// The engine stub set_default_engine_stub takes.
+  static torch::autograd::Engine& instance() { return self(); }
+
+ private:
+  std::atomic<std::uint64_t> backwards_{0};
 };
 
 inline std::atomic<bool>& engine_installed() {
@@ -122,6 +139,12 @@ inline const bool hooks_engine_installed_at_load = [] {
 [[nodiscard]] inline bool hooks_engine_active() {
   if (!detail::engine_installed()) return false;
   return &torch::autograd::Engine::get_default_engine() == &detail::hooks_engine::instance();
+}
+
+/// How many backwards memscale's engine has started (0 while it is not the
+/// default engine: then nothing counts them).
+[[nodiscard]] inline std::uint64_t backwards_started() {
+  return hooks_engine_active() ? detail::hooks_engine::self().backwards() : 0;
 }
 
 /// Why saved-tensor hooks cannot work for tensors on `device` (empty: they can).

@@ -5,6 +5,7 @@
 // the input the checkpoint keeps. Saved-tensor hooks: offload/hooks.hpp.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -86,6 +87,51 @@ inline std::shared_ptr<const storage_set> storages_of(const std::vector<torch::n
 
 }  // namespace detail
 
+namespace detail {
+
+/// The pack side of an offload scope: what stays (leaves that need a gradient,
+/// small tensors, `keep` storages) and what goes to the engine. With
+/// `group_bytes`, a new prefetch group starts after that many bytes (a scope
+/// over a whole forward has no layer boundaries to group by).
+struct offload_pack {
+  std::shared_ptr<offload::engine> engine;
+  std::shared_ptr<const storage_set> keep;
+  std::int64_t group_bytes = 0;
+  std::shared_ptr<std::atomic<std::int64_t>> in_group = std::make_shared<std::atomic<std::int64_t>>(0);
+
+  offload_packed operator()(const at::Tensor& t) const {
+    // Leaves that need a gradient (parameters, tied weights a checkpoint
+    // reads, a caller's input) live on anyway: moving them only costs copies.
+    const bool stays = !t.defined() || t.layout() != c10::kStrided || !t.has_storage() ||
+                       (t.is_leaf() && t.requires_grad()) ||
+                       static_cast<std::int64_t>(t.nbytes()) < engine->options().min_bytes ||
+                       (keep && keep->count(t.storage().unsafeGetStorageImpl()) != 0);
+    if (stays) return pack_for_offload(t, t.detach(), nullptr);
+    if (group_bytes <= 0) return pack_for_offload(t, at::Tensor(), engine->store_or_defer(t));
+    // A scope without layer boundaries has no end of group to flush batched
+    // tensors at: each goes on its own, and groups end by size.
+    auto packed = pack_for_offload(t, at::Tensor(), engine->store(t));
+    if (in_group->fetch_add(static_cast<std::int64_t>(t.nbytes())) >= group_bytes) {
+      in_group->store(0);
+      engine->begin_group();
+    }
+    return packed;
+  }
+};
+
+struct offload_unpack {
+  std::shared_ptr<offload::engine> engine;
+  std::string label;
+  at::Tensor operator()(offload_packed& p) const {
+    check_unmodified(p, label);
+    return p.stored ? engine->load(p.stored) : p.kept;
+  }
+};
+
+using offload_hooks = offload::saved_tensors_hooks<offload_pack, offload_unpack>;
+
+}  // namespace detail
+
 /// Runs `fn()` with every tensor autograd saves in it (except `keep` storages
 /// and tensors below the engine's min_bytes) handed to `engine`, as one prefetch
 /// group. The building block of OffloadSegment; usable from a custom forward.
@@ -95,7 +141,6 @@ decltype(auto) with_offload(const std::shared_ptr<offload::engine>& engine, Fn&&
                             std::shared_ptr<const detail::storage_set> keep = {}, std::string label = {}) {
   if (!engine) throw Error("memscale: with_offload needs an offload engine, got none");
   engine->begin_group();
-  const auto min_bytes = engine->options().min_bytes;
   // Small tensors wait for the end of the group and travel together.
   struct flush_at_exit {
     offload::engine& e;
@@ -106,23 +151,39 @@ decltype(auto) with_offload(const std::shared_ptr<offload::engine>& engine, Fn&&
       }
     }
   } flush{*engine};
-  offload::saved_tensors_hooks scope(
-      [engine, keep = std::move(keep), min_bytes](const at::Tensor& t) -> detail::offload_packed {
-        // Leaves that need a gradient (parameters, tied weights a checkpoint
-        // reads, a caller's input) live on anyway: moving them only costs copies.
-        const bool stays = !t.defined() || t.layout() != c10::kStrided || !t.has_storage() ||
-                           (t.is_leaf() && t.requires_grad()) ||
-                           static_cast<std::int64_t>(t.nbytes()) < min_bytes ||
-                           (keep && keep->count(t.storage().unsafeGetStorageImpl()) != 0);
-        if (stays) return detail::pack_for_offload(t, t.detach(), nullptr);
-        return detail::pack_for_offload(t, at::Tensor(), engine->store_or_defer(t));
-      },
-      [engine, label = std::move(label)](detail::offload_packed& p) -> at::Tensor {
-        detail::check_unmodified(p, label);
-        return p.stored ? engine->load(p.stored) : p.kept;
-      });
+  detail::offload_hooks scope(detail::offload_pack{engine, std::move(keep)},
+                              detail::offload_unpack{engine, std::move(label)});
   return std::forward<Fn>(fn)();
 }
+
+/// For its lifetime, on the thread that made it, every tensor autograd saves
+/// goes to `engine` (except leaves needing a gradient, `keep` storages and small
+/// tensors), in prefetch groups of about `group_bytes`. What a model with no
+/// unit boundaries gets: the whole forward (and the loss) offloaded.
+class offload_scope {
+ public:
+  offload_scope(std::shared_ptr<offload::engine> engine, std::shared_ptr<const detail::storage_set> keep,
+                std::int64_t group_bytes, std::string label)
+      : engine_(std::move(engine)) {
+    if (!engine_) throw Error("memscale: an offload_scope needs an offload engine, got none");
+    engine_->begin_group();
+    hooks_ = std::make_unique<detail::offload_hooks>(detail::offload_pack{engine_, std::move(keep), group_bytes},
+                                                     detail::offload_unpack{engine_, std::move(label)});
+  }
+  offload_scope(const offload_scope&) = delete;
+  offload_scope& operator=(const offload_scope&) = delete;
+  ~offload_scope() {
+    hooks_.reset();
+    try {
+      engine_->flush();
+    } catch (...) {
+    }
+  }
+
+ private:
+  std::shared_ptr<offload::engine> engine_;
+  std::unique_ptr<detail::offload_hooks> hooks_;
+};
 
 /// A chain slot that runs consecutive original slots (or one memscale wrapper)
 /// with their saved tensors offloaded. Registers nothing, like CheckpointSegment.

@@ -1,0 +1,67 @@
+// A ResNet-style CNN for memscale's benchmark and tests, written the way a
+// LibTorch port of torchvision's ResNet is: basic residual blocks (conv, BatchNorm,
+// in-place ReLU, conv, BatchNorm, plus the input, in-place ReLU) kept in a
+// torch::nn::ModuleList and looped over in forward, each call through
+// memscale::forward.
+#pragma once
+
+#include <cstdint>
+
+#include <torch/torch.h>
+
+#include <memscale/memscale.hpp>
+
+namespace resnet {
+
+class BasicBlockImpl : public torch::nn::Module {
+ public:
+  explicit BasicBlockImpl(std::int64_t channels)
+      : conv1(register_module("conv1", torch::nn::Conv2d(conv3x3(channels)))),
+        bn1(register_module("bn1", torch::nn::BatchNorm2d(channels))),
+        conv2(register_module("conv2", torch::nn::Conv2d(conv3x3(channels)))),
+        bn2(register_module("bn2", torch::nn::BatchNorm2d(channels))) {}
+
+  torch::Tensor forward(torch::Tensor x) {
+    auto y = bn1(conv1(x)).relu_();
+    y = bn2(conv2(y));
+    return (y + x).relu_();
+  }
+
+  torch::nn::Conv2d conv1;
+  torch::nn::BatchNorm2d bn1;
+  torch::nn::Conv2d conv2;
+  torch::nn::BatchNorm2d bn2;
+
+ private:
+  static torch::nn::Conv2dOptions conv3x3(std::int64_t channels) {
+    return torch::nn::Conv2dOptions(channels, channels, 3).padding(1).bias(false);
+  }
+};
+TORCH_MODULE(BasicBlock);
+
+/// stem conv + BatchNorm + ReLU, `blocks` basic blocks, global average pool, classifier.
+class ResNetImpl : public torch::nn::Module {
+ public:
+  ResNetImpl(int blocks, std::int64_t channels, std::int64_t classes = 10)
+      : stem(register_module("stem", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, channels, 3).padding(1).bias(false)))),
+        stem_bn(register_module("stem_bn", torch::nn::BatchNorm2d(channels))),
+        layers(register_module("layers", torch::nn::ModuleList())),
+        fc(register_module("fc", torch::nn::Linear(channels, classes))) {
+    for (int i = 0; i < blocks; ++i) layers->push_back(BasicBlock(channels));
+  }
+
+  /// images [B, 3, H, W] -> logits [B, classes]
+  torch::Tensor forward(torch::Tensor x) {
+    x = stem_bn(stem(x)).relu_();
+    for (const auto& layer : *layers) x = memscale::forward(*layer->as<BasicBlock>(), x);
+    return fc(x.mean({2, 3}));
+  }
+
+  torch::nn::Conv2d stem;
+  torch::nn::BatchNorm2d stem_bn;
+  torch::nn::ModuleList layers;
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(ResNet);
+
+}  // namespace resnet

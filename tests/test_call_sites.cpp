@@ -1,0 +1,391 @@
+// Call-site units (memscale::forward) and models with no unit boundaries:
+// ModuleList models looped in a hand-written forward, the way LibTorch users
+// write them. Checkpointing through call sites changes no arithmetic, so losses,
+// gradients and BatchNorm statistics must be bit-identical to the plain model.
+#include <sstream>
+
+#include "resnet.hpp"
+#include "test_support.hpp"
+
+using memscale::OptimizationMode;
+
+namespace {
+
+/// A pre-norm residual MLP block with Dropout.
+class ResBlockImpl : public torch::nn::Module {
+ public:
+  explicit ResBlockImpl(std::int64_t width, double dropout = 0.2)
+      : ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})))),
+        fc1(register_module("fc1", torch::nn::Linear(width, 4 * width))),
+        fc2(register_module("fc2", torch::nn::Linear(4 * width, width))),
+        drop(register_module("drop", torch::nn::Dropout(dropout))) {}
+  torch::Tensor forward(torch::Tensor x) { return x + drop(fc2(torch::gelu(fc1(ln(x))))); }
+
+  torch::nn::LayerNorm ln;
+  torch::nn::Linear fc1, fc2;
+  torch::nn::Dropout drop;
+};
+TORCH_MODULE(ResBlock);
+
+/// Blocks in a ModuleList, looped over in forward; `skip` leaves one out (a
+/// data-dependent branch), `repeat` calls that block again at the end (a module
+/// called at two sites).
+class LoopNetImpl : public torch::nn::Module {
+ public:
+  LoopNetImpl(int blocks_count, std::int64_t width)
+      : blocks(register_module("blocks", torch::nn::ModuleList())),
+        head(register_module("head", torch::nn::Linear(width, width))) {
+    for (int i = 0; i < blocks_count; ++i) blocks->push_back(ResBlock(width));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (std::size_t i = 0; i < blocks->size(); ++i) {
+      if (static_cast<int>(i) == skip) continue;
+      x = memscale::forward(*blocks[i]->as<ResBlock>(), x);
+    }
+    if (repeat >= 0) x = memscale::forward(std::dynamic_pointer_cast<ResBlockImpl>(blocks[static_cast<std::size_t>(repeat)]), x);
+    return head(x);
+  }
+
+  torch::nn::ModuleList blocks;
+  torch::nn::Linear head;
+  int skip = -1;
+  int repeat = -1;
+};
+TORCH_MODULE(LoopNet);
+
+/// Blocks whose forward makes call sites of its own (nested call sites).
+class OuterBlockImpl : public torch::nn::Module {
+ public:
+  explicit OuterBlockImpl(std::int64_t width)
+      : a(register_module("a", ResBlock(width))), b(register_module("b", ResBlock(width))) {}
+  torch::Tensor forward(torch::Tensor x) { return memscale::forward(b, memscale::forward(a, x)); }
+  ResBlock a, b;
+};
+TORCH_MODULE(OuterBlock);
+
+class NestedNetImpl : public torch::nn::Module {
+ public:
+  NestedNetImpl(int blocks_count, std::int64_t width) : blocks(register_module("blocks", torch::nn::ModuleList())) {
+    for (int i = 0; i < blocks_count; ++i) blocks->push_back(OuterBlock(width));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (const auto& block : *blocks) x = memscale::forward(*block->as<OuterBlock>(), x);
+    return x;
+  }
+  torch::nn::ModuleList blocks;
+};
+TORCH_MODULE(NestedNet);
+
+/// The whole loop behind one call site: the outermost depth has a single call.
+class WrapperNetImpl : public torch::nn::Module {
+ public:
+  WrapperNetImpl(int blocks_count, std::int64_t width) : body(register_module("body", LoopNet(blocks_count, width))) {}
+  torch::Tensor forward(torch::Tensor x) { return memscale::forward(body, x); }
+  LoopNet body;
+};
+TORCH_MODULE(WrapperNet);
+
+/// No Sequential and no call site: named layers called directly.
+class PlainNetImpl : public torch::nn::Module {
+ public:
+  explicit PlainNetImpl(std::int64_t width)
+      : fc1(register_module("fc1", torch::nn::Linear(width, 4 * width))),
+        fc2(register_module("fc2", torch::nn::Linear(4 * width, 4 * width))),
+        fc3(register_module("fc3", torch::nn::Linear(4 * width, width))) {}
+  torch::Tensor forward(torch::Tensor x) { return fc3(torch::gelu(fc2(torch::tanh(fc1(x))))); }
+  torch::nn::Linear fc1, fc2, fc3;
+};
+TORCH_MODULE(PlainNet);
+
+/// A loop of Linear layers called through memscale::forward (row-independent units).
+class LinearLoopImpl : public torch::nn::Module {
+ public:
+  LinearLoopImpl(int count, std::int64_t width) : layers(register_module("layers", torch::nn::ModuleList())) {
+    for (int i = 0; i < count; ++i) layers->push_back(torch::nn::Linear(width, width));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (const auto& layer : *layers) x = torch::gelu(memscale::forward(*layer->as<torch::nn::Linear>(), x));
+    return x;
+  }
+  torch::nn::ModuleList layers;
+};
+TORCH_MODULE(LinearLoop);
+
+/// Two identically initialized models: the reference and the one memscale wraps.
+template <class Model, class... Args>
+std::pair<Model, Model> twins(std::uint64_t seed, Args... args) {
+  torch::manual_seed(seed);
+  Model reference(args...);
+  torch::manual_seed(seed);
+  Model model(args...);
+  return {reference, model};
+}
+
+/// Checkpoint-only, always acting: the plan checkpoints every unit it can.
+memscale::Config checkpoint_all() {
+  return test::quiet({.mode = OptimizationMode::Aggressive, .enable_offloading = false});
+}
+
+template <class Model>
+std::vector<torch::Tensor> buffers_of(Model& m) {
+  std::vector<torch::Tensor> b;
+  for (const auto& t : m->buffers()) b.push_back(t.clone());
+  return b;
+}
+
+/// `steps` training steps of mean(model(x)^2) with per-step seeds; losses and gradients.
+template <class Model>
+std::vector<std::pair<torch::Tensor, std::vector<torch::Tensor>>> train(Model& model, const torch::Tensor& x,
+                                                                        int steps) {
+  std::vector<std::pair<torch::Tensor, std::vector<torch::Tensor>>> out;
+  for (int s = 0; s < steps; ++s)
+    out.push_back(test::step(*model, [&] { return model->forward(x).pow(2).mean(); }, 100 + s));
+  return out;
+}
+
+template <class Run>
+bool same_runs(const Run& a, const Run& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (!test::bit_equal(a[i].first, b[i].first) || !test::bit_equal(a[i].second, b[i].second)) return false;
+  return true;
+}
+
+bool has_note(const memscale::Report& r, const std::string& part) {
+  for (const auto& n : r.notes)
+    if (n.find(part) != std::string::npos) return true;
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("memscale::forward is a direct call without a guard on the model", "[call_sites]") {
+  torch::manual_seed(1);
+  LoopNet net(3, 16);
+  auto x = torch::randn({4, 16});
+  torch::manual_seed(9);
+  const auto direct = [&] {
+    auto y = x;
+    for (const auto& b : *net->blocks) y = b->as<ResBlock>()->forward(y);
+    return net->head(y);
+  }();
+  torch::manual_seed(9);
+  CHECK(test::bit_equal(direct, net->forward(x)));
+  // A guard on another model leaves this one's call sites alone.
+  torch::manual_seed(2);
+  LoopNet other(2, 16);
+  auto guard = memscale::optimize(other, x, checkpoint_all());
+  REQUIRE(guard.report().checkpointed_segments() > 0);
+  torch::manual_seed(9);
+  CHECK(test::bit_equal(direct, net->forward(x)));
+}
+
+TEST_CASE("call-site units of a ModuleList model are checkpointed bit-exactly and detach restores it",
+          "[call_sites][checkpoint]") {
+  auto [reference, model] = twins<LoopNet>(3, 4, 32);
+  auto x = torch::randn({8, 16, 32});
+  const auto identity = test::parameter_identity(*model);
+  const auto expected = train(reference, x, 3);
+  {
+    auto guard = memscale::optimize(model, x, checkpoint_all());
+    const auto report = guard.report();
+    REQUIRE(report.chains.size() == 1);
+    CHECK(report.chains[0].path.find("memscale::forward call sites") == 0);
+    CHECK(report.chains[0].slot_names == std::vector<std::string>{"blocks.0 (ResBlock)", "blocks.1 (ResBlock)",
+                                                                  "blocks.2 (ResBlock)", "blocks.3 (ResBlock)"});
+    CHECK(report.checkpointed_segments() >= 3);
+    CHECK(report.plan.segment_length[0] == 1);
+    CHECK(has_note(report, "4 memscale::forward call(s) per forward at depth 0"));
+    CHECK(report.str().find("blocks.2 (ResBlock)") != std::string::npos);
+    CHECK(test::parameter_identity(*model) == identity);
+    CHECK(same_runs(expected, train(model, x, 3)));
+  }
+  CHECK_FALSE(memscale::is_optimized(model));
+  CHECK(test::parameter_identity(*model) == identity);
+  torch::manual_seed(3);
+  LoopNet fresh(4, 32);
+  CHECK(same_runs(train(fresh, x, 2), train(model, x, 2)));
+}
+
+TEST_CASE("checkpointed call sites lower the step's peak", "[call_sites][memory]") {
+  auto [reference, model] = twins<LoopNet>(4, 6, 64);
+  auto x = torch::randn({16, 64, 64});
+  const auto plain = test::measure_step(reference, x, std::nullopt);
+  const auto optimized = test::measure_step(model, x, checkpoint_all());
+  REQUIRE(optimized.report.checkpointed_segments() >= 5);
+  CHECK(test::bit_equal(plain.result.first, optimized.result.first));
+  CHECK(test::bit_equal(plain.result.second, optimized.result.second));
+  // Six blocks keep about 14 activations each plainly; checkpointed, one input each.
+  CHECK(optimized.peak_growth < plain.peak_growth / 2);
+}
+
+TEST_CASE("without an example input, call sites are recorded over the first training step and planned at the next",
+          "[call_sites][lazy]") {
+  auto [reference, model] = twins<LoopNet>(5, 3, 32);
+  auto x = torch::randn({4, 8, 32});
+  const auto expected = train(reference, x, 4);
+  auto guard = memscale::optimize(model, checkpoint_all());
+  CHECK_FALSE(guard.report().planned);
+  CHECK(has_note(guard.report(), "memscale::forward calls of the first training forward"));
+  std::vector<std::pair<torch::Tensor, std::vector<torch::Tensor>>> got;
+  got.push_back(train(model, x, 1).front());
+  CHECK_FALSE(guard.report().planned);  // recorded, not yet planned
+  for (int s = 1; s < 4; ++s)
+    got.push_back(test::step(*model, [&] { return model->forward(x).pow(2).mean(); }, 100 + s));
+  const auto report = guard.report();
+  REQUIRE(report.planned);
+  CHECK(report.checkpointed_segments() >= 2);
+  CHECK(has_note(report, "recorded over the first training forward"));
+  CHECK(same_runs(expected, got));
+}
+
+TEST_CASE("gradient accumulation before the first backward records one forward's calls", "[call_sites][lazy]") {
+  torch::manual_seed(6);
+  LoopNet model(3, 16);
+  auto x = torch::randn({4, 16});
+  auto guard = memscale::optimize(model, checkpoint_all());
+  auto loss = model->forward(x).pow(2).mean() + model->forward(x * 2).pow(2).mean();
+  loss.backward();
+  (void)model->forward(x).sum();  // plans
+  const auto report = guard.report();
+  REQUIRE(report.planned);
+  REQUIRE(report.chains.size() == 1);
+  CHECK(report.chains[0].slots.size() == 3);
+}
+
+TEST_CASE("a ResNet-style CNN with BatchNorm and in-place ReLU keeps gradients and running statistics bit-exact",
+          "[call_sites][checkpoint][cnn]") {
+  auto [reference, model] = twins<resnet::ResNet>(7, 3, 8);
+  auto x = torch::randn({4, 3, 16, 16});
+  const auto expected = train(reference, x, 2);
+  auto guard = memscale::optimize(model, x, checkpoint_all());
+  REQUIRE(guard.report().checkpointed_segments() >= 2);
+  CHECK(test::bit_equal(buffers_of(reference), buffers_of(model)) == false);  // two steps moved the reference's
+  CHECK(same_runs(expected, train(model, x, 2)));
+  CHECK(test::bit_equal(buffers_of(reference), buffers_of(model)));
+}
+
+TEST_CASE("call-site units can be offloaded, bit-exactly", "[call_sites][offload]") {
+  auto [reference, model] = twins<LoopNet>(8, 3, 64);
+  auto x = torch::randn({8, 32, 64});
+  const auto expected = train(reference, x, 2);
+  auto guard = memscale::optimize(
+      model, x, test::quiet({.mode = OptimizationMode::Aggressive, .enable_checkpointing = false}));
+  REQUIRE(guard.report().offloaded_units() >= 1);
+  CHECK(same_runs(expected, train(model, x, 2)));
+  const auto stats = guard.offload_stats();
+  REQUIRE(stats.has_value());
+  CHECK(stats->bytes_written > 0);
+}
+
+TEST_CASE("call-site units of row-independent modules can be tiled", "[call_sites][tile]") {
+  auto [reference, model] = twins<LinearLoop>(9, 3, 64);
+  auto x = torch::randn({64, 128, 64});
+  const auto expected = train(reference, x, 1);
+  auto cfg = test::quiet({.mode = OptimizationMode::Aggressive, .enable_offloading = false, .enable_tiling = true});
+  auto guard = memscale::optimize(model, x, cfg);
+  REQUIRE(guard.report().tiled_segments() >= 1);
+  const auto got = train(model, x, 1);
+  CHECK(torch::allclose(expected[0].first, got[0].first, 1e-5, 1e-6));
+  for (std::size_t i = 0; i < expected[0].second.size(); ++i)
+    CHECK(torch::allclose(expected[0].second[i], got[0].second[i], 1e-4, 1e-5));
+}
+
+TEST_CASE("a module called at two sites is two units, each planned and run on its own call",
+          "[call_sites][shared]") {
+  torch::manual_seed(10);
+  LoopNet reference(2, 32);
+  reference->repeat = 0;
+  torch::manual_seed(10);
+  LoopNet model(2, 32);
+  model->repeat = 0;
+  auto x = torch::randn({4, 8, 32});
+  const auto expected = train(reference, x, 2);
+  auto guard = memscale::optimize(model, x, checkpoint_all());
+  const auto report = guard.report();
+  REQUIRE(report.chains.size() == 1);
+  CHECK(report.chains[0].slot_names ==
+        std::vector<std::string>{"blocks.0 (ResBlock)", "blocks.1 (ResBlock)", "blocks.0 (ResBlock) call 2"});
+  CHECK(same_runs(expected, train(model, x, 2)));
+}
+
+TEST_CASE("a forward that leaves the recorded call sequence runs correctly and is counted", "[call_sites][sequence]") {
+  auto [reference, model] = twins<LoopNet>(11, 4, 32);
+  auto x = torch::randn({4, 8, 32});
+  auto guard = memscale::optimize(model, x, checkpoint_all());
+  REQUIRE(guard.report().checkpointed_segments() >= 3);
+  // A data-dependent branch skips block 1 for one step.
+  reference->skip = model->skip = 1;
+  CHECK(same_runs(train(reference, x, 1), train(model, x, 1)));
+  CHECK(has_note(guard.report(), "1 forward(s) left the recorded call sequence"));
+  // Back on the recorded sequence: optimized again, nothing more counted.
+  reference->skip = model->skip = -1;
+  CHECK(same_runs(train(reference, x, 2), train(model, x, 2)));
+  CHECK(has_note(guard.report(), "1 forward(s) left the recorded call sequence"));
+  // More calls than recorded (a call to the first block after a complete
+  // sequence would start a new forward, by the rule; block 2 cannot).
+  reference->repeat = model->repeat = 2;
+  CHECK(same_runs(train(reference, x, 1), train(model, x, 1)));
+  CHECK(has_note(guard.report(), "2 forward(s) left the recorded call sequence"));
+}
+
+TEST_CASE("nested call sites are planned at the outermost depth with two calls", "[call_sites][nested]") {
+  auto [reference, model] = twins<NestedNet>(12, 3, 16);
+  auto x = torch::randn({4, 8, 16});
+  const auto expected = train(reference, x, 2);
+  {
+    auto guard = memscale::optimize(model, x, checkpoint_all());
+    const auto report = guard.report();
+    REQUIRE(report.chains.size() == 1);
+    CHECK(report.chains[0].slot_names.front() == "blocks.0 (OuterBlock)");
+    CHECK(has_note(report, "6 nested call(s) inside them run directly"));
+    CHECK(same_runs(expected, train(model, x, 2)));
+  }
+  // One call at the top: the plan goes one level finer.
+  auto [wrapped_reference, wrapped] = twins<WrapperNet>(13, 3, 16);
+  const auto wrapped_expected = train(wrapped_reference, x, 2);
+  auto guard = memscale::optimize(wrapped, x, checkpoint_all());
+  const auto report = guard.report();
+  REQUIRE(report.chains.size() == 1);
+  CHECK(report.chains[0].slot_names.front() == "body.blocks.0 (ResBlock)");
+  CHECK(has_note(report, "the outermost depth has a single call, so the plan goes one level finer"));
+  CHECK(same_runs(wrapped_expected, train(wrapped, x, 2)));
+}
+
+TEST_CASE("a model with no unit boundaries gets whole-forward offload, bit-exactly; detach ends it",
+          "[call_sites][whole_model][offload]") {
+  auto [reference, model] = twins<PlainNet>(14, 64);
+  auto x = torch::randn({16, 32, 64});
+  const auto expected = train(reference, x, 2);
+  std::int64_t written = 0;
+  {
+    auto guard = memscale::optimize(model, x, test::quiet({.mode = OptimizationMode::Aggressive}));
+    const auto report = guard.report();
+    REQUIRE(report.chains.size() == 1);
+    CHECK(report.chains[0].path.find("<whole model>") == 0);
+    CHECK(report.checkpointed_segments() == 0);
+    CHECK(report.offloaded_units() == 1);
+    CHECK(has_note(report, "no unit boundaries"));
+    CHECK(has_note(report, "memscale::forward(*blocks[i], x)"));
+    CHECK(same_runs(expected, train(model, x, 2)));
+    written = guard.offload_stats().value().bytes_written;
+    CHECK(written > 0);
+  }
+  CHECK(memscale::offload::detail::hook_stack().empty());  // the scope closed with the guard
+  CHECK(same_runs(train(reference, x, 1), train(model, x, 1)));
+}
+
+TEST_CASE("a model with no unit boundaries and offload excluded is refused, naming what is missing",
+          "[call_sites][whole_model]") {
+  PlainNet model(8);
+  auto x = torch::randn({2, 8});
+  try {
+    (void)memscale::wrap<memscale::Strategy<memscale::Checkpoint>>(model, x, checkpoint_all());
+    FAIL("expected UnsupportedModelError");
+  } catch (const memscale::UnsupportedModelError& e) {
+    const std::string what = e.what();
+    CHECK(what.find("no unit boundaries") != std::string::npos);
+    CHECK(what.find("memscale::forward") != std::string::npos);
+  }
+  CHECK_FALSE(memscale::is_optimized(model));
+}
