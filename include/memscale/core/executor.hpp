@@ -150,7 +150,6 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
       for (const auto& slot : *chain.ref.sequential) chain.originals.push_back(slot);
       chains_.push_back(std::move(chain));
     }
-    sequential_chains_ = chains_.size();
     for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/true))
       paths_.emplace(item.value().get(), item.key());
     report_.mode = config_.mode;
@@ -610,15 +609,9 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     auto& chain = chains_[c];
     if (chain.source == chain_source::whole_model) {
       if (units.empty() || !units.front().offloaded) return;
-      auto keep = std::make_shared<detail::storage_set>();
-      if (auto root = root_.lock()) {
-        for (const auto& t : root->parameters())
-          if (t.defined() && t.has_storage()) keep->insert(t.storage().unsafeGetStorageImpl());
-        for (const auto& t : root->buffers())
-          if (t.defined() && t.has_storage()) keep->insert(t.storage().unsafeGetStorageImpl());
-      }
-      changes.whole_scope = std::make_unique<offload_scope>(engine_for_plan(), std::move(keep), whole_group_bytes,
-                                                            root_name());
+      // The WholeModel slot registers the model: its parameters and buffers stay.
+      changes.whole_scope = std::make_unique<offload_scope>(engine_for_plan(), detail::storages_of(chain.originals),
+                                                            whole_group_bytes, root_name());
       after_first_change(first_change);
       return;
     }
@@ -933,7 +926,6 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   torch::Tensor whole_input_;
   std::unique_ptr<offload_scope> whole_scope_;
   std::vector<managed_chain> chains_;
-  std::size_t sequential_chains_ = 0;
   std::unordered_map<const torch::nn::Module*, std::string> paths_;  // every module of the model
   // Call sites. The recording and the sequence change under plan_mutex_; the
   // cursor belongs to the thread that runs the forward (one at a time).

@@ -85,10 +85,6 @@ inline std::shared_ptr<const storage_set> storages_of(const std::vector<torch::n
   return set;
 }
 
-}  // namespace detail
-
-namespace detail {
-
 /// The pack side of an offload scope: what stays (leaves that need a gradient,
 /// small tensors, `keep` storages) and what goes to the engine. With
 /// `group_bytes`, a new prefetch group starts after that many bytes (a scope
