@@ -7,6 +7,14 @@
 //   train_gpt [--steps N] [--mode conservative|balanced|aggressive]
 //             [--budget-gb X] [--batch B] [--layers L] [--context T]
 //             [--d-model C] [--heads H]
+//             [--world-size N [--rank R --store FILE|tcp:HOST:PORT] [--bind ADDR]]
+//
+// With --world-size N both runs train data parallel over N processes (c10d:
+// Gloo, gradients all-reduced by c10d's Reducer during backward), each rank on
+// its own batches, every rank applying rank 0's memscale plan. Without --rank
+// the example starts the N ranks itself on this machine; with --rank, start one
+// process per rank yourself (on one machine or several) with the same --store.
+// Rank 0 prints; the figures are rank 0's.
 //
 // On a CPU, memscale applies activation checkpointing only, and checkpointing
 // restores the RNG state for the recomputation, so both runs see the same
@@ -15,10 +23,12 @@
 // model is still optimized after its guard ended).
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -33,13 +43,20 @@
 #include <vector>
 
 #include <dlfcn.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <torch/torch.h>
 
+#include <memscale/distributed.hpp>
 #include <memscale/memscale.hpp>
 
 #include "gpt.hpp"
 #include "host_info.hpp"
+
+extern char** environ;
 
 namespace {
 
@@ -51,6 +68,10 @@ struct Args {
   std::optional<double> budget_gb;
   std::int64_t batch = 16;
   gpt::Options model;
+  int world_size = 1;        ///< processes training data parallel
+  std::optional<int> rank;   ///< this process's rank; unset with world_size > 1: launch them all
+  std::string store;         ///< FILE or tcp:HOST:PORT, the same on every rank
+  std::string bind = "127.0.0.1";  ///< the address this rank's Gloo listens on
 };
 
 [[noreturn]] void usage(const char* argv0, int code) {
@@ -58,9 +79,15 @@ struct Args {
       << "usage: " << argv0
       << " [--steps N] [--mode conservative|balanced|aggressive] [--budget-gb X]\n"
          "       [--batch B] [--layers L] [--context T] [--d-model C] [--heads H]\n"
+         "       [--world-size N [--rank R --store FILE|tcp:HOST:PORT] [--bind ADDR]]\n"
          "Trains a small GPT for N steps (default 8) without and with memscale and compares\n"
          "peak memory growth, step time and losses. Default mode: aggressive; with --budget-gb\n"
-         "(sets Config::memory_budget_gb) the default mode is balanced.\n";
+         "(sets Config::memory_budget_gb, per rank) the default mode is balanced.\n"
+         "--world-size N trains data parallel over N processes (Gloo). Without --rank the\n"
+         "example starts the N ranks on this machine; with --rank R, start each rank yourself\n"
+         "with the same --store: a file every rank can open (fresh for each job), or\n"
+         "tcp:HOST:PORT, a store rank 0 serves on HOST. --bind: the address of this machine\n"
+         "the other ranks reach (default 127.0.0.1, for ranks on one machine).\n";
   std::exit(code);
 }
 
@@ -117,6 +144,10 @@ Args parse_args(int argc, char** argv) {
     else if (flag == "--context") a.model.context = parse_number<std::int64_t>(flag, value);
     else if (flag == "--d-model") a.model.d_model = parse_number<std::int64_t>(flag, value);
     else if (flag == "--heads") a.model.heads = parse_number<std::int64_t>(flag, value);
+    else if (flag == "--world-size") a.world_size = parse_number<int>(flag, value);
+    else if (flag == "--rank") a.rank = parse_number<int>(flag, value);
+    else if (flag == "--store") a.store = value;
+    else if (flag == "--bind") a.bind = value;
     else {
       std::cerr << "train_gpt: unknown option " << flag << "\n";
       usage(argv[0], 2);
@@ -129,6 +160,14 @@ Args parse_args(int argc, char** argv) {
     throw std::invalid_argument("--d-model (" + std::to_string(a.model.d_model) + ") must be a multiple of --heads (" +
                                 std::to_string(a.model.heads) + ")");
   if (a.budget_gb && !(*a.budget_gb > 0.0)) throw std::invalid_argument("--budget-gb must be > 0");
+  if (a.world_size < 1) throw std::invalid_argument("--world-size must be >= 1");
+  if (a.rank && (*a.rank < 0 || *a.rank >= a.world_size))
+    throw std::invalid_argument("--rank must be in [0, " + std::to_string(a.world_size) + "), got " +
+                                std::to_string(*a.rank));
+  if (a.rank && a.store.empty())
+    throw std::invalid_argument("--rank needs --store FILE|tcp:HOST:PORT, the same on every rank");
+  if (!a.rank && !a.store.empty())
+    throw std::invalid_argument("--store goes with --rank (without --rank the example launches the ranks itself)");
   return a;
 }
 
@@ -165,11 +204,13 @@ struct StepResult {
   double seconds = 0.0;
 };
 
-/// One training step: forward, loss, backward, optimizer step. The caller opens
-/// the peak scope (so the first memscale step can include planning).
-float train_step(gpt::GPT& model, torch::optim::Optimizer& optimizer, const gpt::Batch& batch) {
+/// One training step: forward (the model's, or DataParallel's), loss, backward,
+/// optimizer step. The caller opens the peak scope (so the first memscale step
+/// can include planning).
+template <class Forward>
+float train_step(Forward&& forward, torch::optim::Optimizer& optimizer, const gpt::Batch& batch) {
   optimizer.zero_grad();
-  auto loss = gpt::loss(model->forward(batch.input), batch.target);
+  const torch::Tensor loss = gpt::loss(forward(batch.input), batch.target);
   loss.backward();
   optimizer.step();
   return loss.item<float>();
@@ -186,6 +227,105 @@ bool same_parameters(gpt::GPT& a, gpt::GPT& b) {
   return true;
 }
 
+namespace dist = memscale::distributed;
+
+/// The process group of a data parallel run (null for one process): Gloo over
+/// the FileStore or TCPStore --store names, listening on --bind.
+dist::process_group make_group(const Args& args) {
+  if (args.world_size == 1) return {};
+#if MEMSCALE_HAS_GLOO()
+  const int rank = *args.rank;
+  if (args.store.rfind("tcp:", 0) != 0)
+    return dist::gloo_group(dist::file_store(args.store, args.world_size), rank, args.world_size,
+                            dist::default_timeout, args.bind);
+  const auto address = args.store.substr(4);
+  const auto colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0)
+    throw std::invalid_argument("--store tcp:HOST:PORT needs a host and a port, got '" + args.store + "'");
+  const auto port = parse_number<std::uint16_t>("--store", std::string_view(address).substr(colon + 1));
+  auto store = dist::tcp_store(address.substr(0, colon), port, rank, args.world_size);
+  return dist::gloo_group(store, rank, args.world_size, dist::default_timeout, args.bind);
+#else
+  throw std::runtime_error("this train_gpt was built without Gloo's headers, so it cannot train data parallel: "
+                           "install libgloo-dev (scripts/setup-deps.sh does) and rebuild");
+#endif
+}
+
+/// Whether this rank holds rank 0's parameters of `model`.
+bool equal_to_rank0(gpt::GPT& model, const dist::process_group& group) {
+  std::vector<torch::Tensor> flat;
+  for (const auto& p : model->parameters()) flat.push_back(p.detach().reshape(-1));
+  const auto mine = torch::cat(flat);
+  std::vector<torch::Tensor> rank0{mine.clone()};
+  group->broadcast(rank0)->wait();
+  return torch::equal(mine, rank0.front());
+}
+
+/// How many ranks report `failed` (every rank learns the sum).
+int ranks_where(bool failed, const dist::process_group& group) {
+  std::vector<torch::Tensor> count{torch::tensor({failed ? 1 : 0}, torch::kInt32)};
+  group->allreduce(count)->wait();
+  return count.front().item<int>();
+}
+
+/// Starts ranks 0..N-1 of this program on this machine (Gloo over a FileStore in
+/// a fresh directory, OMP_NUM_THREADS set to each rank's share of the cores
+/// unless set already) and waits for them. Rank 0 reports and its exit status is
+/// the job's; when a rank fails, the others are stopped (as torchrun does) and
+/// the first failure's status is the job's.
+int launch(int argc, char** argv, const Args& args) {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / ("memscale-train-gpt-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const auto store = (dir / "store").string();
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) {
+    const auto share = std::max(1u, std::thread::hardware_concurrency() / static_cast<unsigned>(args.world_size));
+    ::setenv("OMP_NUM_THREADS", std::to_string(share).c_str(), 1);
+  }
+  std::vector<pid_t> ranks;
+  auto stop_all = [&] {
+    for (const pid_t pid : ranks)
+      if (pid > 0) ::kill(pid, SIGTERM);
+  };
+  for (int r = 0; r < args.world_size; ++r) {
+    std::vector<std::string> words(argv, argv + argc);
+    words.insert(words.end(), {"--rank", std::to_string(r), "--store", store});
+    std::vector<char*> argv_r;
+    for (auto& w : words) argv_r.push_back(w.data());
+    argv_r.push_back(nullptr);
+    pid_t pid = 0;
+    if (const int error = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv_r.data(), environ)) {
+      stop_all();
+      throw std::runtime_error("cannot start rank " + std::to_string(r) + ": " + std::strerror(error));
+    }
+    ranks.push_back(pid);
+  }
+  int job_status = 0;
+  for (int left = args.world_size; left > 0;) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, 0);
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    const auto it = std::find(ranks.begin(), ranks.end(), pid);
+    if (it == ranks.end()) continue;
+    const auto rank = static_cast<int>(it - ranks.begin());
+    *it = -1;
+    --left;
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (code == 0 || job_status != 0) continue;  // the first failure is the job's
+    job_status = code;
+    if (left > 0) {
+      std::cerr << "train_gpt: rank " << rank << " ended with exit status " << code << "; stopping the others\n";
+      stop_all();
+    }
+  }
+  fs::remove_all(dir);
+  return job_status;
+}
+
 int run(const Args& args) {
   constexpr std::uint64_t init_seed = 42;     // model initialisation
   constexpr std::uint64_t train_seed = 1234;  // dropout masks during training
@@ -197,6 +337,12 @@ int run(const Args& args) {
   memscale::Config cfg;
   cfg.mode = mode;
   cfg.memory_budget_gb = args.budget_gb;
+
+  // Data parallel: each rank draws its own batches and dropout masks, the same
+  // in both runs; only rank 0 prints (the others' std::cout is switched off).
+  const auto group = make_group(args);
+  const int rank = args.rank.value_or(0);
+  if (rank != 0) std::cout.setstate(std::ios_base::badbit);
 
   std::cout << "memscale " << memscale::version_major << '.' << memscale::version_minor << '.'
             << memscale::version_patch << " example: GPT training, baseline vs memscale\n";
@@ -212,10 +358,15 @@ int run(const Args& args) {
             << " steps, AdamW lr " << learning_rate << "; data " << data.size(0) << " bytes of embedded text\n";
   std::cout << "memscale: mode " << mode << ", budget ";
   if (args.budget_gb) std::cout << *args.budget_gb << " GB (Config::memory_budget_gb)\n\n";
-  else std::cout << "unset (host RAM)\n\n";
+  else std::cout << "unset (host RAM)\n";
+  if (group)
+    std::cout << "data parallel: " << args.world_size << " processes over c10d (Gloo, gradients all-reduced by "
+                 "c10d's Reducer during backward), each on its own batches, all applying rank 0's plan; "
+                 "the figures below are rank 0's\n";
+  std::cout << "\n";
 
   // The same batches for both runs.
-  std::mt19937_64 rng(data_seed);
+  std::mt19937_64 rng(data_seed + static_cast<std::uint64_t>(rank));
   std::vector<gpt::Batch> batches;
   for (int s = 0; s < args.steps; ++s) batches.push_back(gpt::sample_batch(data, args.batch, o.context, rng));
   const auto example_tokens = batches.front().input;
@@ -235,13 +386,16 @@ int run(const Args& args) {
   std::cout << "training the baseline (" << args.steps << " steps)...\n" << std::flush;
   std::vector<StepResult> base;
   {
+    std::optional<dist::DataParallel<gpt::GPT>> dp;  // broadcasts rank 0's parameters
+    if (group) dp.emplace(baseline, group);
+    auto forward = [&](const torch::Tensor& x) { return dp ? dp->forward(x) : baseline->forward(x); };
     torch::optim::AdamW optimizer(baseline->parameters(), torch::optim::AdamWOptions(learning_rate));
-    torch::manual_seed(train_seed);
+    torch::manual_seed(train_seed + static_cast<std::uint64_t>(rank));
     for (int s = 0; s < args.steps; ++s) {
       StepResult r;
       memscale::memory_tracker::peak_scope scope;
       const auto start = clock_type::now();
-      r.loss = train_step(baseline, optimizer, batches[static_cast<std::size_t>(s)]);
+      r.loss = train_step(forward, optimizer, batches[static_cast<std::size_t>(s)]);
       r.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
       r.peak_growth = scope.peak_growth();
       base.push_back(r);
@@ -256,12 +410,18 @@ int run(const Args& args) {
   memscale::Report report;
   std::optional<memscale::offload::engine_stats> offload;  // what the offload engine did, when the plan offloads
   {
+    std::optional<dist::DataParallel<gpt::GPT>> dp;  // either order works: memscale never changes parameters
+    if (group) dp.emplace(model2, group);
+    auto forward = [&](const torch::Tensor& x) { return dp ? dp->forward(x) : model2->forward(x); };
     torch::optim::AdamW optimizer(model2->parameters(), torch::optim::AdamWOptions(learning_rate));
-    torch::manual_seed(train_seed);  // optimize() draws no random numbers training would see
+    // optimize() draws no random numbers training would see.
+    torch::manual_seed(train_seed + static_cast<std::uint64_t>(rank));
     // The first step's scope opens before planning, so its peak includes profiling and planning.
     std::optional<memscale::memory_tracker::peak_scope> first_scope(std::in_place);
     const auto plan_start = clock_type::now();
-    auto guard = memscale::optimize(model2, example_tokens, cfg);
+    // Data parallel: every rank profiles its own example batch; rank 0's plan is applied on all.
+    auto guard = group ? dist::optimize(model2, example_tokens, cfg, group)
+                       : memscale::optimize(model2, example_tokens, cfg);
     planning_seconds = std::chrono::duration<double>(clock_type::now() - plan_start).count();
     planning_growth = first_scope->peak_growth();
     planning_retained = memscale::memory_tracker::current_bytes() - first_scope->baseline();
@@ -275,7 +435,7 @@ int run(const Args& args) {
       if (s > 0) scope.emplace();
       auto& active = s == 0 ? *first_scope : *scope;
       const auto start = clock_type::now();
-      r.loss = train_step(model2, optimizer, batches[static_cast<std::size_t>(s)]);
+      r.loss = train_step(forward, optimizer, batches[static_cast<std::size_t>(s)]);
       r.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
       r.peak_growth = active.peak_growth();
       if (s == 0) first_scope.reset();
@@ -368,7 +528,21 @@ int run(const Args& args) {
             << (still_optimized ? "  <- ERROR: the guard did not detach the model" : " (detached, as expected)")
             << "\n";
   if (still_optimized) status = 1;
-  return status;
+  if (!group) return status;
+
+  // Data parallel: every rank checks its own run, and that it ends with rank 0's
+  // parameters; rank 0 reports for all, and its exit status is the job's.
+  const bool same_as_rank0 = equal_to_rank0(baseline, group) && equal_to_rank0(model2, group);
+  const int ranks_differing = ranks_where(!losses_match || !params_match || still_optimized, group);
+  const int ranks_apart = ranks_where(!same_as_rank0, group);
+  std::cout << "ranks whose memscale run differs from their baseline: " << ranks_differing << " of "
+            << args.world_size << "\n";
+  std::cout << "parameters equal on every rank (baseline and memscale): " << (ranks_apart == 0 ? "yes" : "NO")
+            << "\n";
+  if (ranks_apart != 0)
+    std::cout << "ERROR: " << ranks_apart << " rank(s) ended with other parameters than rank 0's: the gradient "
+              << "all-reduce did not give every rank the same update\n";
+  return ranks_differing == 0 && ranks_apart == 0 ? 0 : 1;
 }
 
 }  // namespace
@@ -376,13 +550,17 @@ int run(const Args& args) {
 int main(int argc, char** argv) {
   memscale::memory_tracker::install();  // before any tensor exists, so every byte is counted
   gpt::register_memscale_rule();
+  std::string who = "train_gpt";
   try {
-    return run(parse_args(argc, argv));
+    const auto args = parse_args(argc, argv);
+    if (args.world_size > 1 && !args.rank) return launch(argc, argv, args);
+    if (args.rank) who += " (rank " + std::to_string(*args.rank) + ")";
+    return run(args);
   } catch (const std::invalid_argument& e) {
-    std::cerr << "train_gpt: " << e.what() << "\n";
+    std::cerr << who << ": " << e.what() << "\n";
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "train_gpt: error: " << e.what() << "\n";
+    std::cerr << who << ": error: " << e.what() << "\n";
     return 1;
   }
 }
