@@ -7,7 +7,7 @@
 //   train_gpt [--steps N] [--mode conservative|balanced|aggressive]
 //             [--budget-gb X] [--batch B] [--layers L] [--context T]
 //             [--d-model C] [--heads H]
-//             [--world-size N [--rank R --store FILE|tcp:HOST:PORT] [--bind ADDR]]
+//             [--world-size N [--rank R --store FILE|tcp:HOST:PORT] [--bind ADDR] [--timeout-s S]]
 //
 // With --world-size N both runs train data parallel over N processes (c10d:
 // Gloo, gradients all-reduced by c10d's Reducer during backward), each rank on
@@ -25,6 +25,7 @@
 #include <bit>
 #include <cerrno>
 #include <charconv>
+#include <csignal>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -72,6 +73,7 @@ struct Args {
   std::optional<int> rank;   ///< this process's rank; unset with world_size > 1: launch them all
   std::string store;         ///< FILE or tcp:HOST:PORT, the same on every rank
   std::string bind = "127.0.0.1";  ///< the address this rank's Gloo listens on
+  int timeout_s = 300;             ///< how long a rank waits for the others
 };
 
 [[noreturn]] void usage(const char* argv0, int code) {
@@ -79,7 +81,7 @@ struct Args {
       << "usage: " << argv0
       << " [--steps N] [--mode conservative|balanced|aggressive] [--budget-gb X]\n"
          "       [--batch B] [--layers L] [--context T] [--d-model C] [--heads H]\n"
-         "       [--world-size N [--rank R --store FILE|tcp:HOST:PORT] [--bind ADDR]]\n"
+         "       [--world-size N [--rank R --store FILE|tcp:HOST:PORT] [--bind ADDR] [--timeout-s S]]\n"
          "Trains a small GPT for N steps (default 8) without and with memscale and compares\n"
          "peak memory growth, step time and losses. Default mode: aggressive; with --budget-gb\n"
          "(sets Config::memory_budget_gb, per rank) the default mode is balanced.\n"
@@ -87,7 +89,8 @@ struct Args {
          "example starts the N ranks on this machine; with --rank R, start each rank yourself\n"
          "with the same --store: a file every rank can open (fresh for each job), or\n"
          "tcp:HOST:PORT, a store rank 0 serves on HOST. --bind: the address of this machine\n"
-         "the other ranks reach (default 127.0.0.1, for ranks on one machine).\n";
+         "the other ranks reach (default 127.0.0.1, for ranks on one machine). --timeout-s: how\n"
+         "long a rank waits for the others before it fails (default 300).\n";
   std::exit(code);
 }
 
@@ -148,6 +151,7 @@ Args parse_args(int argc, char** argv) {
     else if (flag == "--rank") a.rank = parse_number<int>(flag, value);
     else if (flag == "--store") a.store = value;
     else if (flag == "--bind") a.bind = value;
+    else if (flag == "--timeout-s") a.timeout_s = parse_number<int>(flag, value);
     else {
       std::cerr << "train_gpt: unknown option " << flag << "\n";
       usage(argv[0], 2);
@@ -161,6 +165,7 @@ Args parse_args(int argc, char** argv) {
                                 std::to_string(a.model.heads) + ")");
   if (a.budget_gb && !(*a.budget_gb > 0.0)) throw std::invalid_argument("--budget-gb must be > 0");
   if (a.world_size < 1) throw std::invalid_argument("--world-size must be >= 1");
+  if (a.timeout_s < 1) throw std::invalid_argument("--timeout-s must be >= 1");
   if (a.rank && (*a.rank < 0 || *a.rank >= a.world_size))
     throw std::invalid_argument("--rank must be in [0, " + std::to_string(a.world_size) + "), got " +
                                 std::to_string(*a.rank));
@@ -235,16 +240,17 @@ dist::process_group make_group(const Args& args) {
   if (args.world_size == 1) return {};
 #if MEMSCALE_HAS_GLOO()
   const int rank = *args.rank;
+  const std::chrono::milliseconds timeout = std::chrono::seconds(args.timeout_s);
   if (args.store.rfind("tcp:", 0) != 0)
-    return dist::gloo_group(dist::file_store(args.store, args.world_size), rank, args.world_size,
-                            dist::default_timeout, args.bind);
+    return dist::gloo_group(dist::file_store(args.store, args.world_size, timeout), rank, args.world_size, timeout,
+                            args.bind);
   const auto address = args.store.substr(4);
   const auto colon = address.rfind(':');
   if (colon == std::string::npos || colon == 0)
     throw std::invalid_argument("--store tcp:HOST:PORT needs a host and a port, got '" + args.store + "'");
   const auto port = parse_number<std::uint16_t>("--store", std::string_view(address).substr(colon + 1));
-  auto store = dist::tcp_store(address.substr(0, colon), port, rank, args.world_size);
-  return dist::gloo_group(store, rank, args.world_size, dist::default_timeout, args.bind);
+  auto store = dist::tcp_store(address.substr(0, colon), port, rank, args.world_size, timeout);
+  return dist::gloo_group(store, rank, args.world_size, timeout, args.bind);
 #else
   throw std::runtime_error("this train_gpt was built without Gloo's headers, so it cannot train data parallel: "
                            "install libgloo-dev (scripts/setup-deps.sh does) and rebuild");
@@ -268,25 +274,45 @@ int ranks_where(bool failed, const dist::process_group& group) {
   return count.front().item<int>();
 }
 
+/// The launcher's ranks' process group, for the signal handler (0: none yet).
+volatile std::sig_atomic_t ranks_group = 0;
+
+/// Passes SIGINT, SIGTERM and SIGHUP on to the ranks; the launcher then reaps them.
+extern "C" void forward_to_ranks(int signal_number) {
+  if (ranks_group > 0) ::kill(-static_cast<pid_t>(ranks_group), signal_number);
+}
+
 /// Starts ranks 0..N-1 of this program on this machine (Gloo over a FileStore in
-/// a fresh directory, OMP_NUM_THREADS set to each rank's share of the cores
-/// unless set already) and waits for them. Rank 0 reports and its exit status is
-/// the job's; when a rank fails, the others are stopped (as torchrun does) and
-/// the first failure's status is the job's.
+/// a fresh temporary directory, OMP_NUM_THREADS set to each rank's share of the
+/// cores unless set already) and waits for them. Rank 0 reports. The ranks run in
+/// a process group of their own, which gets the signals the launcher gets; when a
+/// rank fails the others are stopped (as torchrun does). The exit status is the
+/// first failing rank's, else 0.
 int launch(int argc, char** argv, const Args& args) {
   namespace fs = std::filesystem;
-  const auto dir = fs::temp_directory_path() / ("memscale-train-gpt-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  const auto store = (dir / "store").string();
+  std::string pattern = (fs::temp_directory_path() / "memscale-train-gpt-XXXXXX").string();
+  if (::mkdtemp(pattern.data()) == nullptr)
+    throw std::runtime_error("cannot create a temporary directory for the store: " + std::string(std::strerror(errno)));
+  struct removed_at_exit {
+    fs::path dir;
+    ~removed_at_exit() {
+      std::error_code ignored;
+      fs::remove_all(dir, ignored);
+    }
+  } scratch{pattern};
+  const auto store = (scratch.dir / "store").string();
   if (std::getenv("OMP_NUM_THREADS") == nullptr) {
     const auto share = std::max(1u, std::thread::hardware_concurrency() / static_cast<unsigned>(args.world_size));
     ::setenv("OMP_NUM_THREADS", std::to_string(share).c_str(), 1);
   }
-  std::vector<pid_t> ranks;
+  struct sigaction forward {};
+  forward.sa_handler = forward_to_ranks;
+  sigemptyset(&forward.sa_mask);
+  for (int signal_number : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(signal_number, &forward, nullptr);
+
+  std::vector<pid_t> ranks;  // -1 once reaped
   auto stop_all = [&] {
-    for (const pid_t pid : ranks)
-      if (pid > 0) ::kill(pid, SIGTERM);
+    if (ranks_group > 0) ::kill(-static_cast<pid_t>(ranks_group), SIGTERM);
   };
   for (int r = 0; r < args.world_size; ++r) {
     std::vector<std::string> words(argv, argv + argc);
@@ -294,11 +320,19 @@ int launch(int argc, char** argv, const Args& args) {
     std::vector<char*> argv_r;
     for (auto& w : words) argv_r.push_back(w.data());
     argv_r.push_back(nullptr);
+    posix_spawnattr_t attributes;
+    posix_spawnattr_init(&attributes);
+    posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETPGROUP);
+    posix_spawnattr_setpgroup(&attributes, static_cast<pid_t>(ranks_group));  // rank 0: a new group
     pid_t pid = 0;
-    if (const int error = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv_r.data(), environ)) {
+    const int error = ::posix_spawn(&pid, "/proc/self/exe", nullptr, &attributes, argv_r.data(), environ);
+    posix_spawnattr_destroy(&attributes);
+    if (error != 0) {
       stop_all();
+      for (const pid_t started : ranks) ::waitpid(started, nullptr, 0);
       throw std::runtime_error("cannot start rank " + std::to_string(r) + ": " + std::strerror(error));
     }
+    if (r == 0) ranks_group = pid;
     ranks.push_back(pid);
   }
   int job_status = 0;
@@ -306,7 +340,7 @@ int launch(int argc, char** argv, const Args& args) {
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, 0);
     if (pid < 0) {
-      if (errno == EINTR) continue;
+      if (errno == EINTR) continue;  // a signal, passed on to the ranks: reap them
       break;
     }
     const auto it = std::find(ranks.begin(), ranks.end(), pid);
@@ -322,7 +356,6 @@ int launch(int argc, char** argv, const Args& args) {
       stop_all();
     }
   }
-  fs::remove_all(dir);
   return job_status;
 }
 
@@ -531,8 +564,12 @@ int run(const Args& args) {
   if (!group) return status;
 
   // Data parallel: every rank checks its own run, and that it ends with rank 0's
-  // parameters; rank 0 reports for all, and its exit status is the job's.
-  const bool same_as_rank0 = equal_to_rank0(baseline, group) && equal_to_rank0(model2, group);
+  // parameters; rank 0 reports for all, and its exit status is the job's (the
+  // others end with 0 once the verdict is in, so that no launcher stops rank 0
+  // while it prints). Every rank runs both broadcasts, whatever the first says.
+  const bool baseline_as_rank0 = equal_to_rank0(baseline, group);
+  const bool memscale_as_rank0 = equal_to_rank0(model2, group);
+  const bool same_as_rank0 = baseline_as_rank0 && memscale_as_rank0;
   const int ranks_differing = ranks_where(!losses_match || !params_match || still_optimized, group);
   const int ranks_apart = ranks_where(!same_as_rank0, group);
   std::cout << "ranks whose memscale run differs from their baseline: " << ranks_differing << " of "
@@ -542,7 +579,7 @@ int run(const Args& args) {
   if (ranks_apart != 0)
     std::cout << "ERROR: " << ranks_apart << " rank(s) ended with other parameters than rank 0's: the gradient "
               << "all-reduce did not give every rank the same update\n";
-  return ranks_differing == 0 && ranks_apart == 0 ? 0 : 1;
+  return rank == 0 && (ranks_differing != 0 || ranks_apart != 0) ? 1 : 0;
 }
 
 }  // namespace

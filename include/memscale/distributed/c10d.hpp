@@ -66,13 +66,22 @@ namespace detail {
 
 #if TORCH_VERSION_MAJOR >= 2
 /// 2.x: a process group is a front end that dispatches to one Backend per
-/// device type (1.13: the backend is the process group).
-inline process_group front_end(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
-                               const c10::intrusive_ptr<c10d::Backend>& backend,
-                               c10d::ProcessGroup::BackendType type, const std::vector<c10::DeviceType>& devices) {
-  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world_size);
+/// device type (1.13: the backend is the process group). Its constructor took
+/// ProcessGroup::Options (the backend's name, the timeout) until the front end
+/// learned its default backend from setDefaultBackend; either spelling compiles.
+template <class Group = c10d::ProcessGroup>
+process_group front_end(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
+                        const c10::intrusive_ptr<c10d::Backend>& backend, typename Group::BackendType type,
+                        const std::vector<c10::DeviceType>& devices) {
+  c10::intrusive_ptr<Group> group;
+  if constexpr (std::is_constructible_v<Group, const c10::intrusive_ptr<c10d::Store>&, int, int>) {
+    group = c10::make_intrusive<Group>(store, rank, world_size);
+  } else {
+    group = c10::make_intrusive<Group>(
+        store, rank, world_size, c10::make_intrusive<typename Group::Options>(backend->getBackendName()));
+  }
   for (auto device : devices) group->setBackend(device, type, backend);
-  group->setDefaultBackend(type);
+  if constexpr (requires { group->setDefaultBackend(type); }) group->setDefaultBackend(type);
   return group;
 }
 #endif
@@ -83,25 +92,17 @@ struct reducer_settings {
   std::int64_t bucket_cap_bytes = c10d::kDefaultBucketBytesCap;
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
+  bool fixed_buckets = false;  ///< sized buckets from the start, kept (not rebuilt in arrival order)
 };
 
-/// c10d::Reducer as DistributedDataParallel builds it (torch/nn/parallel/distributed.py,
-/// _ddp_init_helper): one bucket to start with (the real ones are built from the
-/// order gradients arrive in the first backward; with find_unused_parameters a
-/// small first bucket and `bucket_cap_bytes` ones), in reverse parameter order.
-/// The constructor's arguments differ by version: the first one that compiles wins.
-template <class Reducer = c10d::Reducer>
-std::unique_ptr<Reducer> make_reducer(const process_group& group, std::vector<at::Tensor> params,
-                                      std::unordered_map<std::size_t, std::string> names,
-                                      const reducer_settings& settings) {
-  const std::vector<bool> dense(params.size(), false);
-  std::vector<std::size_t> limits{static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max())};
-  if (settings.find_unused_parameters)
-    limits = {static_cast<std::size_t>(c10d::kDefaultFirstBucketBytes),
-              static_cast<std::size_t>(settings.bucket_cap_bytes)};
-  auto [buckets, per_bucket_limits] = c10d::compute_bucket_assignment_by_size(params, limits, dense);
-  std::reverse(buckets.begin(), buckets.end());
-  std::reverse(per_bucket_limits.begin(), per_bucket_limits.end());
+/// c10d::Reducer's constructor: its arguments differ by version, and the first
+/// list this LibTorch's constructor takes wins.
+template <class Reducer>
+std::unique_ptr<Reducer> construct_reducer(const process_group& group, std::vector<at::Tensor> params,
+                                           std::vector<std::vector<std::size_t>> buckets,
+                                           std::vector<std::size_t> per_bucket_limits, const std::vector<bool>& dense,
+                                           std::unordered_map<std::size_t, std::string> names,
+                                           const reducer_settings& settings) {
   const std::int64_t cap = settings.bucket_cap_bytes;
   const std::int64_t first_cap = c10d::kDefaultFirstBucketBytes;
   const bool unused = settings.find_unused_parameters;
@@ -134,8 +135,38 @@ std::unique_ptr<Reducer> make_reducer(const process_group& group, std::vector<at
   } else {
     static_assert(sizeof(Reducer) == 0,
                   "memscale::distributed: this LibTorch's c10d::Reducer constructor is none of those memscale "
-                  "knows (1.13 to 2.14): add its argument list to make_reducer in memscale/distributed/c10d.hpp");
+                  "knows (1.13 to 2.14): add its argument list to construct_reducer in memscale/distributed/c10d.hpp");
   }
+}
+
+/// The Reducer and its buckets at construction (indices into the parameters).
+template <class Reducer>
+struct built_reducer {
+  std::unique_ptr<Reducer> reducer;
+  std::vector<std::vector<std::size_t>> buckets;
+};
+
+/// c10d::Reducer as DistributedDataParallel builds it (torch/nn/parallel/distributed.py,
+/// _ddp_init_helper): one bucket to start with (the real ones are built from the
+/// order gradients arrive in the first backward; with find_unused_parameters, or
+/// fixed_buckets, a small first bucket and `bucket_cap_bytes` ones), in reverse
+/// parameter order.
+template <class Reducer = c10d::Reducer>
+built_reducer<Reducer> make_reducer(const process_group& group, std::vector<at::Tensor> params,
+                                    std::unordered_map<std::size_t, std::string> names,
+                                    const reducer_settings& settings) {
+  const std::vector<bool> dense(params.size(), false);
+  std::vector<std::size_t> limits{static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max())};
+  if (settings.find_unused_parameters || settings.fixed_buckets)
+    limits = {static_cast<std::size_t>(c10d::kDefaultFirstBucketBytes),
+              static_cast<std::size_t>(settings.bucket_cap_bytes)};
+  auto [buckets, per_bucket_limits] = c10d::compute_bucket_assignment_by_size(params, limits, dense);
+  std::reverse(buckets.begin(), buckets.end());
+  std::reverse(per_bucket_limits.begin(), per_bucket_limits.end());
+  auto layout = buckets;
+  return {construct_reducer<Reducer>(group, std::move(params), std::move(buckets), std::move(per_bucket_limits),
+                                     dense, std::move(names), settings),
+          std::move(layout)};
 }
 #endif
 

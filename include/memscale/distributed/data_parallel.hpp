@@ -27,12 +27,21 @@
 
 namespace memscale::distributed {
 
-/// DataParallel's knobs, with DistributedDataParallel's defaults.
+/// DataParallel's knobs, with DistributedDataParallel's defaults but one.
 struct data_parallel_options {
   std::int64_t bucket_cap_bytes = 25 * 1024 * 1024;  ///< gradients all-reduced together, at most
   bool broadcast_buffers = true;        ///< rank 0's buffers (BatchNorm statistics) before each forward
   bool find_unused_parameters = false;  ///< parameters a forward may leave out (walks the graph each step)
   bool gradient_as_bucket_view = false; ///< .grad views the communication buffer (saves one copy)
+  /// false (the default): gradients are bucketed in reverse parameter order, a
+  /// 1 MiB first bucket then bucket_cap_bytes ones, for good. That layout does not
+  /// depend on memscale, so with it the all-reduced sums, and the parameters, are
+  /// bit-identical with and without memscale for any number of ranks.
+  /// true: as DistributedDataParallel, buckets rebuilt in the order gradients
+  /// arrived in the first backward. Checkpointing changes that order, and with 3
+  /// or more ranks Gloo's ring adds each element in an order set by its place in
+  /// its bucket, so sums may then differ from a run without memscale in the last bits.
+  bool buckets_in_arrival_order = false;
 };
 
 namespace detail {
@@ -49,26 +58,32 @@ void tensors_of(const Output& output, std::vector<at::Tensor>& out) {
     for (const auto& item : output) tensors_of(item, out);
   } else if constexpr (requires { std::tuple_size<Output>::value; }) {
     std::apply([&](const auto&... items) { (tensors_of(items, out), ...); }, output);
+  } else {
+    static_assert(sizeof(Output) == 0,
+                  "DataParallel with find_unused_parameters: the forward's output must be a Tensor, a range or a "
+                  "tuple of them (its tensors are where the graph walk starts); call after_forward with its tensors");
   }
 }
 
-/// Sends rank 0's values of `tensors` to every rank, in place, coalesced as
-/// DDP's _sync_module_states does. Bool tensors (masks) travel as bytes: Gloo has
-/// no bool collectives.
-inline void broadcast_from_rank0(const process_group& group, const std::vector<at::Tensor>& tensors) {
+/// Sends rank 0's values of `tensors` to every rank, coalesced as DDP's
+/// _sync_module_states does. Bool tensors (masks) travel as bytes: Gloo has no
+/// bool collectives. `in_place`: the broadcast writes into the tensors; else it
+/// writes into copies, and the tensors change only once every broadcast succeeded.
+inline void broadcast_from_rank0(const process_group& group, const std::vector<at::Tensor>& tensors,
+                                 bool in_place = true) {
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> wire;
-  std::vector<std::pair<at::Tensor, at::Tensor>> as_bytes;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (tensor, what travels for it)
   for (const auto& t : tensors) {
-    if (t.scalar_type() != at::kBool) {
+    if (in_place && t.scalar_type() != at::kBool) {
       wire.push_back(t);
       continue;
     }
-    as_bytes.emplace_back(t, t.to(at::kByte));
-    wire.push_back(as_bytes.back().second);
+    copies.emplace_back(t, t.scalar_type() == at::kBool ? t.to(at::kByte) : t.detach().clone());
+    wire.push_back(copies.back().second);
   }
   c10d::broadcast_coalesced(group, wire, broadcast_bucket_bytes, 0);
-  for (auto& [t, bytes] : as_bytes) t.copy_(bytes);
+  for (auto& [t, received] : copies) t.copy_(received);
 }
 
 /// A module's tensors without repeats (tied weights appear once).
@@ -114,15 +129,21 @@ class DataParallel {
     step("comparing parameter shapes across ranks", [&] {
       c10d::verify_params_across_processes(group_, trainable, {});
     });
-    // Every rank starts from rank 0's state (DDP's _sync_module_states).
-    auto states = detail::unique_tensors(root->parameters());
-    states.insert(states.end(), buffers_.begin(), buffers_.end());
-    step("broadcasting rank 0's parameters and buffers", [&] { detail::broadcast_from_rank0(group_, states); });
     detail::reducer_settings settings;
     settings.bucket_cap_bytes = options_.bucket_cap_bytes;
     settings.find_unused_parameters = options_.find_unused_parameters;
     settings.gradient_as_bucket_view = options_.gradient_as_bucket_view;
-    reducer_ = detail::make_reducer(group_, std::move(trainable), std::move(names), settings);
+    settings.fixed_buckets = !options_.buckets_in_arrival_order;
+    auto built = detail::make_reducer(group_, std::move(trainable), std::move(names), settings);
+    // Every rank starts from rank 0's state (DDP's _sync_module_states), received
+    // into copies: a failed broadcast leaves the model as it was (and the Reducer
+    // built above removes its hooks as it goes).
+    auto states = detail::unique_tensors(root->parameters());
+    states.insert(states.end(), buffers_.begin(), buffers_.end());
+    step("broadcasting rank 0's parameters and buffers",
+         [&] { detail::broadcast_from_rank0(group_, states, /*in_place=*/false); });
+    reducer_ = std::move(built.reducer);
+    if (settings.fixed_buckets) fixed_buckets_ = std::move(built.buckets);
   }
 
   /// The model's forward between before_forward() and after_forward().
@@ -144,7 +165,12 @@ class DataParallel {
   void before_forward() {
     if (torch::GradMode::is_enabled()) {
       reducer_->prepare_for_forward();
-      step("rebuilding gradient buckets", [&] { (void)reducer_->rebuild_buckets(); });
+      // The Reducer records the first backward's gradient order until its buckets
+      // are rebuilt, so rebuild them in any case; with fixed buckets, the
+      // construction's layout goes straight back.
+      step("rebuilding gradient buckets", [&] {
+        if (reducer_->rebuild_buckets() && !fixed_buckets_.empty()) reducer_->initialize_buckets(fixed_buckets_);
+      });
     }
     if (options_.broadcast_buffers && !buffers_.empty())
       step("broadcasting rank 0's buffers", [&] { detail::broadcast_from_rank0(group_, buffers_); });
@@ -178,6 +204,7 @@ class DataParallel {
   data_parallel_options options_;
   std::vector<at::Tensor> buffers_;
   std::unique_ptr<c10d::Reducer> reducer_;
+  std::vector<std::vector<std::size_t>> fixed_buckets_;  ///< the construction's layout, kept; empty: DDP's rebuild
 };
 
 #else

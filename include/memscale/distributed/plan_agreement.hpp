@@ -21,6 +21,7 @@
 #include <memscale/detail/assert.hpp>
 #include <memscale/distributed/c10d.hpp>
 #include <memscale/distributed/process_group.hpp>
+#include <memscale/errors.hpp>
 
 namespace memscale::distributed {
 
@@ -223,6 +224,7 @@ inline std::vector<std::int64_t> broadcast_words(const process_group& group, std
 /// there: every rank runs the same forwards in the same order (data parallel
 /// training), so they reach these collectives together.
 inline core::plan_agreement rank0_plan(process_group group, plan_capabilities can) {
+  if (!group) throw Error("memscale::distributed: no process group (a null c10d::ProcessGroup): make one first");
   return [group = std::move(group), can](const std::vector<chain_profile>& profiles,
                                          core::engine_plan local) -> core::engine_plan {
     detail::check_same_structure(group, detail::summarize(profiles, can));

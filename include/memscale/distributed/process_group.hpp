@@ -9,6 +9,7 @@
 #include <exception>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include <torch/version.h>
@@ -31,6 +32,14 @@ class DistributedError : public Error {
 
 namespace detail {
 
+/// Whether c10d's or Gloo's message says the other side went away or never
+/// answered (rather than, say, that the ranks' models differ).
+inline bool lost_contact(std::string_view message) {
+  for (std::string_view sign : {"imeout", "imed out", "closed", "reset", "onnection", "peer", "Broken pipe", "refused"})
+    if (message.find(sign) != std::string_view::npos) return true;
+  return false;
+}
+
 /// Runs `step` (a collective or a store operation) and turns a c10d failure into
 /// a DistributedError that says which rank was doing what.
 template <class Step>
@@ -42,10 +51,11 @@ decltype(auto) collective_step(const std::string& what, int rank, int world_size
   } catch (const std::exception& e) {
     std::string message = e.what();
     if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) message = c10->what_without_backtrace();
+    const char* hint = lost_contact(message) ? " (another rank exited, never started or stopped answering: the "
+                                               "ranks end here at once, or when the time allowed runs out)"
+                                             : "";
     throw DistributedError("memscale: rank " + std::to_string(rank) + " of " + std::to_string(world_size) + ": " +
-                           what + " failed: " + message +
-                           " (a rank whose peer exited, never started or stopped answering ends here, at once or when "
-                           "the timeout passes)");
+                           what + " failed: " + message + hint);
   }
 }
 
