@@ -460,3 +460,153 @@ TEST_CASE("several chains planned at their first calls: each sees the earlier on
         memscale::core::project_chain(report.chains[0].slots, report.plan.units[0]).forward_end);
   CHECK(report.checkpointed_segments() >= 2);
 }
+
+namespace {
+/// A model's state that verify_correctness must leave as it found it.
+struct model_state {
+  std::vector<torch::Tensor> parameters, gradients, buffers;
+  torch::Tensor next_draw;  // what the RNG gives next
+
+  explicit model_state(torch::nn::Module& m) : gradients(test::grads_of(m)), buffers(buffer_values(m)) {
+    for (const auto& p : m.parameters()) parameters.push_back(p.detach().clone());
+    const auto rng = memscale::detail::capture_rng();
+    next_draw = torch::rand({8});
+    memscale::detail::restore_rng(rng);
+  }
+  bool operator==(const model_state& other) const {
+    return test::bit_equal(parameters, other.parameters) && test::bit_equal(gradients, other.gradients) &&
+           test::bit_equal(buffers, other.buffers) && test::bit_equal(next_draw, other.next_draw);
+  }
+};
+
+/// A GPT with gradients already there (a user's model mid-training).
+gpt::GPT gpt_with_gradients(const torch::Tensor& tokens) {
+  torch::manual_seed(21);
+  gpt::GPT model(test::small_gpt());
+  model->forward(tokens).square().mean().backward();
+  return model;
+}
+}  // namespace
+
+TEST_CASE("verify_correctness: one example step with and without the plan, bit-identical, state kept",
+          "[api][verify]") {
+  SECTION("a GPT looped with memscale::forward (Dropout, checkpointed call sites)") {
+    const auto tokens = torch::randint(256, {4, 64}, torch::kLong);
+    auto model = gpt_with_gradients(tokens);
+    const model_state before(*model);
+    auto guard = memscale::optimize(
+        model, tokens, test::quiet({.mode = OptimizationMode::Aggressive, .verify_correctness = true}));
+    const auto report = guard.report();
+    REQUIRE(report.checkpointed_segments() > 0);
+    REQUIRE(report.verification.has_value());
+    const auto& check = *report.verification;
+    INFO(report);
+    CHECK(check.passed);
+    CHECK(check.tolerance == 0.0);
+    CHECK(check.max_relative_difference == 0.0);
+    CHECK(check.parameters == static_cast<int>(model->parameters().size()));
+    CHECK(check.loss_baseline == check.loss_optimized);
+    CHECK_THAT(report.str(), Catch::Contains("verified: loss, ") && Catch::Contains("bit-identical"));
+    std::ostringstream line;
+    line << check;
+    CHECK(line.str() == check.str());
+    CHECK(model_state(*model) == before);
+  }
+  SECTION("a Sequential with BatchNorm and Dropout, checkpointed and offloaded") {
+    torch::manual_seed(9);
+    Stateful model;
+    const auto x = torch::randn({32, 64});
+    model->forward(x).sum().backward();
+    const model_state before(*model);
+    auto guard = memscale::optimize(model, x,
+                                    test::quiet({.mode = OptimizationMode::Aggressive, .force_optimize = true,
+                                                 .verify_correctness = true}));
+    const auto report = guard.report();
+    INFO(report);
+    REQUIRE(report.checkpointed_segments() + report.offloaded_units() > 0);
+    REQUIRE(report.verification.has_value());
+    CHECK(report.verification->passed);
+    CHECK(report.verification->buffers == static_cast<int>(model->buffers().size()));
+    CHECK(report.verification->max_relative_difference == 0.0);
+    CHECK(model_state(*model) == before);
+  }
+}
+
+TEST_CASE("verify_correctness catches a wrong technique and leaves the model unoptimized and unchanged",
+          "[api][verify]") {
+  using memscale::detail::technique_fault;
+  const auto fault = GENERATE(technique_fault::checkpoint_skips_rng_restore, technique_fault::checkpoint_recompute_scaled);
+  INFO("fault " << static_cast<int>(fault));
+  const auto tokens = torch::randint(256, {4, 64}, torch::kLong);
+  auto model = gpt_with_gradients(tokens);
+  const model_state before(*model);
+  const auto identity = test::parameter_identity(*model);
+  const auto config = test::quiet({.mode = OptimizationMode::Aggressive, .verify_correctness = true});
+  {
+    memscale::detail::inject_fault wrong(fault);
+    try {
+      (void)memscale::wrap(model, tokens, config);
+      FAIL("verify_correctness accepted a wrong checkpoint");
+    } catch (const memscale::CorrectnessError& e) {
+      CHECK_THAT(e.what_differs(), Catch::StartsWith("parameter '"));
+      CHECK_THAT(e.what(), Catch::Contains(e.what_differs()) && Catch::Contains("bit-identity required") &&
+                               Catch::Contains("left unoptimized and unchanged"));
+    }
+  }
+  CHECK_FALSE(memscale::is_optimized(model));
+  CHECK(test::parameter_identity(*model) == identity);
+  CHECK(model_state(*model) == before);
+  // Without the fault the same wrap verifies and applies.
+  auto guard = memscale::optimize(model, tokens, config);
+  REQUIRE(guard.report().verification.has_value());
+  CHECK(guard.report().verification->passed);
+}
+
+TEST_CASE("verify_correctness allows a stated tolerance under tiling and mixed precision", "[api][verify]") {
+  // Linear and GELU only: row-independent (tileable), and LibTorch 1.13's CPU
+  // autocast takes them (not LayerNorm).
+  torch::manual_seed(3);
+  torch::nn::Sequential seq;
+  for (int i = 0; i < 3; ++i) {
+    seq->push_back(torch::nn::Linear(64, 256));
+    seq->push_back(torch::nn::GELU());
+    seq->push_back(torch::nn::Linear(256, 64));
+  }
+  const auto x = torch::randn({8, 128, 64});
+  Config config = test::quiet({.mode = OptimizationMode::Aggressive, .force_optimize = true,
+                               .verify_correctness = true});
+  std::string reason;
+  SECTION("tiling") {
+    config.enable_tiling = true;
+    reason = "tiling";
+  }
+  SECTION("mixed precision") {
+    config.use_mixed_precision = true;
+    reason = "mixed precision";
+  }
+  auto guard = memscale::optimize(seq, x, config);
+  const auto report = guard.report();
+  INFO(report);
+  if (reason == "tiling") REQUIRE(report.tiled_segments() > 0);
+  REQUIRE(report.verification.has_value());
+  const auto& check = *report.verification;
+  CHECK(check.passed);
+  CHECK(check.tolerance > 0.0);
+  CHECK_THAT(check.tolerance_reason, Catch::Contains(reason));
+  CHECK(check.max_relative_difference <= check.tolerance);
+  WARN(reason << ": largest relative difference " << check.max_relative_difference << " at " << check.largest_at);
+}
+
+TEST_CASE("verify_correctness needs an example input and a Tensor -> Tensor forward", "[api][verify][config]") {
+  auto seq = test::flat_chain(1);
+  const auto slots = test::slot_identity(*seq);
+  try {
+    (void)memscale::wrap(seq, test::quiet({.verify_correctness = true}));
+    FAIL("a lazy wrap accepted verify_correctness");
+  } catch (const memscale::ConfigError& e) {
+    CHECK(e.field() == "verify_correctness");
+    CHECK_THAT(e.what(), Catch::Contains("example input"));
+  }
+  CHECK_FALSE(memscale::is_optimized(seq));
+  CHECK(test::slot_identity(*seq) == slots);
+}

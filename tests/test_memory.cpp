@@ -291,6 +291,47 @@ TEST_CASE("the tracker counts live and peak CPU bytes", "[memory]") {
   CHECK(scope.peak_growth() == 4 << 20);  // the inner scope did not hide the outer peak
 }
 
+TEST_CASE("a hard limit makes a CPU allocation past it throw c10::OutOfMemoryError, and a step survives it",
+          "[memory][oom]") {
+  memory_tracker::install();
+  CHECK_FALSE(memory_tracker::hard_limit().has_value());
+  CHECK_THROWS_WITH(memory_tracker::hard_limit_scope(-1), Catch::Contains("must be >= 0"));
+  const auto before = memory_tracker::current_bytes();
+  {
+    memory_tracker::hard_limit_scope limit(before + (2 << 20));
+    CHECK(memory_tracker::hard_limit() == before + (2 << 20));
+    CHECK_NOTHROW(torch::empty({1 << 18}, torch::kFloat));  // 1 MiB fits
+    try {
+      (void)torch::empty({1 << 20}, torch::kFloat);  // 4 MiB does not
+      FAIL("the hard limit let 4 MiB through");
+    } catch (const c10::OutOfMemoryError& e) {
+      CHECK_THAT(e.what_without_backtrace(), Catch::Contains("CPU out of memory") && Catch::Contains("4194304"));
+    }
+    {
+      memory_tracker::hard_limit_scope wider(before + (8 << 20));
+      CHECK_NOTHROW(torch::empty({1 << 20}, torch::kFloat));
+    }
+    CHECK(memory_tracker::hard_limit() == before + (2 << 20));  // the inner scope restored it
+    CHECK(memory_tracker::current_bytes() == before);
+  }
+  CHECK_FALSE(memory_tracker::hard_limit().has_value());
+  CHECK_NOTHROW(torch::empty({1 << 20}, torch::kFloat));
+
+  // A training step that runs out mid-way: the error reaches the caller, and
+  // once the caller lets go of the step, everything it held is freed.
+  torch::manual_seed(2);
+  auto seq = test::flat_chain(2);
+  const auto x = torch::randn({256, 64});
+  const auto live = memory_tracker::current_bytes();
+  {
+    memory_tracker::hard_limit_scope limit(live + (1 << 20));
+    CHECK_THROWS_AS(seq->forward(x).sum().backward(), c10::OutOfMemoryError);
+  }
+  test::clear_grads(*seq);
+  CHECK(memory_tracker::current_bytes() == live);
+  CHECK_NOTHROW(seq->forward(x).sum().backward());
+}
+
 namespace {
 
 struct measured_step {

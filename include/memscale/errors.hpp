@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace memscale {
 
@@ -41,6 +42,19 @@ class AlreadyOptimizedError : public Error {
 class ProfilingError : public Error {
  public:
   using Error::Error;
+};
+
+/// Config::verify_correctness: the optimized step's loss, a gradient or a buffer
+/// differs from the unoptimized step's beyond what the plan's techniques allow.
+/// what_differs() names it ("parameter 'blocks.1.mlp.0.weight'", "the loss").
+class CorrectnessError : public Error {
+ public:
+  CorrectnessError(std::string what_differs, const std::string& message)
+      : Error(message), what_differs_(std::move(what_differs)) {}
+  [[nodiscard]] const std::string& what_differs() const noexcept { return what_differs_; }
+
+ private:
+  std::string what_differs_;
 };
 
 /// Stage 1 policy could not decide; the caller falls back to the rule policy.

@@ -13,9 +13,12 @@
 #include <atomic>
 #include <functional>
 #include <iostream>
+#include <iomanip>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -33,6 +36,7 @@
 #include <memscale/core/profiler.hpp>
 #include <memscale/core/registry.hpp>
 #include <memscale/core/slots.hpp>
+#include <memscale/core/verify.hpp>
 #include <memscale/detail/assert.hpp>
 #include <memscale/detail/fault_injection.hpp>
 #include <memscale/detail/rng.hpp>
@@ -334,6 +338,63 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     return chains_[c].ref.sequential->begin()->forward<torch::Tensor>(x);
   }
 
+  /// verify_correctness: one step of `example` in `box`, through the model as
+  /// it is now; `as_before_wrap`: memscale::forward calls run directly (the
+  /// unoptimized step, taken before the plan is applied).
+  verify::step_outcome verification_step(verify::sandbox& box, const torch::Tensor& example, bool as_before_wrap) {
+    MEMSCALE_ASSERT(whole_forward_, "verify_correctness needs the model's Tensor -> Tensor forward");
+    struct direct_calls {
+      bool before = planning_on_this_thread();
+      explicit direct_calls(bool on) { planning_on_this_thread() = on || before; }
+      ~direct_calls() { planning_on_this_thread() = before; }
+    } calls(as_before_wrap);
+    return box.run(whole_forward_, example);
+  }
+
+  /// Compares the two verification steps, puts the outcome in the report and
+  /// logs it; throws CorrectnessError when they differ beyond what the plan's
+  /// techniques allow (the caller then restores the model).
+  void judge_verification(const verify::sandbox& box, const verify::step_outcome& unoptimized,
+                          const verify::step_outcome& optimized, c10::Device device) {
+    double tolerance = 0.0;
+    std::string reason = "checkpoint and offload leave the arithmetic unchanged";
+    if (config_.use_mixed_precision) {
+      tolerance = verify_mixed_precision_tolerance;
+      reason = "mixed precision: the optimized chains run in reduced precision";
+    } else if (report_.tiled_segments() > 0) {
+      tolerance = verify_tiling_tolerance;
+      reason = "tiling adds the chunks' weight gradients in another order";
+    } else if (device.is_cuda() && !at::globalContext().deterministicAlgorithms()) {
+      tolerance = verify_nondeterministic_tolerance;
+      reason = "CUDA without torch's deterministic algorithms: some kernels add in another order on each run";
+    }
+    auto outcome = verify::judge(box, unoptimized, optimized, tolerance, reason);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      report_.verification = outcome.check;
+    }
+    if (config_.enable_logging) {
+      try {
+        std::clog << "[memscale] " << outcome.check.str() << "\n";
+      } catch (...) {
+      }
+    }
+    if (!outcome.first_mismatch) return;
+    const auto& [what, how] = *outcome.first_mismatch;
+    std::ostringstream message;
+    message << "memscale: verify_correctness: one step of the example input gives a different " << what
+            << " with the plan applied than without it: " << how << " (";
+    if (tolerance == 0.0) message << "bit-identity required: " << reason;
+    else message << "allowed: " << std::scientific << std::setprecision(2) << tolerance << ", " << reason;
+    message << std::defaultfloat << "; loss " << std::setprecision(9) << outcome.check.loss_baseline << " unoptimized, "
+            << outcome.check.loss_optimized << " optimized). The plan (" << report_.checkpointed_segments()
+            << " checkpointed segment(s), " << report_.offloaded_units()
+            << " offloaded unit(s)) is not applied: the model is left unoptimized and unchanged. Please report "
+               "this with the model; meanwhile exclude the technique (Config::enable_checkpointing, "
+               "enable_offloading, enable_tiling, use_mixed_precision) that the parameter's unit uses";
+    throw CorrectnessError(what, message.str());
+  }
+
   /// Whether the model is in training mode (planning waits for a training call).
   [[nodiscard]] bool training_call() const {
     auto root = root_.lock();
@@ -357,6 +418,11 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
 
  private:
   static constexpr double gib = 1024.0 * 1024.0 * 1024.0;
+  // verify_correctness's relative L2 tolerances where bit-identity cannot hold
+  // (measured on the example GPT and the tests' models: see the README).
+  static constexpr double verify_mixed_precision_tolerance = 5e-2;
+  static constexpr double verify_tiling_tolerance = 1e-4;
+  static constexpr double verify_nondeterministic_tolerance = 1e-4;
 
   void add_technique_notes() {
     if (techniques_.tile && !config_.enable_checkpointing)
@@ -384,8 +450,6 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
                                  "Config is used as given");
     if (config_.observability_port)
       report_.notes.emplace_back("observability_port: the metrics endpoint is not implemented in this release");
-    if (config_.verify_correctness)
-      report_.notes.emplace_back("verify_correctness: not implemented in this release");
   }
 
   /// What a plan changes besides Sequential slots, made before it commits and
@@ -977,6 +1041,15 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
                                           const torch::Tensor* example = nullptr) {
   config.validate();
   if (!root) throw UnsupportedModelError("memscale: the model is empty (a null module holder)");
+  if (config.verify_correctness && example == nullptr)
+    throw ConfigError("verify_correctness",
+                      "needs an example input to run one step with and without the plan: use wrap(model, "
+                      "example_input, config) or optimize(model, example_input, config) (a model planned at its "
+                      "first forward is not verified)");
+  if (config.verify_correctness && !whole_forward)
+    throw ConfigError("verify_correctness",
+                      "needs a model whose forward takes one Tensor and returns one Tensor, to take a loss from "
+                      "its output; this model's forward does not (" + root->name() + ")");
   if (registry::global().find(root.get()))
     throw AlreadyOptimizedError("memscale: this model is already optimized; call memscale::detach(model) "
                                 "before wrapping it again");
@@ -991,12 +1064,25 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
                                                std::move(whole_forward));
   try {
     attached->listen_to_call_sites();
+    // verify_correctness: the unoptimized step first, on the model as it is.
+    std::optional<verify::sandbox> box;
+    std::optional<verify::step_outcome> unoptimized;
+    if (config.verify_correctness) {
+      box.emplace(*root);
+      unoptimized = attached->verification_step(*box, *example, /*as_before_wrap=*/true);
+      box->reset();
+    }
     std::vector<torch::Tensor> inputs;
     if (forward) {
       if (example != nullptr) attached->set_whole_input(*example);
       inputs = attached->capture_inputs(forward);
     }
     attached->plan_and_apply(std::move(inputs));
+    if (unoptimized) {
+      const auto optimized = attached->verification_step(*box, *example, /*as_before_wrap=*/false);
+      attached->judge_verification(*box, *unoptimized, optimized, example->device());
+    }
+    box.reset();  // gradients, buffers and the RNG as they were
     registry::global().add(root, attached);
   } catch (...) {
     attached->restore();

@@ -20,6 +20,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/Device.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 
@@ -73,6 +74,8 @@ class counting_cpu_allocator final : public c10::Allocator {
   }
 
   [[nodiscard]] byte_counter& counter() noexcept { return counter_; }
+  /// The hard limit on live bytes, or -1 for none (memory_tracker::hard_limit_scope).
+  [[nodiscard]] std::atomic<std::int64_t>& limit() noexcept { return limit_; }
 
   static counting_cpu_allocator& instance() {
     static auto* self = new counting_cpu_allocator();  // never destroyed, see above
@@ -94,8 +97,14 @@ class counting_cpu_allocator final : public c10::Allocator {
   c10::DataPtr counted(std::size_t bytes) const {
     const c10::Device cpu(c10::kCPU);
     if (bytes == 0) return c10::DataPtr(nullptr, nullptr, &release, cpu);
-    auto* base = static_cast<char*>(c10::alloc_cpu(bytes + header_bytes));
     const auto size = static_cast<std::int64_t>(bytes);
+    if (const auto cap = instance().limit_.load(std::memory_order_relaxed); cap >= 0) {
+      const auto live = instance().counter_.current();
+      TORCH_CHECK_WITH(OutOfMemoryError, live + size <= cap,
+                       "CPU out of memory (memscale::memory_tracker::hard_limit_scope): tried to allocate ", size,
+                       " bytes with ", live, " bytes live; the hard limit is ", cap, " bytes");
+    }
+    auto* base = static_cast<char*>(c10::alloc_cpu(bytes + header_bytes));
     std::memcpy(base, &size, sizeof size);
     instance().counter_.add(size);
     void* data = base + header_bytes;
@@ -103,6 +112,7 @@ class counting_cpu_allocator final : public c10::Allocator {
   }
 
   byte_counter counter_;
+  std::atomic<std::int64_t> limit_{-1};
 };
 
 inline std::atomic<bool>& tracker_installed() {
@@ -327,6 +337,39 @@ class memory_tracker {
     std::optional<c10::DebugInfoGuard> guard_;
     std::string inactive_reason_;
   };
+
+  /// A hard limit on the CPU bytes the counting allocator holds live, for the
+  /// scope's lifetime: an allocation that would take them past `bytes` throws
+  /// c10::OutOfMemoryError (what LibTorch throws for a CUDA out-of-memory)
+  /// instead of allocating, so an out-of-memory on CPU can be tested and
+  /// survived (tests, AutoTuner trials). Off by default. Needs the counting
+  /// allocator (install()); process-wide, so under concurrent allocations from
+  /// several threads it may be passed by what they allocate at that moment.
+  /// Nested scopes restore the limit they found.
+  class hard_limit_scope {
+   public:
+    explicit hard_limit_scope(std::int64_t bytes) {
+      if (!installed())
+        throw Error("memscale::memory_tracker::hard_limit_scope: the hard limit needs the counting CPU "
+                    "allocator: call memscale::memory_tracker::install() first");
+      if (bytes < 0)
+        throw Error("memscale::memory_tracker::hard_limit_scope: the limit must be >= 0 bytes, got " +
+                    std::to_string(bytes));
+      previous_ = detail::counting_cpu_allocator::instance().limit().exchange(bytes);
+    }
+    hard_limit_scope(const hard_limit_scope&) = delete;
+    hard_limit_scope& operator=(const hard_limit_scope&) = delete;
+    ~hard_limit_scope() { detail::counting_cpu_allocator::instance().limit().store(previous_); }
+
+   private:
+    std::int64_t previous_ = -1;
+  };
+
+  /// The hard limit in force (hard_limit_scope), if any.
+  [[nodiscard]] static std::optional<std::int64_t> hard_limit() noexcept {
+    const auto cap = detail::counting_cpu_allocator::instance().limit().load();
+    return cap >= 0 ? std::optional<std::int64_t>(cap) : std::nullopt;
+  }
 
   /// Measures the peak within a scope, from the source current_bytes() reads
   /// when the scope begins. On CPU nested scopes compose (an outer scope still

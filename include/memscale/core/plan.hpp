@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <iomanip>
+#include <optional>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -17,6 +18,38 @@
 #include <memscale/core/memory_model.hpp>
 
 namespace memscale {
+
+/// What Config::verify_correctness found: one step of the example input (forward,
+/// the loss mean(output²), backward; no optimizer step) run unoptimized, then
+/// optimized, from the same RNG state, buffers and (cleared) gradients.
+struct CorrectnessCheck {
+  bool passed = false;
+  double tolerance = 0.0;        ///< relative L2 difference allowed; 0: bit-identical
+  std::string tolerance_reason;  ///< why that tolerance
+  int parameters = 0;            ///< gradients compared
+  int buffers = 0;               ///< buffers compared after the step (BatchNorm statistics, ...)
+  double loss_baseline = 0.0;
+  double loss_optimized = 0.0;
+  double max_relative_difference = 0.0;  ///< over the loss, the gradients and the buffers
+  std::string largest_at;                ///< where it is ("the loss", "parameter 'fc.weight'")
+
+  [[nodiscard]] std::string str() const {
+    std::ostringstream os;
+    os << (passed ? "verified" : "FAILED verification") << ": loss, " << parameters << " gradient(s) and "
+       << buffers << " buffer(s) of one example step vs the unoptimized step, ";
+    if (tolerance == 0.0) {
+      os << (max_relative_difference == 0.0 && passed ? "bit-identical" : "bit-identity required");
+    } else {
+      os << "relative difference at most " << std::setprecision(2) << std::scientific << tolerance;
+    }
+    os << " (" << tolerance_reason << ")";
+    if (max_relative_difference != 0.0)
+      os << "; largest " << std::setprecision(2) << std::scientific << max_relative_difference << " at "
+         << largest_at;
+    return os.str();
+  }
+  friend std::ostream& operator<<(std::ostream& os, const CorrectnessCheck& c) { return os << c.str(); }
+};
 
 struct Report {
   HardwareInfo hardware;
@@ -33,6 +66,7 @@ struct Report {
   std::vector<chain_profile> chains;
   core::engine_plan plan;
   std::vector<std::string> notes;
+  std::optional<CorrectnessCheck> verification;  ///< with Config::verify_correctness
 
   [[nodiscard]] std::int64_t static_bytes() const noexcept {
     return parameter_bytes + gradient_bytes + optimizer_reserve_bytes + buffer_bytes + earlier_chains_bytes;
@@ -102,6 +136,7 @@ struct Report {
     os << "applied: " << checkpointed_segments() << " checkpointed segment(s) (" << tiled_segments()
        << " of them tiled), " << offloaded_units()
        << " offloaded unit(s) moving " << format_bytes(core::offloaded_bytes(costs, plan.units)) << " per step\n";
+    if (verification) os << verification->str() << "\n";
     for (std::size_t c = 0; c < chains.size(); ++c) print_chain(os, static_cast<int>(c));
     print_notes(os);
   }

@@ -20,6 +20,14 @@ class buffer_restore {
   buffer_restore(const buffer_restore&) = delete;
   buffer_restore& operator=(const buffer_restore&) = delete;
   ~buffer_restore() {
+    try {
+      restore();
+    } catch (...) {  // never throw from a destructor
+    }
+  }
+
+  /// Puts the buffers back now (and again at the end).
+  void restore() {
     torch::NoGradGuard no_grad;
     // Only what changed: a copy bumps the version of a buffer autograd may have saved.
     for (auto& [live, copy] : saved_)

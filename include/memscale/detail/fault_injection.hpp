@@ -2,7 +2,8 @@
 // failing wrap() leaves the model exactly as it was; and make one offload-tier
 // operation fail (pinned allocation, disk directory, disk space, an I/O job or
 // thread), to show that the offload engine degrades without losing a tensor
-// and that its I/O pool never terminates the process. Internal; process-wide.
+// and that its I/O pool never terminates the process; and plant a wrong
+// technique, for verify_correctness to catch. Internal; process-wide.
 #pragma once
 
 #include <atomic>
@@ -59,8 +60,24 @@ inline std::atomic<int>& injected_offload_fault() {
   return injected_offload_fault().load() == static_cast<int>(f);
 }
 
-/// Injects a fault (at one pipeline stage, or in one offload-tier operation)
-/// for the guard's lifetime.
+/// Wrong techniques a test can plant, for verify_correctness to catch:
+/// checkpoint_skips_rng_restore: a checkpoint's recompute draws fresh random
+/// numbers (other Dropout masks than its forward); checkpoint_recompute_scaled:
+/// a recompute's outputs come out scaled by 1 + 2^-20.
+enum class technique_fault : int { none, checkpoint_skips_rng_restore, checkpoint_recompute_scaled };
+
+inline std::atomic<int>& injected_technique_fault() {
+  static std::atomic<int> fault{0};
+  return fault;
+}
+
+/// Whether a test planted `f`.
+[[nodiscard]] inline bool technique_fault_injected(technique_fault f) noexcept {
+  return injected_technique_fault().load() == static_cast<int>(f);
+}
+
+/// Injects a fault (at one pipeline stage, in one offload-tier operation, or
+/// in a technique) for the guard's lifetime.
 class inject_fault {
  public:
   /// A fault at stage `s`, reached `passes` times without failing first.
@@ -69,6 +86,7 @@ class inject_fault {
     slot_ = static_cast<int>(s);
   }
   explicit inject_fault(offload_fault f) : slot_(injected_offload_fault()) { slot_ = static_cast<int>(f); }
+  explicit inject_fault(technique_fault f) : slot_(injected_technique_fault()) { slot_ = static_cast<int>(f); }
   inject_fault(const inject_fault&) = delete;
   inject_fault& operator=(const inject_fault&) = delete;
   ~inject_fault() { slot_ = 0; }

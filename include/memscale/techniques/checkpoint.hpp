@@ -25,6 +25,7 @@
 
 #include <memscale/detail/buffers.hpp>
 #include <memscale/detail/compat.hpp>
+#include <memscale/detail/fault_injection.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/offload/hooks.hpp>
@@ -310,10 +311,13 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     recompute_scope recompute;
     {
       rng_fork keep_training_stream(context->devices);  // backward must not shift the RNG sequence
-      restore_rng(context->state);
+      if (!technique_fault_injected(technique_fault::checkpoint_skips_rng_restore)) restore_rng(context->state);
       compat::autocast_as same_casts(context->autocast);
       torch::AutoGradMode grad_on(true);
       outputs = body->fn(inputs);
+      if (technique_fault_injected(technique_fault::checkpoint_recompute_scaled))
+        for (auto& o : outputs)
+          if (o.defined() && o.is_floating_point()) o = o * (1.0 + 1.0 / (1 << 20));
     }
 
     std::vector<torch::Tensor> differentiable_outputs, output_grads;
