@@ -389,3 +389,38 @@ TEST_CASE("a model with no unit boundaries and offload excluded is refused, nami
   }
   CHECK_FALSE(memscale::is_optimized(model));
 }
+
+TEST_CASE("verify_correctness passes bit-identically through call sites with BatchNorm and through whole-forward "
+          "offload, and training then matches the plain model",
+          "[call_sites][verify]") {
+  SECTION("ResNet-style CNN, every call site checkpointed") {
+    auto [reference, model] = twins<resnet::ResNet>(7, 3, 8);
+    auto x = torch::randn({4, 3, 16, 16});
+    const auto expected = train(reference, x, 2);
+    auto config = checkpoint_all();
+    config.verify_correctness = true;
+    auto guard = memscale::optimize(model, x, config);
+    const auto report = guard.report();
+    REQUIRE(report.checkpointed_segments() >= 2);
+    REQUIRE(report.verification.has_value());
+    CHECK(report.verification->passed);
+    CHECK(report.verification->max_relative_difference == 0.0);
+    CHECK(report.verification->buffers > 0);  // the running statistics were compared
+    CHECK(same_runs(expected, train(model, x, 2)));
+    CHECK(test::bit_equal(buffers_of(reference), buffers_of(model)));
+  }
+  SECTION("no unit boundaries: whole-forward offload") {
+    auto [reference, model] = twins<PlainNet>(14, 64);
+    auto x = torch::randn({16, 32, 64});
+    const auto expected = train(reference, x, 2);
+    auto guard = memscale::optimize(
+        model, x, test::quiet({.mode = OptimizationMode::Aggressive, .verify_correctness = true}));
+    const auto report = guard.report();
+    REQUIRE(report.offloaded_units() == 1);
+    REQUIRE(report.verification.has_value());
+    CHECK(report.verification->passed);
+    CHECK(report.verification->max_relative_difference == 0.0);
+    CHECK(guard.offload_stats().value().bytes_written > 0);  // the verification step went through the tiers
+    CHECK(same_runs(expected, train(model, x, 2)));
+  }
+}
