@@ -138,6 +138,21 @@ inline bool& planning_on_this_thread() {
   return planning;
 }
 
+/// Sets planning_on_this_thread() for its lifetime (when `on`; else leaves it
+/// as it is), then puts back what it found.
+class planning_scope {
+ public:
+  explicit planning_scope(bool on = true) : before_(planning_on_this_thread()) {
+    planning_on_this_thread() = on || before_;
+  }
+  planning_scope(const planning_scope&) = delete;
+  planning_scope& operator=(const planning_scope&) = delete;
+  ~planning_scope() { planning_on_this_thread() = before_; }
+
+ private:
+  bool before_;
+};
+
 class attachment : public std::enable_shared_from_this<attachment>, public call_site_host {
  public:
   attachment(const std::shared_ptr<torch::nn::Module>& root, std::vector<chain_ref> chains, Config config,
@@ -343,11 +358,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   /// unoptimized step, taken before the plan is applied).
   verify::step_outcome verification_step(verify::sandbox& box, const torch::Tensor& example, bool as_before_wrap) {
     MEMSCALE_ASSERT(whole_forward_, "verify_correctness needs the model's Tensor -> Tensor forward");
-    struct direct_calls {
-      bool before = planning_on_this_thread();
-      explicit direct_calls(bool on) { planning_on_this_thread() = on || before; }
-      ~direct_calls() { planning_on_this_thread() = before; }
-    } calls(as_before_wrap);
+    planning_scope direct_calls(as_before_wrap);
     return box.run(whole_forward_, example);
   }
 
@@ -464,11 +475,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   /// asked) in one transaction, then publishes the report.
   void commit_plan(const std::vector<std::size_t>& ready, const std::vector<torch::Tensor>& inputs,
                    bool probe_the_others, torch::nn::AnyModule* displaced = nullptr) {
-    struct planning_flag {
-      bool before = planning_on_this_thread();
-      planning_flag() { planning_on_this_thread() = true; }
-      ~planning_flag() { planning_on_this_thread() = before; }
-    } planning;
+    planning_scope planning;
     Report next = report_;
     std::vector<std::vector<unit>> units;
     if (!ready.empty()) units = plan(ready, inputs, next);

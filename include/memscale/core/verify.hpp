@@ -6,7 +6,6 @@
 // executor runs it; the outcome is the Report's CorrectnessCheck.
 #pragma once
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -97,11 +96,6 @@ class sandbox {
 
   [[nodiscard]] const std::vector<std::string>& parameter_names() const noexcept { return parameter_names_; }
   [[nodiscard]] const std::vector<std::string>& buffer_names() const noexcept { return buffer_names_; }
-  [[nodiscard]] std::size_t trainable_count() const {
-    std::size_t n = 0;
-    for (const auto& p : parameters_) n += p.requires_grad() ? 1 : 0;
-    return n;
-  }
 
  private:
   std::vector<std::string> parameter_names_;
