@@ -11,6 +11,7 @@
 #include <memscale/core/memory_tracker.hpp>
 #include <memscale/core/plan.hpp>
 #include <memscale/errors.hpp>
+#include <memscale/predict/predict.hpp>
 #include <memscale/techniques/checkpoint.hpp>
 #include <memscale/techniques/concepts.hpp>
 #include <memscale/techniques/mixed_precision.hpp>

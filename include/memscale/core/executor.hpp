@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <functional>
 #include <iostream>
 #include <iomanip>
@@ -136,6 +137,46 @@ struct planned_call {
 inline bool& planning_on_this_thread() {
   thread_local bool planning = false;
   return planning;
+}
+
+/// The factor by which planning on this thread scales the per-sample figures of
+/// each profile (bytes and times of activations, the leading extent of each
+/// shape) before deciding: memscale::predict profiles at a small batch and plans
+/// for the full one. 1 outside a profile_scale_scope.
+inline double& profile_batch_scale() {
+  thread_local double scale = 1.0;
+  return scale;
+}
+
+/// Sets profile_batch_scale() for its lifetime, then puts back what it found.
+class profile_scale_scope {
+ public:
+  explicit profile_scale_scope(double scale) : before_(profile_batch_scale()) { profile_batch_scale() = scale; }
+  profile_scale_scope(const profile_scale_scope&) = delete;
+  profile_scale_scope& operator=(const profile_scale_scope&) = delete;
+  ~profile_scale_scope() { profile_batch_scale() = before_; }
+
+ private:
+  double before_;
+};
+
+/// A profile measured at batch b, as the profile at batch b * scale would read:
+/// activation bytes and times scale with the batch (what the activations are),
+/// and so does the first extent of each shape.
+inline void scale_profile(chain_profile& profile, double scale) {
+  const auto times = [scale](std::int64_t bytes) {
+    return static_cast<std::int64_t>(std::llround(static_cast<double>(bytes) * scale));
+  };
+  for (auto& slot : profile.slots) {
+    slot.input_bytes = times(slot.input_bytes);
+    slot.output_bytes = times(slot.output_bytes);
+    slot.saved_bytes = times(slot.saved_bytes);
+    slot.workspace_bytes = times(slot.workspace_bytes);
+    slot.forward_seconds *= scale;
+    slot.backward_seconds *= scale;
+    if (slot.input_extents[0] > 0) slot.input_extents[0] = std::max<std::int64_t>(1, times(slot.input_extents[0]));
+  }
+  if (!profile.input_shape.empty()) profile.input_shape[0] = std::max<std::int64_t>(1, times(profile.input_shape[0]));
 }
 
 /// Sets planning_on_this_thread() for its lifetime (when `on`; else leaves it
@@ -548,6 +589,8 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
                                : profile_chain(chain.ref.path, chain.originals, inputs[c], options));
       }
     }
+    if (const double scale = profile_batch_scale(); scale != 1.0)
+      for (auto& p : profiles) scale_profile(p, scale);
     detail::fault_point(detail::pipeline_stage::plan);
 
     out.device = device.str();

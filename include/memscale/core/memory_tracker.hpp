@@ -57,7 +57,9 @@ class byte_counter {
 /// The CPU allocator memory_tracker::install() puts in place: LibTorch's own
 /// alloc_cpu/free_cpu plus a 64-byte header holding the block's size, so live and
 /// peak bytes are counted. The data pointer doubles as the context, as
-/// raw_allocate() requires. It reports nothing to LibTorch's memory profiler.
+/// raw_allocate() requires. Like LibTorch's default CPU allocator it reports
+/// each allocation and free to the thread's memory-profiling reporter while one
+/// listens (LibTorch's profiler, memscale's reporting scopes and predict()).
 /// Process-wide and never destroyed: tensors it allocated may outlive any scope.
 class counting_cpu_allocator final : public c10::Allocator {
  public:
@@ -91,6 +93,7 @@ class counting_cpu_allocator final : public c10::Allocator {
     std::int64_t bytes = 0;
     std::memcpy(&bytes, base, sizeof bytes);
     instance().counter_.add(-bytes);
+    if (c10::memoryProfilingEnabled()) report(data, -bytes);
     c10::free_cpu(base);
   }
 
@@ -108,8 +111,13 @@ class counting_cpu_allocator final : public c10::Allocator {
     std::memcpy(base, &size, sizeof size);
     instance().counter_.add(size);
     void* data = base + header_bytes;
+    if (c10::memoryProfilingEnabled()) report(data, size);
     return c10::DataPtr(data, data, &release, cpu);
   }
+
+  /// Tells the thread's memory-profiling reporter (defined below, after the
+  /// type of its totals).
+  static void report(void* data, std::int64_t delta);
 
   byte_counter counter_;
   std::atomic<std::int64_t> limit_{-1};
@@ -134,6 +142,11 @@ struct report_signature<void (Base::*)(Size, Total, Total, c10::Device)> {
 };
 using report_total_t = report_signature<decltype(&c10::MemoryReportingInfoBase::reportMemoryUsage)>::total;
 using oom_total_t = report_signature<decltype(&c10::MemoryReportingInfoBase::reportOutOfMemory)>::total;
+
+inline void counting_cpu_allocator::report(void* data, std::int64_t delta) {
+  const auto live = static_cast<report_total_t>(instance().counter_.current());
+  c10::reportMemoryUsageToProfiler(data, delta, live, live, c10::Device(c10::kCPU));
+}
 
 /// What a reporting_scope puts in the thread's PROFILER_STATE debug-info slot.
 /// It counts the CPU blocks reported while its scope is open (a free counts only
@@ -216,8 +229,8 @@ class memory_tracker {
   /// Opt-in: replaces the process's CPU allocator (c10::SetCPUAllocator, at the
   /// lowest priority LibTorch accepts, up to 255) with memscale's counting one,
   /// so every CPU tensor allocated afterwards, on any thread, is counted. An
-  /// allocator the program or another library installed is no longer used, and
-  /// LibTorch's memory profiler gets no CPU reports. memscale's own wrap(),
+  /// allocator the program or another library installed is no longer used.
+  /// LibTorch's memory profiler still gets the CPU reports. memscale's own wrap(),
   /// optimize() and profiler never call it; tests, benchmarks and the example do.
   /// Idempotent and thread-safe; puts the counting allocator back if another one
   /// replaced it since. Install before other threads run tensor operations: a
@@ -281,8 +294,9 @@ class memory_tracker {
   /// c10::MemoryReportingInfoBase in the thread's PROFILER_STATE debug-info slot
   /// (inherited by autograd's and at::launch's threads). LibTorch's default CPU
   /// allocator reports, and so does any allocator that delegates to
-  /// c10::GetDefaultCPUAllocator(); one that allocates by itself (or memscale's
-  /// counting allocator) does not, and the scope then sees nothing.
+  /// c10::GetDefaultCPUAllocator(), and so does memscale's counting allocator;
+  /// one that allocates by itself without reporting does not, and the scope
+  /// then sees nothing.
   /// A reporter already in the slot (the program's own) keeps receiving every
   /// report it would have received. A LibTorch profiler's state is never
   /// shadowed (its callbacks would mistake the scope for it): the scope then

@@ -1,0 +1,106 @@
+// memscale::detail — what the process holds (Linux /proc/self): resident bytes,
+// their high-water mark and its reset; and glibc's mmap threshold, which decides
+// whether freed tensor memory goes back to the system. Used by predict() to
+// measure what sits outside LibTorch's allocator (oneDNN and BLAS buffers,
+// malloc's retention), and by the benchmarks to measure a step's max RSS growth.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <string>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+namespace memscale {
+namespace detail {
+
+struct process_memory {
+  std::int64_t resident_bytes = 0;  ///< VmRSS
+  std::int64_t peak_bytes = 0;      ///< VmHWM: the resident high-water mark
+};
+
+/// VmRSS and VmHWM of this process; nullopt where /proc/self/status has none.
+[[nodiscard]] inline std::optional<process_memory> read_process_memory() {
+  std::ifstream in("/proc/self/status");
+  if (!in) return std::nullopt;
+  process_memory m;
+  bool rss = false;
+  bool hwm = false;
+  for (std::string line; std::getline(in, line);) {
+    try {
+      if (line.rfind("VmRSS:", 0) == 0) {
+        m.resident_bytes = std::stoll(line.substr(6)) * 1024;
+        rss = true;
+      } else if (line.rfind("VmHWM:", 0) == 0) {
+        m.peak_bytes = std::stoll(line.substr(6)) * 1024;
+        hwm = true;
+      }
+    } catch (...) {
+      return std::nullopt;
+    }
+  }
+  if (!rss || !hwm) return std::nullopt;
+  return m;
+}
+
+/// Resets VmHWM to the current VmRSS (Linux >= 4.0: "5" to /proc/self/clear_refs).
+/// False where that is not possible.
+inline bool reset_process_peak() {
+  std::ofstream out("/proc/self/clear_refs");
+  if (!out) return false;
+  out << "5";
+  out.flush();
+  return static_cast<bool>(out);
+}
+
+inline std::atomic<std::int64_t>& pinned_mmap_threshold() {
+  static std::atomic<std::int64_t> bytes{-1};
+  return bytes;
+}
+
+}  // namespace detail
+
+/// Fixes glibc's mmap threshold at `bytes` (mallopt(M_MMAP_THRESHOLD)): every
+/// block of at least that size is mapped on its own and given back to the system
+/// when freed. By default glibc raises the threshold each time it frees a mapped
+/// block, after which tensor-sized blocks come from its heaps and stay resident
+/// when freed: measured on the example GPT and a ResNet-style CNN, a step's max
+/// RSS growth is then 1.4 to 2.0 times LibTorch's live-byte peak, and varies by
+/// up to 12% between runs of the same program. With the threshold fixed it is the
+/// allocator's peak plus a constant (benchmarks/studies/README.md), which is what
+/// makes memscale::predict's process figures hold. The cost is a page fault per
+/// first touch of each large block (see benchmarks/RESULTS.md). The same as
+/// running with the environment variable MALLOC_MMAP_THRESHOLD_=bytes.
+/// Process-wide; returns false (and changes nothing) where malloc is not glibc's.
+inline bool fix_malloc_mmap_threshold(std::int64_t bytes = std::int64_t{128} << 10) {
+#if defined(__GLIBC__)
+  if (bytes <= 0 || bytes > (std::int64_t{32} << 20)) return false;  // glibc's HEAP_MAX / 2 on 64-bit
+  if (mallopt(M_MMAP_THRESHOLD, static_cast<int>(bytes)) != 1) return false;
+  detail::pinned_mmap_threshold() = bytes;
+  return true;
+#else
+  (void)bytes;
+  return false;
+#endif
+}
+
+/// glibc's fixed mmap threshold, when fix_malloc_mmap_threshold() or the
+/// MALLOC_MMAP_THRESHOLD_ environment variable set one; nullopt otherwise.
+[[nodiscard]] inline std::optional<std::int64_t> fixed_malloc_mmap_threshold() {
+  if (const auto pinned = detail::pinned_mmap_threshold().load(); pinned >= 0) return pinned;
+#if defined(__GLIBC__)
+  if (const char* env = std::getenv("MALLOC_MMAP_THRESHOLD_"); env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const long long value = std::strtoll(env, &end, 10);
+    if (end != env && *end == '\0' && value >= 0) return value;
+  }
+#endif
+  return std::nullopt;
+}
+
+}  // namespace memscale

@@ -1,0 +1,474 @@
+// memscale — the OOM predictor: memscale::predict(model, example_input, optimizer,
+// loss_fn, config) says what one steady-state training step (forward, loss,
+// backward, optimizer step) will hold at the example's batch size, without
+// running it at that size: baseline and with the plan `config` would apply, a
+// breakdown, whether it fits the budget and the largest batch that does.
+//
+// How: the step runs at batches 1 and 2 (each a copy of the example's leading
+// rows) while a timeline_scope records every allocation and free on the model's
+// device. The two timelines hold the same events in the same order, and each
+// event's live bytes are affine in the batch, so the timeline at any batch is
+// their event-by-event extrapolation, and its maximum is the step's peak. Where
+// the two do not align (an operator that takes another path at batch 1), batches
+// 2 and 3 are tried, then 3 and 4. The optimizer's state comes from its type and
+// options, its step's temporaries from a shadow optimizer (predict/optimizer_state.hpp).
+// The plan is made as wrap() would make it at the full batch (profiled at
+// batch 2, the profile scaled to the full batch), applied for the two
+// calibration steps and removed. On CPU the process holds more than LibTorch's
+// allocator sees (oneDNN and BLAS buffers, malloc's retention): that share is
+// measured (the resident high-water mark over the calibration step, beyond the
+// allocator's peak) and added; on CUDA the caching allocator's reserve above
+// its allocations and the CUDA context are.
+//
+// Nothing predict() touches stays changed: parameters are not stepped (the
+// optimizer is only read), gradients, buffers and the RNG state are put back.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <iomanip>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <memscale/api.hpp>
+#include <memscale/config.hpp>
+#include <memscale/core/hardware.hpp>
+#include <memscale/core/plan.hpp>
+#include <memscale/core/verify.hpp>
+#include <memscale/detail/process_memory.hpp>
+#include <memscale/errors.hpp>
+#include <memscale/predict/optimizer_state.hpp>
+#include <memscale/predict/timeline.hpp>
+
+namespace memscale {
+
+/// What one training step holds at its peak, by kind.
+struct MemoryBreakdown {
+  std::int64_t parameter_bytes = 0;
+  std::int64_t buffer_bytes = 0;
+  std::int64_t gradient_bytes = 0;
+  std::int64_t optimizer_state_bytes = 0;
+  std::int64_t activation_bytes = 0;         ///< what the forward keeps for backward (live at its end)
+  std::int64_t transient_bytes = 0;          ///< the rest of the allocator's peak (workspace, gradients in flight)
+  std::int64_t outside_allocator_bytes = 0;  ///< CPU: native buffers and malloc's retention; CUDA: reserve + context
+
+  /// What LibTorch's allocator holds at the peak.
+  [[nodiscard]] std::int64_t allocator_bytes() const noexcept {
+    return parameter_bytes + buffer_bytes + gradient_bytes + optimizer_state_bytes + activation_bytes +
+           transient_bytes;
+  }
+  /// What the process (CPU) or the device (CUDA) holds at the peak.
+  [[nodiscard]] std::int64_t total_bytes() const noexcept { return allocator_bytes() + outside_allocator_bytes; }
+};
+
+/// memscale::predict's answer. Byte figures are for the model's device: on CPU
+/// what the process holds for the model's training (its resident size above what
+/// it held before the model existed), on CUDA the device memory in use.
+struct Prediction {
+  std::string device;
+  std::int64_t batch_size = 0;  ///< the example's first dimension
+  std::string optimizer;        ///< the type sized
+
+  std::int64_t baseline_peak_bytes = 0;  ///< without memscale
+  std::int64_t peak_bytes = 0;           ///< with the plan `config` would apply
+  MemoryBreakdown baseline;
+  MemoryBreakdown planned;
+
+  std::int64_t budget_bytes = 0;  ///< Config::memory_budget_gb, or the device's memory
+  bool baseline_fits = false;
+  bool fits = false;
+  std::int64_t baseline_headroom_bytes = 0;  ///< budget - baseline peak (negative: short by that much)
+  std::int64_t headroom_bytes = 0;           ///< budget - peak with the plan
+  /// The largest batch (the example's first dimension scaled) whose step fits the
+  /// budget; 0 when not even batch 1 does. With the plan: the same plan applied
+  /// at that batch (the planner would plan a larger batch anew).
+  std::int64_t baseline_max_batch_size = 0;
+  std::int64_t max_batch_size = 0;
+
+  Report plan;               ///< the plan `config` applies at the full batch
+  bool plan_applies = false;  ///< false: the plan changes nothing, peak == baseline
+  std::vector<std::int64_t> calibration_batches;  ///< the batches the step ran at
+  std::string method;                             ///< how the figures were obtained
+  std::vector<std::string> notes;                 ///< assumptions and what could not be measured
+  double seconds = 0.0;                           ///< time predict() took
+
+  [[nodiscard]] std::string str() const {
+    using detail::format_bytes;
+    std::ostringstream os;
+    const auto line = [&](const char* what, std::int64_t base, std::int64_t plan) {
+      os << "  " << std::left << std::setw(26) << what << std::right << std::setw(12) << format_bytes(base)
+         << std::setw(12) << format_bytes(plan) << "\n";
+    };
+    os << "memscale prediction: one training step at batch " << batch_size << " on " << device << " (" << optimizer
+       << ")\n";
+    os << "  " << std::left << std::setw(26) << "" << std::right << std::setw(12) << "baseline" << std::setw(12)
+       << "with plan" << "\n";
+    line("parameters", baseline.parameter_bytes, planned.parameter_bytes);
+    line("buffers", baseline.buffer_bytes, planned.buffer_bytes);
+    line("gradients", baseline.gradient_bytes, planned.gradient_bytes);
+    line("optimizer state", baseline.optimizer_state_bytes, planned.optimizer_state_bytes);
+    line("saved activations", baseline.activation_bytes, planned.activation_bytes);
+    line("transient workspace", baseline.transient_bytes, planned.transient_bytes);
+    line("allocator peak", baseline.allocator_bytes(), planned.allocator_bytes());
+    line("outside the allocator", baseline.outside_allocator_bytes, planned.outside_allocator_bytes);
+    line("peak", baseline_peak_bytes, peak_bytes);
+    os << "  budget " << format_bytes(budget_bytes) << ": baseline " << (baseline_fits ? "fits" : "does NOT fit")
+       << " (headroom " << format_bytes(baseline_headroom_bytes) << "), with the plan "
+       << (fits ? "fits" : "does NOT fit") << " (headroom " << format_bytes(headroom_bytes) << ")\n";
+    os << "  largest batch that fits: baseline " << baseline_max_batch_size << ", with the plan " << max_batch_size
+       << "\n";
+    os << "  plan: " << (plan_applies ? "" : "applies nothing; ") << plan.checkpointed_segments()
+       << " checkpointed segment(s), " << plan.offloaded_units() << " offloaded unit(s), " << plan.tiled_segments()
+       << " tiled segment(s)\n";
+    os << "  method: " << method << "\n";
+    for (const auto& n : notes) os << "  note: " << n << "\n";
+    os << "  predicted in " << std::fixed << std::setprecision(3) << seconds << " s";
+    return os.str();
+  }
+  friend std::ostream& operator<<(std::ostream& os, const Prediction& p) { return os << p.str(); }
+};
+
+namespace predictor {
+namespace detail {
+
+/// One calibration step (forward, loss, backward; no optimizer step) at batch
+/// `batch`, recorded. The sandbox puts gradients, buffers and the RNG back first.
+struct calibration {
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::function<torch::Tensor(const torch::Tensor&)> loss;
+  torch::Tensor example;
+  c10::Device device = c10::kCPU;
+  bool gradients_kept = TORCH_VERSION_MAJOR < 2;  // what Optimizer::zero_grad() does by default
+  std::vector<torch::Tensor> trainable;
+  core::verify::sandbox* box = nullptr;
+
+  /// The example's rows 0, 1, ... repeated to `batch` rows.
+  [[nodiscard]] torch::Tensor batch_of(std::int64_t batch) const {
+    const auto rows = example.size(0);
+    if (batch == rows) return example;
+    torch::NoGradGuard no_grad;
+    const auto index = torch::arange(batch, torch::TensorOptions().dtype(torch::kLong).device(example.device())) % rows;
+    return example.index_select(0, index).contiguous();
+  }
+
+  timeline run(std::int64_t batch) {
+    box->reset();
+    if (gradients_kept) {
+      torch::NoGradGuard no_grad;
+      for (auto& p : trainable) p.mutable_grad() = torch::zeros_like(p);
+    }
+    const auto x = batch_of(batch);
+    timeline_scope recorder(device);
+    {
+      torch::AutoGradMode grad_on(true);
+      auto output = forward(x);
+      recorder.mark();
+      auto value = loss(output);
+      if (!value.defined() || value.numel() != 1)
+        throw Error("memscale::predict(): loss_fn must return a scalar tensor, got " +
+                    (value.defined() ? std::string("one of shape ") + c10::str(value.sizes()) : "an undefined one"));
+      recorder.mark();
+      value.backward();
+    }
+    return recorder.finish();
+  }
+};
+
+/// The smallest calibration batch. Batch 1 is avoided: there operators take
+/// other paths than at larger batches (matrix products of one row, oneDNN
+/// convolutions from batch 2; measured in benchmarks/studies/README.md).
+inline constexpr std::int64_t first_calibration_batch = 2;
+
+/// Two aligned calibration timelines: batches (2, 3), else (3, 4), else (4, 5).
+/// Sets `note` when none align (the fit is then of the last two, phase by phase).
+inline timeline_fit fit_timelines(calibration& c, std::vector<std::int64_t>& batches, std::string& note,
+                                  std::int64_t& allocator_growth) {
+  std::vector<timeline> runs;
+  for (std::int64_t b = first_calibration_batch; b <= first_calibration_batch + 3; ++b) {
+    runs.push_back(c.run(b));
+    allocator_growth = std::max(allocator_growth, runs.back().peak());
+    batches.push_back(b);
+    const auto n = runs.size();
+    if (n >= 2 && aligned(runs[n - 2], runs[n - 1])) return {runs[n - 2], b - 1, runs[n - 1], b};
+  }
+  note = "the step's allocations differ between each two consecutive batches from " +
+         std::to_string(first_calibration_batch) + " to " + std::to_string(first_calibration_batch + 3) +
+         " (an operator takes another path at some batch size): the peak is extrapolated from the last two as a "
+         "whole, not event by event";
+  // Reduce each run to its peak, its forward end and its end: a three-event timeline.
+  const auto reduce = [](const timeline& t) {
+    timeline r;
+    r.live = {t.at_mark(0), t.peak(), t.end()};
+    r.allocation = {true, true, false};
+    r.marks = {1, 2};
+    r.reserved_peak = t.reserved_peak;
+    return r;
+  };
+  return {reduce(runs[2]), first_calibration_batch + 2, reduce(runs[3]), first_calibration_batch + 3};
+}
+
+/// The device the model trains on: its parameters' (all on one), else the example's.
+inline c10::Device model_device(const std::vector<torch::Tensor>& parameters, const torch::Tensor& example) {
+  std::optional<c10::Device> device;
+  for (const auto& p : parameters) {
+    if (!device) device = p.device();
+    else if (*device != p.device())
+      throw Error("memscale::predict(): the model's parameters are on several devices (" + device->str() + " and " +
+                  p.device().str() + "); predict() sizes a model on one device");
+  }
+  return device.value_or(example.device());
+}
+
+/// The largest n >= 1 with peak(n) <= budget (0 when none).
+inline std::int64_t largest_fitting(const std::function<std::int64_t(std::int64_t)>& peak, std::int64_t budget) {
+  if (peak(1) > budget) return 0;
+  std::int64_t low = 1, high = 2;
+  while (high < (std::int64_t{1} << 40) && peak(high) <= budget) {
+    low = high;
+    high *= 2;
+  }
+  while (high - low > 1) {
+    const auto mid = low + (high - low) / 2;
+    (peak(mid) <= budget ? low : high) = mid;
+  }
+  return low;
+}
+
+/// AdamWOptions as AdamW8bitOptions (Config::use_8bit_optimizer's optimizer).
+inline optim::AdamW8bitOptions as_eight_bit(const torch::optim::OptimizerOptions& options) {
+  const auto& o = static_cast<const torch::optim::AdamWOptions&>(options);
+  return optim::AdamW8bitOptions(o.lr()).betas(o.betas()).eps(o.eps()).weight_decay(o.weight_decay());
+}
+
+}  // namespace detail
+
+/// predict() with the model's forward and the loss as functions (what the
+/// public overloads call).
+template <StrategyType S, Model M>
+Prediction run(M& model, const torch::Tensor& example_input, const torch::optim::Optimizer& optimizer,
+               std::function<torch::Tensor(const torch::Tensor&)> loss_fn, bool loss_given, const Config& config) {
+  const auto started = std::chrono::steady_clock::now();
+  config.validate();
+  auto root = memscale::detail::root_of(model);
+  if (!root) throw UnsupportedModelError("memscale::predict(): the model is empty (a null module holder)");
+  if (core::registry::global().find(root.get()))
+    throw AlreadyOptimizedError("memscale::predict(): this model is optimized by memscale now; predict() sizes a "
+                                "model as it is without memscale and with a plan: detach it first");
+  if (!example_input.defined() || example_input.dim() < 1 || example_input.size(0) < 1)
+    throw Error("memscale::predict(): example_input must be a tensor with a batch dimension first (at least one "
+                "row), got " + (example_input.defined() ? "shape " + c10::str(example_input.sizes())
+                                                         : std::string("an undefined tensor")));
+  auto forward = memscale::detail::whole_forward(model);
+  if (!forward)
+    throw UnsupportedModelError("memscale::predict(): the model's forward must take one Tensor and return one "
+                                "Tensor (" + root->name() + "'s does not)");
+  const auto sizing = sizing_of(optimizer);  // throws for a type it cannot size, before anything runs
+
+  Prediction out;
+  out.batch_size = example_input.size(0);
+  const auto parameters = root->parameters();
+  const auto device = detail::model_device(parameters, example_input);
+  out.device = device.str();
+
+  // The static part: parameters, buffers, gradients, optimizer state.
+  MemoryBreakdown fixed;
+  std::vector<torch::Tensor> trainable;
+  for (const auto& p : parameters) {
+    fixed.parameter_bytes += static_cast<std::int64_t>(p.nbytes());
+    if (p.requires_grad()) {
+      fixed.gradient_bytes += static_cast<std::int64_t>(p.nbytes());
+      trainable.push_back(p);
+    }
+  }
+  for (const auto& b : root->buffers())
+    if (b.defined() && b.device() == device) fixed.buffer_bytes += static_cast<std::int64_t>(b.nbytes());
+
+  const auto own = size_optimizer(optimizer, device);
+  out.optimizer = own.name;
+  auto planned_optimizer = own;
+  if (config.use_8bit_optimizer && own.name == "torch::optim::AdamW" && !optimizer.param_groups().empty()) {
+    const auto eight_bit = adamw8bit_sizing();
+    const auto options = detail::as_eight_bit(optimizer.param_groups().front().options());
+    planned_optimizer = size_optimizer(optimizer, device, &eight_bit, &options);
+    out.notes.push_back("use_8bit_optimizer: the plan's optimizer state is sized as memscale::optim::AdamW8bit with "
+                        "the AdamW's hyperparameters (what memscale::make_optimizer builds)");
+  } else if (config.use_8bit_optimizer && own.name != "memscale::optim::AdamW8bit") {
+    out.notes.push_back("use_8bit_optimizer: only an AdamW is replaced by AdamW8bit; the " + own.name +
+                        " is sized as it is");
+  }
+
+  // Calibration: the model as it is, then with the plan.
+  core::verify::sandbox box(*root);  // gradients, buffers and RNG back at the end
+  detail::calibration c{forward, loss_fn, example_input, device, TORCH_VERSION_MAJOR < 2, trainable, &box};
+  std::string misaligned;
+  // The process's growth over the baseline calibration, beyond the allocator's
+  // largest step: what the process holds outside the allocator (oneDNN and BLAS
+  // buffers made at their first use, malloc's retention).
+  std::int64_t process_growth = -1, allocator_growth = 0;
+  std::optional<memscale::detail::process_memory> process_before;
+  if (device.is_cpu() && memscale::detail::reset_process_peak())
+    process_before = memscale::detail::read_process_memory();
+  const auto base_fit = detail::fit_timelines(c, out.calibration_batches, misaligned, allocator_growth);
+  if (process_before)
+    if (const auto after = memscale::detail::read_process_memory())
+      process_growth = after->peak_bytes - process_before->resident_bytes;
+  if (!misaligned.empty()) out.notes.push_back("baseline: " + misaligned);
+
+  timeline_fit plan_fit = base_fit;
+  {
+    Config planning = config;
+    planning.verify_correctness = false;
+    planning.enable_logging = false;
+    // One profiling pass per measured layer, not warmup_steps + 1: the bytes
+    // (what the plan turns on) are the same in each pass; only the times are noisier.
+    planning.warmup_steps = 0;
+    const std::int64_t profile_batch = std::min(detail::first_calibration_batch, out.batch_size);
+    const auto example_small = c.batch_of(profile_batch);
+    std::shared_ptr<core::attachment> attached;
+    {
+      core::profile_scale_scope scale(static_cast<double>(out.batch_size) / static_cast<double>(profile_batch));
+      attached = memscale::detail::attach<S>(model, planning, &example_small);
+    }
+    struct detach_at_exit {
+      std::shared_ptr<torch::nn::Module> root;
+      core::attachment* attached;
+      ~detach_at_exit() { core::detach(root.get(), attached); }
+    } detach_guard{root, attached.get()};
+    out.plan = attached->report();
+    out.plan_applies = out.plan.checkpointed_segments() + out.plan.offloaded_units() + out.plan.tiled_segments() > 0 ||
+                       config.use_mixed_precision;
+    if (out.plan_applies) {
+      std::vector<std::int64_t> batches;
+      std::string plan_misaligned;
+      std::int64_t unused = 0;
+      plan_fit = detail::fit_timelines(c, batches, plan_misaligned, unused);
+      if (!plan_misaligned.empty()) out.notes.push_back("with the plan: " + plan_misaligned);
+    }
+  }
+
+  // Outside the allocator.
+  std::int64_t outside = 0;
+  if (device.is_cpu()) {
+    if (process_growth >= 0) {
+      outside = std::max<std::int64_t>(0, process_growth - allocator_growth);
+      if (!fixed_malloc_mmap_threshold())
+        out.notes.push_back(
+            "glibc's mmap threshold is not fixed: freed tensor memory may stay resident in malloc's heaps, and a "
+            "fresh process's step then holds up to 2x the allocator's peak, varying run to run (measured 1.4-2.0x "
+            "on the example GPT and a ResNet-style CNN). Call memscale::fix_malloc_mmap_threshold() (or set "
+            "MALLOC_MMAP_THRESHOLD_=131072) before training for process figures that hold");
+    } else {
+      out.notes.push_back("the process's resident high-water mark could not be reset or read (/proc/self): memory "
+                          "outside LibTorch's allocator is not included");
+    }
+  } else if (device.is_cuda()) {
+    outside = plan_fit.reserved_overhead();
+#if MEMSCALE_HAS_CUDA()
+    const auto hw = detect_hardware();
+    for (const auto& g : hw.gpus)
+      if (g.index == (device.has_index() ? device.index() : 0) && g.free_bytes >= 0) {
+        const auto reserved = static_cast<std::int64_t>(
+            c10::cuda::CUDACachingAllocator::getDeviceStats(g.index).reserved_bytes[0].current);
+        outside += std::max<std::int64_t>(0, g.total_bytes - g.free_bytes - reserved);  // context (+ other processes)
+      }
+#endif
+    out.notes.push_back("CUDA: outside the allocator = the caching allocator's reserve above its allocations at "
+                        "batch 2, plus the device memory in use outside it now (the CUDA context, and other "
+                        "processes' memory)");
+  }
+
+  const bool kept = c.gradients_kept;
+  const auto breakdown = [&](const timeline_fit& fit, const optimizer_footprint& opt, std::int64_t batch) {
+    MemoryBreakdown b = fixed;
+    b.optimizer_state_bytes = opt.state_bytes;
+    const auto dynamic = std::max(fit.peak(batch), fit.end(batch) + opt.transient_bytes);
+    const auto allocator = fixed.parameter_bytes + fixed.buffer_bytes + opt.state_bytes +
+                           (kept ? fixed.gradient_bytes : 0) + dynamic;
+    b.activation_bytes = std::max<std::int64_t>(0, fit.at_mark(0, batch));
+    b.transient_bytes = std::max<std::int64_t>(0, allocator - b.parameter_bytes - b.buffer_bytes -
+                                                      b.gradient_bytes - b.optimizer_state_bytes - b.activation_bytes);
+    b.outside_allocator_bytes = outside;
+    return b;
+  };
+  out.baseline = breakdown(base_fit, own, out.batch_size);
+  out.planned = breakdown(plan_fit, planned_optimizer, out.batch_size);
+  out.baseline_peak_bytes = out.baseline.total_bytes();
+  out.peak_bytes = out.planned.total_bytes();
+
+  out.budget_bytes = out.plan.budget_bytes;
+  out.baseline_headroom_bytes = out.budget_bytes - out.baseline_peak_bytes;
+  out.headroom_bytes = out.budget_bytes - out.peak_bytes;
+  out.baseline_fits = out.baseline_headroom_bytes >= 0;
+  out.fits = out.headroom_bytes >= 0;
+  out.baseline_max_batch_size = detail::largest_fitting(
+      [&](std::int64_t n) { return breakdown(base_fit, own, n).total_bytes(); }, out.budget_bytes);
+  out.max_batch_size = detail::largest_fitting(
+      [&](std::int64_t n) { return breakdown(plan_fit, planned_optimizer, n).total_bytes(); }, out.budget_bytes);
+
+  std::ostringstream method;
+  method << "the step (forward, loss, backward) ran at batches";
+  for (auto b : out.calibration_batches) method << " " << b;
+  method << " with every allocation on " << out.device << " recorded; two aligned timelines extrapolated event by "
+         << "event to batch " << out.batch_size << "; the optimizer's state from its type and options, its step's "
+         << "temporaries measured on a shadow copy; gradients "
+         << (kept ? "kept between steps (LibTorch 1.13's zero_grad() zeroes them)"
+                  : "freed between steps (LibTorch 2.x's zero_grad() sets them to None)")
+         << "; the plan made as wrap() makes it at batch " << out.batch_size << " (profiled at batch "
+         << std::min(detail::first_calibration_batch, out.batch_size) << ", scaled)";
+  if (device.is_cpu()) method << "; outside the allocator: the resident high-water mark's growth over the calibration "
+                              << "beyond the allocator's largest step";
+  out.method = method.str();
+  if (!loss_given)
+    out.notes.push_back("no loss_fn: the loss is taken as output.sum(), whose memory is negligible; pass the "
+                        "training loss for its own share");
+  if (!root->is_training())
+    out.notes.push_back("the model is in eval mode: the step was sized as it runs in that mode");
+  out.notes.push_back("the input batch itself (" + memscale::detail::format_bytes(static_cast<std::int64_t>(
+                          example_input.nbytes())) + " at batch " + std::to_string(out.batch_size) +
+                      ") is not counted: it is the data pipeline's");
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  return out;
+}
+
+}  // namespace predictor
+
+/// Predicts one steady-state training step's peak memory at the example's
+/// batch size (baseline and with the plan `config` would apply), its breakdown,
+/// whether it fits and the largest batch that does, without running the step at
+/// that size (see the header comment for how). `loss_fn` maps the model's
+/// output to the scalar training loss; predict() runs the model at small
+/// batches, so a loss that uses targets must take the first output.size(0)
+/// rows of them. Leaves the model, its gradients, buffers, the RNG state and the
+/// optimizer as they were; throws (changing nothing) for a model memscale
+/// manages now or an optimizer type it cannot size.
+template <StrategyType S = DefaultStrategy, Model M, class LossFn>
+  requires std::invocable<LossFn&, const torch::Tensor&>
+Prediction predict(M& model, const torch::Tensor& example_input, const torch::optim::Optimizer& optimizer,
+                   LossFn&& loss_fn, const Config& config = {}) {
+  std::function<torch::Tensor(const torch::Tensor&)> loss = [&loss_fn](const torch::Tensor& output) {
+    return torch::Tensor(loss_fn(output));
+  };
+  return predictor::run<S>(model, example_input, optimizer, std::move(loss), true, config);
+}
+
+/// predict() without a loss function: the loss is output.sum(), of negligible
+/// memory (the Prediction says so).
+template <StrategyType S = DefaultStrategy, Model M>
+Prediction predict(M& model, const torch::Tensor& example_input, const torch::optim::Optimizer& optimizer,
+                   const Config& config = {}) {
+  return predictor::run<S>(
+      model, example_input, optimizer, [](const torch::Tensor& output) { return output.sum(); }, false, config);
+}
+
+}  // namespace memscale

@@ -1,0 +1,197 @@
+// memscale::predict — the allocation timeline of a piece of work: the live bytes
+// on one device after each allocation and free LibTorch reports while a
+// timeline_scope is open (the reports its memory profiler gets: LibTorch's CPU
+// allocator, memscale's counting allocator, CUDA's caching allocator). Two
+// timelines of the same step at two batch sizes hold the same events in the
+// same order, each event's live bytes affine in the batch: extrapolated event by
+// event, they give the step's timeline, hence its peak, at any batch.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <c10/core/Allocator.h>
+#include <c10/core/Device.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
+
+#include <memscale/core/memory_tracker.hpp>
+#include <memscale/errors.hpp>
+
+namespace memscale::predictor {
+
+/// What a timeline_scope saw: live bytes (from the scope's opening) after each
+/// event, whether the event was an allocation, and the marks set in between.
+struct timeline {
+  std::vector<std::int64_t> live;
+  std::vector<bool> allocation;
+  std::vector<std::size_t> marks;  ///< event counts at each mark()
+  std::int64_t reserved_peak = 0;  ///< CUDA: highest reserved bytes reported (caching allocator)
+
+  [[nodiscard]] std::int64_t peak() const {
+    return live.empty() ? 0 : std::max<std::int64_t>(0, *std::max_element(live.begin(), live.end()));
+  }
+  [[nodiscard]] std::int64_t end() const { return live.empty() ? 0 : live.back(); }
+  /// Live bytes at mark `m` (after the events before it).
+  [[nodiscard]] std::int64_t at_mark(std::size_t m) const {
+    const auto n = m < marks.size() ? marks[m] : live.size();
+    return n == 0 ? 0 : live[n - 1];
+  }
+};
+
+/// Whether two timelines hold the same events in the same order (so that they
+/// can be extrapolated event by event).
+[[nodiscard]] inline bool aligned(const timeline& a, const timeline& b) {
+  return a.live.size() == b.live.size() && a.allocation == b.allocation && a.marks == b.marks;
+}
+
+/// The timeline at batch `batch` from aligned timelines at batches b1 < b2.
+class timeline_fit {
+ public:
+  timeline_fit() = default;
+  timeline_fit(const timeline& t1, std::int64_t b1, const timeline& t2, std::int64_t b2)
+      : t1_(t1), t2_(t2), b1_(b1), b2_(b2) {}
+
+  [[nodiscard]] double value(std::size_t event, std::int64_t batch) const {
+    const double v1 = static_cast<double>(t1_.live[event]);
+    const double v2 = static_cast<double>(t2_.live[event]);
+    return v1 + (v2 - v1) * static_cast<double>(batch - b1_) / static_cast<double>(b2_ - b1_);
+  }
+  [[nodiscard]] std::int64_t peak(std::int64_t batch) const {
+    double best = 0.0;
+    for (std::size_t e = 0; e < t1_.live.size(); ++e) best = std::max(best, value(e, batch));
+    return static_cast<std::int64_t>(best + 0.5);
+  }
+  [[nodiscard]] std::int64_t end(std::int64_t batch) const {
+    return t1_.live.empty() ? 0 : static_cast<std::int64_t>(value(t1_.live.size() - 1, batch) + 0.5);
+  }
+  [[nodiscard]] std::int64_t at_mark(std::size_t m, std::int64_t batch) const {
+    const auto n = m < t1_.marks.size() ? t1_.marks[m] : t1_.live.size();
+    return n == 0 ? 0 : static_cast<std::int64_t>(value(n - 1, batch) + 0.5);
+  }
+  [[nodiscard]] std::int64_t reserved_overhead() const {  // CUDA: reserved above allocated at b2
+    return std::max<std::int64_t>(0, t2_.reserved_peak - t2_.peak());
+  }
+  [[nodiscard]] std::size_t events() const { return t1_.live.size(); }
+
+ private:
+  timeline t1_, t2_;
+  std::int64_t b1_ = 0, b2_ = 1;
+};
+
+namespace detail {
+
+/// The PROFILER_STATE occupant a timeline_scope installs: records the live bytes
+/// of blocks on one device allocated while open, and passes every report on to
+/// the reporter it shadows, as that one asks for.
+class timeline_reporter final : public c10::MemoryReportingInfoBase {
+ public:
+  timeline_reporter(c10::Device device, c10::MemoryReportingInfoBase* outer,
+                    std::shared_ptr<c10::ThreadLocalDebugInfo> outer_chain)
+      : device_(device), outer_(outer), outer_chain_(std::move(outer_chain)) {}
+
+  void reportMemoryUsage(void* ptr, std::int64_t alloc_size, memscale::detail::report_total_t total_allocated,
+                         memscale::detail::report_total_t total_reserved, c10::Device device) override {
+    if (ptr != nullptr && ours(device)) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (open_ && alloc_size > 0) {
+        blocks_[ptr] = alloc_size;
+        live_ += alloc_size;
+        record(true, static_cast<std::int64_t>(total_reserved));
+      } else if (const auto it = alloc_size < 0 ? blocks_.find(ptr) : blocks_.end(); it != blocks_.end()) {
+        if (open_) {
+          live_ -= it->second;
+          record(false, static_cast<std::int64_t>(total_reserved));
+        }
+        blocks_.erase(it);
+      }
+    }
+    if (outer_ != nullptr && outer_->memoryProfilingEnabled())
+      outer_->reportMemoryUsage(ptr, alloc_size, total_allocated, total_reserved, device);
+  }
+  void reportOutOfMemory(std::int64_t alloc_size, memscale::detail::oom_total_t total_allocated,
+                         memscale::detail::oom_total_t total_reserved, c10::Device device) override {
+    if (outer_ != nullptr) outer_->reportOutOfMemory(alloc_size, total_allocated, total_reserved, device);
+  }
+  [[nodiscard]] bool memoryProfilingEnabled() const override { return true; }
+
+  void mark() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    trace_.marks.push_back(trace_.live.size());
+  }
+  timeline close() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    open_ = false;
+    return std::move(trace_);
+  }
+
+ private:
+  [[nodiscard]] bool ours(c10::Device device) const {
+    if (device.type() != device_.type()) return false;
+    if (device.is_cpu()) return true;
+    const auto index = [](c10::Device d) { return d.has_index() ? d.index() : c10::DeviceIndex{0}; };
+    return index(device) == index(device_);
+  }
+  void record(bool allocation, std::int64_t reserved) {
+    trace_.live.push_back(live_);
+    trace_.allocation.push_back(allocation);
+    if (!device_.is_cpu()) trace_.reserved_peak = std::max(trace_.reserved_peak, reserved);
+  }
+
+  c10::Device device_;
+  c10::MemoryReportingInfoBase* outer_;
+  std::shared_ptr<c10::ThreadLocalDebugInfo> outer_chain_;  // keeps outer_ alive
+  std::mutex mutex_;
+  bool open_ = true;
+  std::int64_t live_ = 0;
+  std::unordered_map<void*, std::int64_t> blocks_;
+  timeline trace_;
+};
+
+}  // namespace detail
+
+/// Records the allocation timeline on `device` while open (this thread and the
+/// threads that inherit its debug info: autograd's). Throws memscale::Error when
+/// a LibTorch profiler holds the slot it needs. Close it on the thread that
+/// opened it.
+class timeline_scope {
+ public:
+  explicit timeline_scope(c10::Device device) {
+    const auto kind = c10::DebugInfoKind::PROFILER_STATE;
+    auto* occupant = c10::ThreadLocalDebugInfo::get(kind);
+    if (dynamic_cast<torch::profiler::impl::ProfilerStateBase*>(occupant) != nullptr)
+      throw Error("memscale::predict(): a LibTorch profiler is active on this thread; predict() records the "
+                  "step's allocations through the same PROFILER_STATE slot: run it outside the profiler");
+    auto* outer = dynamic_cast<c10::MemoryReportingInfoBase*>(occupant);
+    if (occupant != nullptr && outer == nullptr)
+      throw Error("memscale::predict(): the thread's PROFILER_STATE debug-info slot holds something other than a "
+                  "c10::MemoryReportingInfoBase; predict() needs that slot to record allocations");
+    reporter_ = std::make_shared<detail::timeline_reporter>(device, outer, c10::ThreadLocalDebugInfo::current());
+    guard_.emplace(kind, reporter_);
+  }
+  timeline_scope(const timeline_scope&) = delete;
+  timeline_scope& operator=(const timeline_scope&) = delete;
+  ~timeline_scope() = default;
+
+  /// Marks the current point of the timeline (phase boundaries).
+  void mark() { reporter_->mark(); }
+  /// Stops recording and returns the timeline; the scope stays installed until
+  /// destroyed, passing reports on.
+  timeline finish() {
+    auto t = reporter_->close();
+    guard_.reset();
+    return t;
+  }
+
+ private:
+  std::shared_ptr<detail::timeline_reporter> reporter_;
+  std::optional<c10::DebugInfoGuard> guard_;
+};
+
+}  // namespace memscale::predictor

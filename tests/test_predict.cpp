@@ -1,0 +1,258 @@
+// memscale::predict: the OOM predictor. Exactness of what it leaves behind
+// (parameters, gradients, buffers, optimizer state, RNG), the optimizer state
+// sizes of every supported type against what a real step keeps, the predicted
+// allocator peak against a measured step (baseline and with a plan), the
+// largest batch against the tracker's hard limit, and its errors.
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "test_support.hpp"
+
+namespace {
+
+using memscale::memory_tracker;
+
+/// Copies of tensors (parameters, buffers), to compare bit for bit later.
+std::vector<torch::Tensor> snapshot(const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : tensors) out.push_back(t.detach().clone());
+  return out;
+}
+
+/// Every state tensor of an optimizer, in a fixed order.
+std::vector<torch::Tensor> optimizer_state(const torch::optim::Optimizer& optimizer) {
+  std::vector<torch::Tensor> out;
+  for (const auto& group : optimizer.param_groups())
+    for (const auto& p : group.params()) {
+      const auto it = optimizer.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      if (it == optimizer.state().end()) continue;
+      torch::serialize::OutputArchive archive;
+      it->second->serialize(archive);
+      std::ostringstream bytes;
+      archive.save_to(bytes);
+      const auto s = bytes.str();
+      out.push_back(torch::from_blob(const_cast<char*>(s.data()), {static_cast<std::int64_t>(s.size())}, torch::kChar)
+                        .clone());
+    }
+  return out;
+}
+
+std::int64_t state_bytes(const torch::optim::Optimizer& optimizer) {
+  std::int64_t total = 0;
+  for (const auto& [key, state] : optimizer.state()) {
+    torch::serialize::OutputArchive out;
+    state->serialize(out);
+    std::stringstream bytes;
+    out.save_to(bytes);
+    torch::serialize::InputArchive in;
+    in.load_from(bytes);
+    for (const auto& name : in.keys()) {
+      torch::Tensor value;
+      if (in.try_read(name, value) && value.defined()) total += static_cast<std::int64_t>(value.nbytes());
+    }
+  }
+  return total;
+}
+
+/// One training step the way users write it; returns the allocator's peak growth
+/// over it (live bytes at its start: parameters, buffers, gradients, state).
+template <class Model>
+std::int64_t measured_step(Model& model, torch::optim::Optimizer& optimizer, const torch::Tensor& x,
+                           const std::function<torch::Tensor(const torch::Tensor&)>& loss) {
+  optimizer.zero_grad();
+  memory_tracker::peak_scope scope;
+  loss(model->forward(x)).backward();
+  optimizer.step();
+  return scope.peak_growth();
+}
+
+/// What the prediction says the step adds to what lives at its start.
+std::int64_t predicted_growth(const memscale::MemoryBreakdown& b) {
+  const bool kept = TORCH_VERSION_MAJOR < 2;
+  return b.allocator_bytes() - b.parameter_bytes - b.buffer_bytes - b.optimizer_state_bytes -
+         (kept ? b.gradient_bytes : 0);
+}
+
+}  // namespace
+
+TEST_CASE("predict leaves parameters, gradients, buffers, optimizer state and the RNG exactly as they were",
+          "[predict]") {
+  torch::manual_seed(11);
+  torch::nn::Sequential model(torch::nn::Linear(32, 64), torch::nn::BatchNorm1d(64), torch::nn::GELU(),
+                              torch::nn::Dropout(0.2), torch::nn::Linear(64, 8));
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3).amsgrad(true));
+  const auto x = torch::randn({24, 32});
+  const auto loss = [](const torch::Tensor& y) { return y.pow(2).mean(); };
+  for (int s = 0; s < 2; ++s) {  // state exists, gradients are set
+    optimizer.zero_grad();
+    loss(model->forward(x)).backward();
+    optimizer.step();
+  }
+  const auto params = snapshot(model->parameters());
+  const auto grads = test::grads_of(*model);
+  const auto buffers = snapshot(model->buffers());
+  const auto state = optimizer_state(optimizer);
+  const auto identity = test::parameter_identity(*model);
+
+  const auto rng = at::detail::getDefaultCPUGenerator().get_state();
+  auto config = test::quiet({.mode = memscale::OptimizationMode::Aggressive});
+  const auto prediction = memscale::predict(model, x, optimizer, loss, config);
+  CHECK(prediction.plan_applies);
+  CHECK(test::bit_equal(snapshot(model->parameters()), params));
+  CHECK(test::bit_equal(test::grads_of(*model), grads));
+  CHECK(test::bit_equal(snapshot(model->buffers()), buffers));
+  CHECK(test::bit_equal(optimizer_state(optimizer), state));
+  CHECK(test::parameter_identity(*model) == identity);
+  CHECK_FALSE(memscale::is_optimized(model));
+  CHECK(test::bit_equal(at::detail::getDefaultCPUGenerator().get_state(), rng));
+}
+
+TEST_CASE("predict sizes the state of every supported optimizer as a real step keeps it", "[predict]") {
+  torch::manual_seed(3);
+  const auto x = torch::randn({16, 64});
+  const auto loss = [](const torch::Tensor& y) { return y.pow(2).mean(); };
+  using namespace torch::optim;
+  std::vector<std::pair<std::string, std::function<std::unique_ptr<Optimizer>(std::vector<torch::Tensor>)>>> cases{
+      {"SGD", [](auto p) { return std::make_unique<SGD>(p, SGDOptions(0.1)); }},
+      {"SGD momentum", [](auto p) { return std::make_unique<SGD>(p, SGDOptions(0.1).momentum(0.9).nesterov(true)); }},
+      {"Adam", [](auto p) { return std::make_unique<Adam>(p, AdamOptions(1e-3).weight_decay(0.1)); }},
+      {"AdamW amsgrad", [](auto p) { return std::make_unique<AdamW>(p, AdamWOptions(1e-3).amsgrad(true)); }},
+      {"Adagrad", [](auto p) { return std::make_unique<Adagrad>(p, AdagradOptions(0.1)); }},
+      {"RMSprop centered", [](auto p) {
+         return std::make_unique<RMSprop>(p, RMSpropOptions(0.01).momentum(0.9).centered(true));
+       }},
+      {"AdamW8bit", [](auto p) { return std::make_unique<memscale::optim::AdamW8bit>(p); }},
+  };
+  for (const auto& [name, make] : cases) {
+    SECTION(name) {
+      auto model = test::flat_chain(2, 64, 256, 0.0);
+      auto optimizer = make(model->parameters());
+      const auto prediction = memscale::predict(model, x, *optimizer, loss, test::quiet());
+      CHECK(prediction.baseline.optimizer_state_bytes == prediction.planned.optimizer_state_bytes);
+      optimizer->zero_grad();
+      loss(model->forward(x)).backward();
+      optimizer->step();
+      if (name == "AdamW8bit") {
+        std::int64_t expected = 0;
+        for (const auto& p : model->parameters()) expected += memscale::optim::optimizer_state_bytes(p.numel(), true);
+        CHECK(prediction.baseline.optimizer_state_bytes == expected);
+      } else {
+        CHECK(prediction.baseline.optimizer_state_bytes == state_bytes(*optimizer));
+      }
+    }
+  }
+}
+
+TEST_CASE("predict's allocator peak matches a measured steady-state step, baseline and with a plan",
+          "[predict]") {
+  memory_tracker::install();
+  torch::manual_seed(5);
+  const std::int64_t batch = 64;
+  const auto loss = [](const torch::Tensor& y) { return y.pow(2).mean(); };
+
+  SECTION("an MLP chain, AdamW, Aggressive") {
+    auto model = test::flat_chain(4, 64, 512, 0.1);
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+    const auto x = torch::randn({batch, 64});
+    const auto config = test::quiet({.mode = memscale::OptimizationMode::Aggressive});
+    const auto p = memscale::predict(model, x, optimizer, loss, config);
+    REQUIRE(p.plan_applies);
+    CHECK(p.batch_size == batch);
+    (void)measured_step(model, optimizer, x, loss);  // state created
+    const auto baseline = measured_step(model, optimizer, x, loss);
+    CHECK(predicted_growth(p.baseline) == Approx(baseline).epsilon(0.01));
+    {
+      auto guard = memscale::optimize(model, x, config);
+      CHECK(guard.report().checkpointed_segments() == p.plan.checkpointed_segments());
+      (void)measured_step(model, optimizer, x, loss);
+      const auto planned = measured_step(model, optimizer, x, loss);
+      CHECK(predicted_growth(p.planned) == Approx(planned).epsilon(0.01));
+      CHECK(planned < baseline);
+    }
+  }
+  SECTION("a GPT written with call sites, SGD with momentum, Balanced") {
+    const auto o = test::small_gpt();
+    gpt::GPT model(o);
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    const auto tokens = torch::randint(0, o.vocab, {16, o.context}, torch::kLong);
+    const auto targets = torch::randint(0, o.vocab, {16, o.context}, torch::kLong);
+    const std::function<torch::Tensor(const torch::Tensor&)> gpt_loss = [&](const torch::Tensor& logits) {
+      return gpt::loss(logits, targets.narrow(0, 0, logits.size(0)));
+    };
+    const auto p = memscale::predict(model, tokens, optimizer, gpt_loss, test::quiet());
+    (void)measured_step(model, optimizer, tokens, gpt_loss);
+    const auto measured = measured_step(model, optimizer, tokens, gpt_loss);
+    CHECK(predicted_growth(p.baseline) == Approx(measured).epsilon(0.01));
+    CHECK(p.calibration_batches.front() == 2);
+  }
+}
+
+TEST_CASE("predict's largest batch fits under the hard limit, and one batch more does not", "[predict][oom]") {
+  memory_tracker::install();
+  torch::manual_seed(9);
+  auto model = test::flat_chain(3, 64, 512, 0.0);
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  const auto loss = [](const torch::Tensor& y) { return y.pow(2).mean(); };
+  const auto x = torch::randn({32, 64});
+  // A budget the model fits at some batch in the hundreds.
+  auto config = test::quiet({.enable_offloading = false, .memory_budget_gb = 8.0 / 1024.0});
+  const auto p = memscale::predict(model, x, optimizer, loss, config);
+  INFO(p);
+  REQUIRE(p.budget_bytes == 8 << 20);
+  REQUIRE(p.baseline_max_batch_size > 32);
+  REQUIRE(p.baseline_max_batch_size < 4096);
+  CHECK(p.baseline_fits);
+  CHECK(p.baseline_headroom_bytes == p.budget_bytes - p.baseline_peak_bytes);
+
+  // The hard limit: the budget less what the prediction puts outside the
+  // allocator, counted from what lives at the step's start beyond the model's
+  // static bytes.
+  (void)measured_step(model, optimizer, x, loss);  // state created
+  const auto run = [&](std::int64_t batch) {
+    const auto input = torch::randn({batch, 64});
+    optimizer.zero_grad();
+    const bool kept = TORCH_VERSION_MAJOR < 2;
+    const auto static_bytes = p.baseline.parameter_bytes + p.baseline.buffer_bytes + p.baseline.optimizer_state_bytes +
+                              (kept ? p.baseline.gradient_bytes : 0);
+    const auto limit =
+        memory_tracker::current_bytes() + p.budget_bytes - p.baseline.outside_allocator_bytes - static_bytes;
+    memory_tracker::hard_limit_scope hard(limit);
+    loss(model->forward(input)).backward();
+    optimizer.step();
+  };
+  CHECK_NOTHROW(run(p.baseline_max_batch_size));
+  CHECK_THROWS_AS(run(p.baseline_max_batch_size + 1), c10::OutOfMemoryError);
+  optimizer.zero_grad();
+}
+
+TEST_CASE("predict refuses what it cannot size, changing nothing", "[predict]") {
+  torch::manual_seed(1);
+  auto model = test::flat_chain(1);
+  const auto x = torch::randn({8, 64});
+  const auto params = snapshot(model->parameters());
+  const auto loss = [](const torch::Tensor& y) { return y.pow(2).mean(); };
+
+  torch::optim::LBFGS lbfgs(model->parameters(), torch::optim::LBFGSOptions(1.0));
+  CHECK_THROWS_WITH(memscale::predict(model, x, lbfgs, loss, test::quiet()),
+                    Catch::Contains("cannot size this optimizer") && Catch::Contains("Adagrad, RMSprop"));
+
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+  CHECK_THROWS_WITH(memscale::predict(model, x, sgd, [](const torch::Tensor& y) { return y.pow(2); }, test::quiet()),
+                    Catch::Contains("loss_fn must return a scalar"));
+  CHECK_THROWS_WITH(memscale::predict(model, torch::Tensor(), sgd, test::quiet()),
+                    Catch::Contains("example_input") && Catch::Contains("undefined"));
+  {
+    auto guard = memscale::optimize(model, test::quiet());
+    CHECK_THROWS_AS(memscale::predict(model, x, sgd, test::quiet()), memscale::AlreadyOptimizedError);
+  }
+  CHECK(test::bit_equal(snapshot(model->parameters()), params));
+  CHECK(test::bit_equal(test::grads_of(*model), std::vector<torch::Tensor>(params.size())));
+
+  // Without a loss function: output.sum(), and the Prediction says so.
+  const auto p = memscale::predict(model, x, sgd, test::quiet());
+  CHECK_THAT(p.str(), Catch::Contains("no loss_fn") && Catch::Contains("output.sum()"));
+  CHECK_THAT(p.str(), Catch::Contains("largest batch that fits") && Catch::Contains("method:"));
+}
