@@ -7,6 +7,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "test_support.hpp"
@@ -22,12 +23,21 @@ std::vector<torch::Tensor> snapshot(const std::vector<torch::Tensor>& tensors) {
   return out;
 }
 
+/// The optimizer state map's key of a parameter: its TensorImpl's address as a
+/// string on LibTorch 1.13, the address itself on 2.x.
+template <class Map>
+auto state_key(const Map&, const torch::Tensor& p) {
+  using Key = typename Map::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) return c10::str(p.unsafeGetTensorImpl());
+  else return static_cast<Key>(p.unsafeGetTensorImpl());
+}
+
 /// Every state tensor of an optimizer, in a fixed order.
 std::vector<torch::Tensor> optimizer_state(const torch::optim::Optimizer& optimizer) {
   std::vector<torch::Tensor> out;
   for (const auto& group : optimizer.param_groups())
     for (const auto& p : group.params()) {
-      const auto it = optimizer.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      const auto it = optimizer.state().find(state_key(optimizer.state(), p));
       if (it == optimizer.state().end()) continue;
       torch::serialize::OutputArchive archive;
       it->second->serialize(archive);

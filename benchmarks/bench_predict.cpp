@@ -1,0 +1,264 @@
+// memscale benchmark: the OOM predictor against measured steps, side by side.
+//
+// For each model and batch size, two fresh processes (this program re-executed):
+//   predict: builds the model and its AdamW, runs memscale::predict (timed);
+//   measure: builds the same model, trains 1 warm-up + 3 steps at that batch and
+//            reads the process's max RSS growth (VmHWM over the steps minus VmRSS
+//            after the build) and the allocator's step peak (counting allocator),
+//            and times the steps.
+// Then prints predicted vs measured growth with the error, and the time to predict
+// over the median step's time. Models: the example GPT (train_gpt's defaults),
+// the benchmark harness's ResNet-style CNN and MLP chain, and three models the
+// predictor was not developed on (a wider, shallower GPT; a narrower, deeper CNN;
+// an MLP of other widths with BatchNorm). Each runs baseline (the default Config,
+// which on a roomy host applies nothing) and, for the GPT, with the Aggressive plan.
+//
+//   memscale_bench_predict [--default-malloc] [--models gpt,resnet,...]
+//
+// By default both processes call memscale::fix_malloc_mmap_threshold() (see its
+// comment); --default-malloc leaves glibc's dynamic threshold, to show what it does.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/memscale.hpp>
+
+#include "gpt.hpp"
+#include "resnet.hpp"
+
+namespace {
+
+using i64 = std::int64_t;
+constexpr double MiB = 1024.0 * 1024.0;
+
+struct Case {
+  std::string model;
+  i64 batch;
+  bool aggressive;
+};
+
+/// A model, its example input at `batch`, its loss (taking the first rows of its
+/// targets) and how one step's input is drawn.
+struct Built {
+  std::shared_ptr<torch::nn::Module> root;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::function<torch::Tensor(const torch::Tensor&)> loss;
+  torch::Tensor input;
+  std::function<memscale::Prediction(torch::optim::Optimizer&, const memscale::Config&)> predict;
+  std::function<memscale::OptimizationGuard(const memscale::Config&)> optimize;
+};
+
+template <class M>
+Built finish(M model, torch::Tensor input, torch::Tensor targets,
+             std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss) {
+  Built b;
+  b.root = model.ptr();
+  b.forward = [model](const torch::Tensor& x) mutable { return model->forward(x); };
+  b.loss = [targets, loss](const torch::Tensor& out) { return loss(out, targets.narrow(0, 0, out.size(0))); };
+  b.input = input;
+  b.predict = [model, input, l = b.loss](torch::optim::Optimizer& opt, const memscale::Config& c) mutable {
+    return memscale::predict(model, input, opt, l, c);
+  };
+  b.optimize = [model, input](const memscale::Config& c) mutable { return memscale::optimize(model, input, c); };
+  return b;
+}
+
+torch::nn::Sequential mlp(int blocks, i64 width, i64 hidden, bool batchnorm) {
+  torch::nn::Sequential seq;
+  for (int i = 0; i < blocks; ++i) {
+    seq->push_back(torch::nn::Linear(width, hidden));
+    if (batchnorm) seq->push_back(torch::nn::BatchNorm1d(hidden));
+    seq->push_back(torch::nn::GELU());
+    seq->push_back(torch::nn::Linear(hidden, width));
+    seq->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+  }
+  return seq;
+}
+
+Built build(const std::string& name, i64 batch) {
+  torch::manual_seed(7);
+  const auto cross_entropy = [](const torch::Tensor& out, const torch::Tensor& t) {
+    return torch::cross_entropy_loss(out, t);
+  };
+  const auto mse = [](const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out, t); };
+  if (name == "gpt" || name == "gpt-wide") {
+    gpt::Options o;  // train_gpt's defaults
+    if (name == "gpt-wide") {
+      o.d_model = 256;
+      o.layers = 2;
+      o.context = 64;
+      o.heads = 8;
+    }
+    const auto tokens = torch::randint(0, o.vocab, {batch, o.context}, torch::kLong);
+    const auto targets = torch::randint(0, o.vocab, {batch, o.context}, torch::kLong);
+    return finish(gpt::GPT(o), tokens, targets, [](const torch::Tensor& out, const torch::Tensor& t) {
+      return gpt::loss(out, t);
+    });
+  }
+  if (name == "resnet" || name == "cnn-deep") {
+    const bool deep = name == "cnn-deep";
+    const auto x = torch::randn({batch, 3, 32, 32});
+    const auto t = torch::randint(10, {batch}, torch::kLong);
+    return finish(deep ? resnet::ResNet(8, 32) : resnet::ResNet(4, 64), x, t, cross_entropy);
+  }
+  if (name == "mlp" || name == "mlp-bn") {
+    const bool bn = name == "mlp-bn";
+    const i64 width = bn ? 96 : 64, hidden = bn ? 384 : 256;
+    const auto x = torch::randn({batch, width});
+    const auto t = torch::randn({batch, width});
+    return finish(mlp(bn ? 6 : 8, width, hidden, bn), x, t, mse);
+  }
+  throw std::invalid_argument("unknown model " + name);
+}
+
+memscale::Config config_for(bool aggressive) {
+  memscale::Config c;
+  c.enable_logging = false;
+  if (aggressive) c.mode = memscale::OptimizationMode::Aggressive;
+  return c;
+}
+
+i64 resident() { return memscale::detail::read_process_memory()->resident_bytes; }
+
+int child_predict(const Case& k) {
+  const auto b = build(k.model, k.batch);
+  torch::optim::AdamW opt(b.root->parameters(), torch::optim::AdamWOptions(3e-4));
+  const auto p = b.predict(opt, config_for(k.aggressive));
+  const auto& used = k.aggressive ? p.planned : p.baseline;
+  const auto total = k.aggressive ? p.peak_bytes : p.baseline_peak_bytes;
+  std::cout << "RESULT growth=" << total - used.parameter_bytes - used.buffer_bytes
+            << " allocator=" << used.allocator_bytes() - used.parameter_bytes - used.buffer_bytes
+            << " outside=" << used.outside_allocator_bytes << " seconds=" << p.seconds
+            << " calib=" << p.calibration_batches.front() << "," << p.calibration_batches.back() << "\n";
+  return 0;
+}
+
+int child_measure(const Case& k) {
+  memscale::memory_tracker::install();
+  auto b = build(k.model, k.batch);
+  torch::optim::AdamW opt(b.root->parameters(), torch::optim::AdamWOptions(3e-4));
+  // Planning (wrap's profiling) is part of the run: measured from before it.
+  const auto built_rss = resident();
+  const auto built_live = memscale::memory_tracker::current_bytes();
+  memscale::detail::reset_process_peak();
+  std::optional<memscale::OptimizationGuard> guard;
+  if (k.aggressive) guard.emplace(b.optimize(config_for(true)));
+  std::vector<double> times;
+  i64 allocator_peak = 0;
+  for (int s = 0; s < 4; ++s) {
+    memscale::memory_tracker::peak_scope scope;
+    const auto t0 = std::chrono::steady_clock::now();
+    opt.zero_grad();
+    b.loss(b.forward(b.input)).backward();
+    opt.step();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    allocator_peak = std::max(allocator_peak, scope.peak() - built_live);
+  }
+  const auto hwm = memscale::detail::read_process_memory()->peak_bytes;
+  times.erase(times.begin());  // the warm-up
+  std::sort(times.begin(), times.end());
+  std::cout << "RESULT growth=" << hwm - built_rss << " allocator=" << allocator_peak
+            << " step=" << times[times.size() / 2] << "\n";
+  return 0;
+}
+
+std::map<std::string, std::string> run_child(const std::string& self, const std::string& role, const Case& k,
+                                             bool default_malloc) {
+  std::ostringstream cmd;
+  cmd << "'" << self << "' " << role << " " << k.model << " " << k.batch << " " << (k.aggressive ? 1 : 0) << " "
+      << (default_malloc ? 1 : 0);
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.str().c_str(), "r"), pclose);
+  if (!pipe) throw std::runtime_error("cannot run " + cmd.str());
+  std::map<std::string, std::string> out;
+  char buf[4096];
+  while (fgets(buf, sizeof buf, pipe.get()) != nullptr) {
+    std::string line(buf);
+    if (line.rfind("RESULT ", 0) != 0) continue;
+    std::istringstream words(line.substr(7));
+    for (std::string kv; words >> kv;) {
+      const auto eq = kv.find('=');
+      if (eq != std::string::npos) out[kv.substr(0, eq)] = kv.substr(eq + 1);
+    }
+  }
+  if (out.empty()) throw std::runtime_error("no result from " + cmd.str());
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (argc == 6 && (std::string(argv[1]) == "predict" || std::string(argv[1]) == "measure")) {
+      if (std::string(argv[5]) != "1") memscale::fix_malloc_mmap_threshold();
+      const Case k{argv[2], std::stoll(argv[3]), std::string(argv[4]) == "1"};
+      return std::string(argv[1]) == "predict" ? child_predict(k) : child_measure(k);
+    }
+    bool default_malloc = false;
+    std::vector<std::string> models{"gpt", "resnet", "mlp", "gpt-wide", "cnn-deep", "mlp-bn"};
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--default-malloc") default_malloc = true;
+      else if (a == "--models" && i + 1 < argc) {
+        models.clear();
+        std::stringstream list(argv[++i]);
+        for (std::string m; std::getline(list, m, ',');) models.push_back(m);
+      } else {
+        std::cerr << "usage: " << argv[0] << " [--default-malloc] [--models gpt,resnet,mlp,gpt-wide,cnn-deep,mlp-bn]\n";
+        return 2;
+      }
+    }
+    const std::map<std::string, std::vector<i64>> batches{{"gpt", {8, 16, 32}},      {"resnet", {16, 32, 64}},
+                                                           {"mlp", {256, 1024, 4096}}, {"gpt-wide", {8, 16, 32}},
+                                                           {"cnn-deep", {16, 32, 64}}, {"mlp-bn", {512, 2048, 8192}}};
+    std::vector<Case> cases;
+    for (const auto& m : models) {
+      for (auto b : batches.at(m)) cases.push_back({m, b, false});
+      if (m == "gpt")
+        for (auto b : batches.at(m)) cases.push_back({m, b, true});
+    }
+    const std::string self = "/proc/" + std::to_string(getpid()) + "/exe";
+    std::cout << "memscale::predict vs measured (" << (default_malloc ? "glibc's default malloc" : "fix_malloc_mmap_threshold()")
+              << "; AdamW; each figure from a fresh process; growth = the process's max RSS growth over 1 warm-up + "
+                 "3 steps after the model is built)\n";
+    std::cout << std::left << std::setw(10) << "model" << std::setw(12) << "plan" << std::right << std::setw(7)
+              << "batch" << std::setw(13) << "predicted" << std::setw(12) << "measured" << std::setw(9) << "error"
+              << std::setw(13) << "alloc pred" << std::setw(12) << "alloc meas" << std::setw(9) << "error"
+              << std::setw(11) << "predict s" << std::setw(9) << "step s" << std::setw(10) << "pred/step"
+              << std::setw(8) << "calib" << "\n";
+    double worst = 0.0;
+    for (const auto& k : cases) {
+      const auto p = run_child(self, "predict", k, default_malloc);
+      const auto m = run_child(self, "measure", k, default_malloc);
+      const double pg = std::stod(p.at("growth")), mg = std::stod(m.at("growth"));
+      const double pa = std::stod(p.at("allocator")), ma = std::stod(m.at("allocator"));
+      const double err = 100.0 * (pg - mg) / mg, aerr = 100.0 * (pa - ma) / ma;
+      worst = std::max(worst, std::abs(err));
+      const double ps = std::stod(p.at("seconds")), ss = std::stod(m.at("step"));
+      std::cout << std::left << std::setw(10) << k.model << std::setw(12) << (k.aggressive ? "Aggressive" : "none")
+                << std::right << std::setw(7) << k.batch << std::fixed << std::setprecision(1) << std::setw(9)
+                << pg / MiB << " MiB" << std::setw(8) << mg / MiB << " MiB" << std::showpos << std::setw(8) << err
+                << "%" << std::noshowpos << std::setw(9) << pa / MiB << " MiB" << std::setw(8) << ma / MiB << " MiB"
+                << std::showpos << std::setw(8) << aerr << "%" << std::noshowpos << std::setprecision(3)
+                << std::setw(11) << ps << std::setw(9) << ss << std::setprecision(2) << std::setw(10) << ps / ss
+                << std::setw(8) << p.at("calib") << "\n";
+    }
+    std::cout << std::fixed << std::setprecision(1) << "largest |error| of the process growth: " << worst << "%\n";
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "bench_predict: " << e.what() << "\n";
+    return 1;
+  }
+}
