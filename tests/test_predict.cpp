@@ -207,11 +207,13 @@ TEST_CASE("predict's largest batch fits under the hard limit, and one batch more
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
   const auto loss = [](const torch::Tensor& y) { return y.pow(2).mean(); };
   const auto x = torch::randn({32, 64});
-  // A budget the model fits at some batch in the hundreds.
-  auto config = test::quiet({.enable_offloading = false, .memory_budget_gb = 8.0 / 1024.0});
+  // A budget the model fits at some batch in the hundreds: 24 MiB, of which a
+  // fresh process (ctest runs each case in one) gives about 6 MiB to oneDNN and
+  // BLAS buffers outside the allocator on their first use.
+  auto config = test::quiet({.enable_offloading = false, .memory_budget_gb = 24.0 / 1024.0});
   const auto p = memscale::predict(model, x, optimizer, loss, config);
   INFO(p);
-  REQUIRE(p.budget_bytes == 8 << 20);
+  REQUIRE(p.budget_bytes == 24 << 20);
   REQUIRE(p.baseline_max_batch_size > 32);
   REQUIRE(p.baseline_max_batch_size < 4096);
   CHECK(p.baseline_fits);
