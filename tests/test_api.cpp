@@ -321,11 +321,6 @@ struct StatefulImpl : torch::nn::Module {
 };
 TORCH_MODULE(Stateful);
 
-std::vector<torch::Tensor> buffer_values(torch::nn::Module& m) {
-  std::vector<torch::Tensor> values;
-  for (const auto& b : m.buffers()) values.push_back(b.clone());
-  return values;
-}
 }  // namespace
 
 TEST_CASE("wrap leaves buffers and the RNG stream as they were, when it fails and when it succeeds",
@@ -337,7 +332,7 @@ TEST_CASE("wrap leaves buffers and the RNG stream as they were, when it fails an
     torch::manual_seed(9);
     Stateful model;
     auto x = torch::randn({32, 64});
-    const auto buffers = buffer_values(*model);
+    const auto buffers = test::buffer_values(*model);
     torch::manual_seed(10);
     const auto expected_draw = torch::rand({5});
     torch::manual_seed(10);
@@ -351,7 +346,7 @@ TEST_CASE("wrap leaves buffers and the RNG stream as they were, when it fails an
       }
     }
     CHECK(test::bit_equal(torch::rand({5}), expected_draw));
-    CHECK(test::bit_equal(buffer_values(*model), buffers));
+    CHECK(test::bit_equal(test::buffer_values(*model), buffers));
     memscale::detach(model);
   }
 }
@@ -462,23 +457,6 @@ TEST_CASE("several chains planned at their first calls: each sees the earlier on
 }
 
 namespace {
-/// A model's state that verify_correctness must leave as it found it.
-struct model_state {
-  std::vector<torch::Tensor> parameters, gradients, buffers;
-  torch::Tensor next_draw;  // what the RNG gives next
-
-  explicit model_state(torch::nn::Module& m) : gradients(test::grads_of(m)), buffers(buffer_values(m)) {
-    for (const auto& p : m.parameters()) parameters.push_back(p.detach().clone());
-    const auto rng = memscale::detail::capture_rng();
-    next_draw = torch::rand({8});
-    memscale::detail::restore_rng(rng);
-  }
-  bool operator==(const model_state& other) const {
-    return test::bit_equal(parameters, other.parameters) && test::bit_equal(gradients, other.gradients) &&
-           test::bit_equal(buffers, other.buffers) && test::bit_equal(next_draw, other.next_draw);
-  }
-};
-
 /// A GPT with gradients already there (a user's model mid-training).
 gpt::GPT gpt_with_gradients(const torch::Tensor& tokens) {
   torch::manual_seed(21);
@@ -493,7 +471,7 @@ TEST_CASE("verify_correctness: one example step with and without the plan, bit-i
   SECTION("a GPT looped with memscale::forward (Dropout, checkpointed call sites)") {
     const auto tokens = torch::randint(256, {4, 64}, torch::kLong);
     auto model = gpt_with_gradients(tokens);
-    const model_state before(*model);
+    const test::model_state before(*model);
     auto guard = memscale::optimize(
         model, tokens, test::quiet({.mode = OptimizationMode::Aggressive, .verify_correctness = true}));
     const auto report = guard.report();
@@ -510,14 +488,14 @@ TEST_CASE("verify_correctness: one example step with and without the plan, bit-i
     std::ostringstream line;
     line << check;
     CHECK(line.str() == check.str());
-    CHECK(model_state(*model) == before);
+    CHECK(test::model_state(*model) == before);
   }
   SECTION("a Sequential with BatchNorm and Dropout, checkpointed and offloaded") {
     torch::manual_seed(9);
     Stateful model;
     const auto x = torch::randn({32, 64});
     model->forward(x).sum().backward();
-    const model_state before(*model);
+    const test::model_state before(*model);
     auto guard = memscale::optimize(model, x,
                                     test::quiet({.mode = OptimizationMode::Aggressive, .force_optimize = true,
                                                  .verify_correctness = true}));
@@ -528,7 +506,7 @@ TEST_CASE("verify_correctness: one example step with and without the plan, bit-i
     CHECK(report.verification->passed);
     CHECK(report.verification->buffers == static_cast<int>(model->buffers().size()));
     CHECK(report.verification->max_relative_difference == 0.0);
-    CHECK(model_state(*model) == before);
+    CHECK(test::model_state(*model) == before);
   }
 }
 
@@ -539,7 +517,7 @@ TEST_CASE("verify_correctness catches a wrong technique and leaves the model uno
   INFO("fault " << static_cast<int>(fault));
   const auto tokens = torch::randint(256, {4, 64}, torch::kLong);
   auto model = gpt_with_gradients(tokens);
-  const model_state before(*model);
+  const test::model_state before(*model);
   const auto identity = test::parameter_identity(*model);
   const auto config = test::quiet({.mode = OptimizationMode::Aggressive, .verify_correctness = true});
   {
@@ -555,7 +533,7 @@ TEST_CASE("verify_correctness catches a wrong technique and leaves the model uno
   }
   CHECK_FALSE(memscale::is_optimized(model));
   CHECK(test::parameter_identity(*model) == identity);
-  CHECK(model_state(*model) == before);
+  CHECK(test::model_state(*model) == before);
   // Without the fault the same wrap verifies and applies.
   auto guard = memscale::optimize(model, tokens, config);
   REQUIRE(guard.report().verification.has_value());

@@ -16,13 +16,6 @@ namespace {
 
 using memscale::memory_tracker;
 
-/// Copies of tensors (parameters, buffers), to compare bit for bit later.
-std::vector<torch::Tensor> snapshot(const std::vector<torch::Tensor>& tensors) {
-  std::vector<torch::Tensor> out;
-  for (const auto& t : tensors) out.push_back(t.detach().clone());
-  return out;
-}
-
 /// The optimizer state map's key of a parameter: its TensorImpl's address as a
 /// string on LibTorch 1.13, the address itself on 2.x.
 template <class Map>
@@ -101,9 +94,7 @@ TEST_CASE("predict leaves parameters, gradients, buffers, optimizer state and th
     loss(model->forward(x)).backward();
     optimizer.step();
   }
-  const auto params = snapshot(model->parameters());
-  const auto grads = test::grads_of(*model);
-  const auto buffers = snapshot(model->buffers());
+  const test::model_state before(*model);
   const auto state = optimizer_state(optimizer);
   const auto identity = test::parameter_identity(*model);
 
@@ -111,9 +102,7 @@ TEST_CASE("predict leaves parameters, gradients, buffers, optimizer state and th
   auto config = test::quiet({.mode = memscale::OptimizationMode::Aggressive});
   const auto prediction = memscale::predict(model, x, optimizer, loss, config);
   CHECK(prediction.plan_applies);
-  CHECK(test::bit_equal(snapshot(model->parameters()), params));
-  CHECK(test::bit_equal(test::grads_of(*model), grads));
-  CHECK(test::bit_equal(snapshot(model->buffers()), buffers));
+  CHECK(test::model_state(*model) == before);  // parameters, gradients, buffers, the next random draw
   CHECK(test::bit_equal(optimizer_state(optimizer), state));
   CHECK(test::parameter_identity(*model) == identity);
   CHECK_FALSE(memscale::is_optimized(model));
@@ -244,7 +233,7 @@ TEST_CASE("predict refuses what it cannot size, changing nothing", "[predict]") 
   torch::manual_seed(1);
   auto model = test::flat_chain(1);
   const auto x = torch::randn({8, 64});
-  const auto params = snapshot(model->parameters());
+  const test::model_state before(*model);  // no gradients yet
   const auto loss = [](const torch::Tensor& y) { return y.pow(2).mean(); };
 
   torch::optim::LBFGS lbfgs(model->parameters(), torch::optim::LBFGSOptions(1.0));
@@ -260,8 +249,7 @@ TEST_CASE("predict refuses what it cannot size, changing nothing", "[predict]") 
     auto guard = memscale::optimize(model, test::quiet());
     CHECK_THROWS_AS(memscale::predict(model, x, sgd, test::quiet()), memscale::AlreadyOptimizedError);
   }
-  CHECK(test::bit_equal(snapshot(model->parameters()), params));
-  CHECK(test::bit_equal(test::grads_of(*model), std::vector<torch::Tensor>(params.size())));
+  CHECK(test::model_state(*model) == before);
 
   // Without a loss function: output.sum(), and the Prediction says so.
   const auto p = memscale::predict(model, x, sgd, test::quiet());

@@ -88,6 +88,29 @@ inline bool bit_equal(const std::vector<torch::Tensor>& a, const std::vector<tor
   return true;
 }
 
+inline std::vector<torch::Tensor> buffer_values(torch::nn::Module& m) {
+  std::vector<torch::Tensor> values;
+  for (const auto& b : m.buffers()) values.push_back(b.clone());
+  return values;
+}
+
+/// A model's state that verify_correctness and predict() must leave as they found it.
+struct model_state {
+  std::vector<torch::Tensor> parameters, gradients, buffers;
+  torch::Tensor next_draw;  // what the RNG gives next
+
+  explicit model_state(torch::nn::Module& m) : gradients(grads_of(m)), buffers(buffer_values(m)) {
+    for (const auto& p : m.parameters()) parameters.push_back(p.detach().clone());
+    const auto rng = memscale::detail::capture_rng();
+    next_draw = torch::rand({8});
+    memscale::detail::restore_rng(rng);
+  }
+  bool operator==(const model_state& other) const {
+    return bit_equal(parameters, other.parameters) && bit_equal(gradients, other.gradients) &&
+           bit_equal(buffers, other.buffers) && bit_equal(next_draw, other.next_draw);
+  }
+};
+
 /// One training step's loss and gradients, from a fixed RNG seed.
 template <class Forward>
 std::pair<torch::Tensor, std::vector<torch::Tensor>> step(torch::nn::Module& model, Forward&& forward,

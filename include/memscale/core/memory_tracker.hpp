@@ -212,6 +212,26 @@ class memory_reporter final : public c10::MemoryReportingInfoBase {
   std::atomic<std::int64_t> allocated_{0};
 };
 
+/// Whether a memory-profiling scope may take this thread's PROFILER_STATE
+/// debug-info slot: `outer` is the reporter it would shadow (null for an empty
+/// slot); `refusal` says why it may not (empty when it may). A LibTorch
+/// profiler's state is never shadowed: its callbacks would mistake the scope for it.
+struct profiler_slot {
+  c10::MemoryReportingInfoBase* outer = nullptr;
+  std::string refusal;
+};
+
+inline profiler_slot inspect_profiler_slot() {
+  auto* occupant = c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PROFILER_STATE);
+  if (dynamic_cast<torch::profiler::impl::ProfilerStateBase*>(occupant) != nullptr)
+    return {nullptr, "a LibTorch profiler is active on this thread and holds the PROFILER_STATE debug-info slot"};
+  auto* outer = dynamic_cast<c10::MemoryReportingInfoBase*>(occupant);
+  if (occupant != nullptr && outer == nullptr)
+    return {nullptr, "the thread's PROFILER_STATE debug-info slot holds something other than a "
+                     "c10::MemoryReportingInfoBase"};
+  return {outer, {}};
+}
+
 /// The open reporting scopes of this thread, innermost last.
 inline std::vector<std::shared_ptr<memory_reporter>>& reporting_stack() {
   thread_local std::vector<std::shared_ptr<memory_reporter>> stack;
@@ -306,21 +326,13 @@ class memory_tracker {
   class reporting_scope {
    public:
     reporting_scope() {
-      const auto kind = c10::DebugInfoKind::PROFILER_STATE;
-      auto* occupant = c10::ThreadLocalDebugInfo::get(kind);
-      if (dynamic_cast<torch::profiler::impl::ProfilerStateBase*>(occupant) != nullptr) {
-        inactive_reason_ = "a LibTorch profiler is active on this thread and holds the PROFILER_STATE debug-info "
-                           "slot that memscale's reporting scope would need";
+      auto slot = detail::inspect_profiler_slot();
+      if (!slot.refusal.empty()) {
+        inactive_reason_ = std::move(slot.refusal);
         return;
       }
-      auto* outer = dynamic_cast<c10::MemoryReportingInfoBase*>(occupant);
-      if (occupant != nullptr && outer == nullptr) {
-        inactive_reason_ = "the thread's PROFILER_STATE debug-info slot holds something other than a "
-                           "c10::MemoryReportingInfoBase";
-        return;
-      }
-      reporter_ = std::make_shared<detail::memory_reporter>(outer, c10::ThreadLocalDebugInfo::current());
-      guard_.emplace(kind, reporter_);
+      reporter_ = std::make_shared<detail::memory_reporter>(slot.outer, c10::ThreadLocalDebugInfo::current());
+      guard_.emplace(c10::DebugInfoKind::PROFILER_STATE, reporter_);
       detail::reporting_stack().push_back(reporter_);
     }
     reporting_scope(const reporting_scope&) = delete;

@@ -273,7 +273,6 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   if (!forward)
     throw UnsupportedModelError("memscale::predict(): the model's forward must take one Tensor and return one "
                                 "Tensor (" + root->name() + "'s does not)");
-  const auto sizing = sizing_of(optimizer);  // throws for a type it cannot size, before anything runs
 
   Prediction out;
   out.batch_size = example_input.size(0);
@@ -294,7 +293,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   for (const auto& b : root->buffers())
     if (b.defined() && b.device() == device) fixed.buffer_bytes += static_cast<std::int64_t>(b.nbytes());
 
-  const auto own = size_optimizer(optimizer, device);
+  const auto own = size_optimizer(optimizer, device);  // throws for a type it cannot size, before any calibration
   out.optimizer = own.name;
   auto planned_optimizer = own;
   if (config.use_8bit_optimizer && own.name == "torch::optim::AdamW" && !optimizer.param_groups().empty()) {

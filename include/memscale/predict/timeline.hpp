@@ -19,7 +19,6 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
-#include <torch/csrc/profiler/orchestration/observer.h>
 
 #include <memscale/core/memory_tracker.hpp>
 #include <memscale/errors.hpp>
@@ -163,17 +162,12 @@ class timeline_reporter final : public c10::MemoryReportingInfoBase {
 class timeline_scope {
  public:
   explicit timeline_scope(c10::Device device) {
-    const auto kind = c10::DebugInfoKind::PROFILER_STATE;
-    auto* occupant = c10::ThreadLocalDebugInfo::get(kind);
-    if (dynamic_cast<torch::profiler::impl::ProfilerStateBase*>(occupant) != nullptr)
-      throw Error("memscale::predict(): a LibTorch profiler is active on this thread; predict() records the "
-                  "step's allocations through the same PROFILER_STATE slot: run it outside the profiler");
-    auto* outer = dynamic_cast<c10::MemoryReportingInfoBase*>(occupant);
-    if (occupant != nullptr && outer == nullptr)
-      throw Error("memscale::predict(): the thread's PROFILER_STATE debug-info slot holds something other than a "
-                  "c10::MemoryReportingInfoBase; predict() needs that slot to record allocations");
-    reporter_ = std::make_shared<detail::timeline_reporter>(device, outer, c10::ThreadLocalDebugInfo::current());
-    guard_.emplace(kind, reporter_);
+    const auto slot = memscale::detail::inspect_profiler_slot();
+    if (!slot.refusal.empty())
+      throw Error("memscale::predict(): " + slot.refusal +
+                  "; predict() records the step's allocations through that slot: run it outside the profiler");
+    reporter_ = std::make_shared<detail::timeline_reporter>(device, slot.outer, c10::ThreadLocalDebugInfo::current());
+    guard_.emplace(c10::DebugInfoKind::PROFILER_STATE, reporter_);
   }
   timeline_scope(const timeline_scope&) = delete;
   timeline_scope& operator=(const timeline_scope&) = delete;
