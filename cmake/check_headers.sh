@@ -6,7 +6,7 @@
 # Then the same for the test, example and benchmark sources, which instantiate
 # the templates (Function::apply, AnyModule, ...) that a header alone does not.
 # Environment: CXX (g++), MEMSCALE_CHECK_JOBS (2), MEMSCALE_CHECK_FLAGS (extra
-# flags, e.g. -Werror), MEMSCALE_THIRD_PARTY_DIR (vendored range-v3),
+# flags, e.g. -Werror), MEMSCALE_THIRD_PARTY_DIR (vendored range-v3, nlohmann-json),
 # MEMSCALE_CHECK_ONLY (an extended regex: check only the files it matches).
 set -euo pipefail
 
@@ -28,9 +28,11 @@ flags+=(-isystem "$torch_root/torch/csrc/api/include")
 # Debian's 1.13 lacks dist-autograd's context.h, which c10d's reducer.hpp includes:
 # memscale's stand-in, as the memscale::distributed target adds it (after the real one).
 flags+=(-idirafter "$repo/include/memscale/distributed/c10d_shim")
-if [[ -d "$third_party/range-v3/include" ]]; then
-  flags+=(-isystem "$third_party/range-v3/include")
-fi
+for vendored in range-v3 nlohmann-json; do
+  if [[ -d "$third_party/$vendored/include" ]]; then
+    flags+=(-isystem "$third_party/$vendored/include")
+  fi
+done
 read -r -a extra <<< "${MEMSCALE_CHECK_FLAGS:-}"
 flags+=("${extra[@]}")
 

@@ -10,18 +10,11 @@
 #include <string>
 #include <system_error>
 
+#include <memscale/core/hardware.hpp>
+
 namespace host_info {
 
-inline std::string cpu_model() {
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(cpuinfo, line))
-    if (line.rfind("model name", 0) == 0) {
-      const auto colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(line.find_first_not_of(" \t", colon + 1));
-    }
-  return "unknown";
-}
+inline std::string cpu_model() { return memscale::detail::cpu_model(); }
 
 /// The BLAS library this process uses: a libblas/libopenblas/libmkl mapped into
 /// it, else what the system's libblas.so.3 alternative resolves to.

@@ -4,7 +4,7 @@
 # will get, since the reference BLAS makes training ~10x slower.
 set -euo pipefail
 
-packages=(cmake g++ make libtorch-dev libgloo-dev catch2 librange-v3-dev libopenblas0-pthread)
+packages=(cmake g++ make libtorch-dev libgloo-dev catch2 librange-v3-dev nlohmann-json3-dev libopenblas0-pthread)
 
 missing=()
 for package in "${packages[@]}"; do

@@ -7,7 +7,6 @@
 #include <memory>
 #include <sstream>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "test_support.hpp"
@@ -15,33 +14,6 @@
 namespace {
 
 using memscale::memory_tracker;
-
-/// The optimizer state map's key of a parameter: its TensorImpl's address as a
-/// string on LibTorch 1.13, the address itself on 2.x.
-template <class Map>
-auto state_key(const Map&, const torch::Tensor& p) {
-  using Key = typename Map::key_type;
-  if constexpr (std::is_same_v<Key, std::string>) return c10::str(p.unsafeGetTensorImpl());
-  else return static_cast<Key>(p.unsafeGetTensorImpl());
-}
-
-/// Every state tensor of an optimizer, in a fixed order.
-std::vector<torch::Tensor> optimizer_state(const torch::optim::Optimizer& optimizer) {
-  std::vector<torch::Tensor> out;
-  for (const auto& group : optimizer.param_groups())
-    for (const auto& p : group.params()) {
-      const auto it = optimizer.state().find(state_key(optimizer.state(), p));
-      if (it == optimizer.state().end()) continue;
-      torch::serialize::OutputArchive archive;
-      it->second->serialize(archive);
-      std::ostringstream bytes;
-      archive.save_to(bytes);
-      const auto s = bytes.str();
-      out.push_back(torch::from_blob(const_cast<char*>(s.data()), {static_cast<std::int64_t>(s.size())}, torch::kChar)
-                        .clone());
-    }
-  return out;
-}
 
 std::int64_t state_bytes(const torch::optim::Optimizer& optimizer) {
   std::int64_t total = 0;
@@ -95,7 +67,7 @@ TEST_CASE("predict leaves parameters, gradients, buffers, optimizer state and th
     optimizer.step();
   }
   const test::model_state before(*model);
-  const auto state = optimizer_state(optimizer);
+  const auto state = test::optimizer_state(optimizer);
   const auto identity = test::parameter_identity(*model);
 
   const auto rng = at::detail::getDefaultCPUGenerator().get_state();
@@ -103,7 +75,7 @@ TEST_CASE("predict leaves parameters, gradients, buffers, optimizer state and th
   const auto prediction = memscale::predict(model, x, optimizer, loss, config);
   CHECK(prediction.plan_applies);
   CHECK(test::model_state(*model) == before);  // parameters, gradients, buffers, the next random draw
-  CHECK(test::bit_equal(optimizer_state(optimizer), state));
+  CHECK(test::bit_equal(test::optimizer_state(optimizer), state));
   CHECK(test::parameter_identity(*model) == identity);
   CHECK_FALSE(memscale::is_optimized(model));
   CHECK(test::bit_equal(at::detail::getDefaultCPUGenerator().get_state(), rng));

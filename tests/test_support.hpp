@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -110,6 +111,25 @@ struct model_state {
            bit_equal(buffers, other.buffers) && bit_equal(next_draw, other.next_draw);
   }
 };
+
+/// Every state tensor of an optimizer, serialized, in its groups' order: equal
+/// lists mean bit-identical state.
+inline std::vector<torch::Tensor> optimizer_state(const torch::optim::Optimizer& optimizer) {
+  std::vector<torch::Tensor> out;
+  for (const auto& group : optimizer.param_groups())
+    for (const auto& p : group.params()) {
+      const auto it = optimizer.state().find(memscale::optim::state_key(p));
+      if (it == optimizer.state().end()) continue;
+      torch::serialize::OutputArchive archive;
+      it->second->serialize(archive);
+      std::ostringstream bytes;
+      archive.save_to(bytes);
+      const auto s = bytes.str();
+      out.push_back(torch::from_blob(const_cast<char*>(s.data()), {static_cast<std::int64_t>(s.size())}, torch::kChar)
+                        .clone());
+    }
+  return out;
+}
 
 /// One training step's loss and gradients, from a fixed RNG seed.
 template <class Forward>

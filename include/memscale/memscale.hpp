@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memscale/api.hpp>
+#include <memscale/autotuning/autotune.hpp>
 #include <memscale/config.hpp>
 #include <memscale/core/call_sites.hpp>
 #include <memscale/core/hardware.hpp>

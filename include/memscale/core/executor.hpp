@@ -469,7 +469,6 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   }
 
  private:
-  static constexpr double gib = 1024.0 * 1024.0 * 1024.0;
   // verify_correctness's relative L2 tolerances where bit-identity cannot hold
   // (measured on the example GPT and the tests' models: see the README).
   static constexpr double verify_mixed_precision_tolerance = 5e-2;
@@ -594,13 +593,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     detail::fault_point(detail::pipeline_stage::plan);
 
     out.device = device.str();
-    const auto& hw = out.hardware;
-    std::int64_t device_bytes = hw.host_total_bytes;
-    if (device.is_cuda())
-      for (const auto& g : hw.gpus)
-        if (g.index == (device.has_index() ? device.index() : 0)) device_bytes = g.total_bytes;
-    out.budget_bytes = config_.memory_budget_gb ? static_cast<std::int64_t>(*config_.memory_budget_gb * gib)
-                                                : device_bytes;
+    out.budget_bytes = memory_budget_bytes(config_.memory_budget_gb, out.hardware, device);
     out.usable_bytes = static_cast<std::int64_t>(static_cast<double>(out.budget_bytes) *
                                                  config_.target_gpu_utilization);
     if (!out.planned) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <fstream>
+#include <optional>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -54,6 +55,18 @@ inline std::string format_bytes(std::int64_t bytes) {
   return os.str();
 }
 
+/// /proc/cpuinfo's first "model name", or "unknown".
+inline std::string cpu_model() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line))
+    if (line.rfind("model name", 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(" \t", colon + 1));
+    }
+  return "unknown";
+}
+
 /// MemAvailable from /proc/meminfo; the physical total where it cannot be read.
 inline std::int64_t host_available_bytes(std::int64_t fallback) {
   std::ifstream meminfo("/proc/meminfo");
@@ -95,6 +108,17 @@ inline HardwareInfo detect_hardware() {
   }
 #endif
   return info;
+}
+
+/// The memory a plan must fit on `device`: `budget_gb` (Config::memory_budget_gb)
+/// when set, else the GPU's total memory, else the host's.
+[[nodiscard]] inline std::int64_t memory_budget_bytes(const std::optional<double>& budget_gb, const HardwareInfo& hw,
+                                                      c10::Device device) {
+  if (budget_gb) return static_cast<std::int64_t>(*budget_gb * 1024.0 * 1024.0 * 1024.0);
+  if (device.is_cuda())
+    for (const auto& g : hw.gpus)
+      if (g.index == (device.has_index() ? device.index() : 0)) return g.total_bytes;
+  return hw.host_total_bytes;
 }
 
 inline std::ostream& operator<<(std::ostream& os, const HardwareInfo& hw) {

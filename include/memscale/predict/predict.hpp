@@ -218,6 +218,27 @@ inline timeline_fit fit_timelines(calibration& c, std::vector<std::int64_t>& bat
   return {reduce(runs[2]), first_calibration_batch + 2, reduce(runs[3]), first_calibration_batch + 3};
 }
 
+/// The model's root and its forward as a function, after the checks predict()
+/// and autotune() share: a model memscale does not manage now, an example with
+/// a batch dimension, a forward of one Tensor to one Tensor. Throws naming `caller`.
+template <Model M>
+std::pair<std::shared_ptr<torch::nn::Module>, std::function<torch::Tensor(const torch::Tensor&)>> training_inputs(
+    M& model, const torch::Tensor& example_input, const std::string& caller, const std::string& if_optimized) {
+  auto root = memscale::detail::root_of(model);
+  if (!root) throw UnsupportedModelError(caller + ": the model is empty (a null module holder)");
+  if (core::registry::global().find(root.get()))
+    throw AlreadyOptimizedError(caller + ": this model is optimized by memscale now; " + if_optimized);
+  if (!example_input.defined() || example_input.dim() < 1 || example_input.size(0) < 1)
+    throw Error(caller + ": example_input must be a tensor with a batch dimension first (at least one row), got " +
+                (example_input.defined() ? "shape " + c10::str(example_input.sizes())
+                                         : std::string("an undefined tensor")));
+  auto forward = memscale::detail::whole_forward(model);
+  if (!forward)
+    throw UnsupportedModelError(caller + ": the model's forward must take one Tensor and return one Tensor (" +
+                                root->name() + "'s does not)");
+  return {std::move(root), std::move(forward)};
+}
+
 /// The device the model trains on: its parameters' (all on one), else the example's.
 inline c10::Device model_device(const std::vector<torch::Tensor>& parameters, const torch::Tensor& example) {
   std::optional<c10::Device> device;
@@ -260,19 +281,11 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
                std::function<torch::Tensor(const torch::Tensor&)> loss_fn, bool loss_given, const Config& config) {
   const auto started = std::chrono::steady_clock::now();
   config.validate();
-  auto root = memscale::detail::root_of(model);
-  if (!root) throw UnsupportedModelError("memscale::predict(): the model is empty (a null module holder)");
-  if (core::registry::global().find(root.get()))
-    throw AlreadyOptimizedError("memscale::predict(): this model is optimized by memscale now; predict() sizes a "
-                                "model as it is without memscale and with a plan: detach it first");
-  if (!example_input.defined() || example_input.dim() < 1 || example_input.size(0) < 1)
-    throw Error("memscale::predict(): example_input must be a tensor with a batch dimension first (at least one "
-                "row), got " + (example_input.defined() ? "shape " + c10::str(example_input.sizes())
-                                                         : std::string("an undefined tensor")));
-  auto forward = memscale::detail::whole_forward(model);
-  if (!forward)
-    throw UnsupportedModelError("memscale::predict(): the model's forward must take one Tensor and return one "
-                                "Tensor (" + root->name() + "'s does not)");
+  const auto inputs = detail::training_inputs(model, example_input, "memscale::predict()",
+                                              "predict() sizes a model as it is without memscale and with a plan: "
+                                              "detach it first");
+  const auto& root = inputs.first;
+  const auto& forward = inputs.second;
 
   Prediction out;
   out.batch_size = example_input.size(0);

@@ -1,0 +1,210 @@
+// memscale::autotune's cache: results keyed by what decides them (the model's
+// structure, the input's shape and type, the hardware, LibTorch's and
+// memscale's versions, the optimizer, the budget and the search), in one JSON
+// file the user names (default ~/.cache/memscale/autotune.json). A file that
+// cannot be read or parsed, or an entry that does not hold a result, is
+// reported and ignored, never fatal; writes go through a temporary file and a
+// rename, so a reader never sees half a file.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <system_error>
+
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <memscale/autotuning/result.hpp>
+#include <memscale/config.hpp>
+#include <memscale/core/hardware.hpp>
+#include <memscale/version.hpp>
+
+namespace memscale::autotuning {
+
+inline constexpr const char* cache_format = "memscale-autotune-cache";
+inline constexpr int cache_format_version = 1;
+
+/// The default cache file: $XDG_CACHE_HOME/memscale/autotune.json, else
+/// $HOME/.cache/memscale/autotune.json; empty when neither is set.
+[[nodiscard]] inline std::string default_cache_file() {
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0')
+    return (std::filesystem::path(xdg) / "memscale" / "autotune.json").string();
+  if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0')
+    return (std::filesystem::path(home) / ".cache" / "memscale" / "autotune.json").string();
+  return {};
+}
+
+/// 64-bit FNV-1a: a digest that is the same on every platform and run.
+[[nodiscard]] constexpr std::uint64_t fnv1a(std::string_view text) noexcept {
+  std::uint64_t h = 14695981039346656037ULL;
+  for (const char c : text) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+namespace detail {
+
+inline std::string shape_of(const torch::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes() << " " << t.scalar_type();
+  return os.str();
+}
+
+}  // namespace detail
+
+/// What a tuning result depends on, as readable JSON; its digest is the key.
+struct cache_key {
+  nlohmann::json parts;
+  [[nodiscard]] std::string digest() const {
+    std::ostringstream os;
+    os << std::hex << std::setw(16) << std::setfill('0') << fnv1a(parts.dump());
+    return os.str();
+  }
+};
+
+/// The key of tuning `root` on `example` (its shape and type, batch sizes
+/// aside) on `device` with `optimizer`, under `base` and `options`.
+[[nodiscard]] inline cache_key make_key(torch::nn::Module& root, const torch::Tensor& example, c10::Device device,
+                                        const torch::optim::Optimizer& optimizer, const std::string& optimizer_name,
+                                        const Config& base, const TuneOptions& options, std::int64_t budget_bytes) {
+  nlohmann::json model = nlohmann::json::array();
+  for (const auto& m : root.named_modules("", /*include_self=*/true)) model.push_back(m.key() + ":" + m.value()->name());
+  nlohmann::json parameters = nlohmann::json::array();
+  for (const auto& p : root.named_parameters(/*recurse=*/true))
+    parameters.push_back(p.key() + ":" + detail::shape_of(p.value()) + (p.value().requires_grad() ? "" : " frozen"));
+  nlohmann::json buffers = nlohmann::json::array();
+  for (const auto& b : root.named_buffers(/*recurse=*/true))
+    if (b.value().defined()) buffers.push_back(b.key() + ":" + detail::shape_of(b.value()));
+
+  const auto hw = detect_hardware();
+  nlohmann::json hardware = {{"device", device.str()}, {"host_total_bytes", hw.host_total_bytes}};
+  if (device.is_cpu()) {
+    hardware["cpu"] = memscale::detail::cpu_model();
+    hardware["threads"] = at::get_num_threads();
+  }
+  for (const auto& g : hw.gpus)
+    if (device.is_cuda() && g.index == (device.has_index() ? device.index() : 0)) {
+      hardware["gpu"] = g.name;
+      hardware["gpu_total_bytes"] = g.total_bytes;
+    }
+
+  nlohmann::json groups = nlohmann::json::array();
+  for (const auto& g : optimizer.param_groups()) groups.push_back(g.params().size());
+  Config search = base;  // what decides the result: the knobs, not the logging
+  search.enable_logging = true;
+  search.log_file.reset();
+  search.observability_port.reset();
+  nlohmann::json modes = nlohmann::json::array();
+  for (auto m : options.modes) modes.push_back(m);
+
+  return {{{"model", {{"type", root.name()}, {"training", root.is_training()}, {"modules", model},
+                      {"parameters", parameters}, {"buffers", buffers}}},
+           {"input", detail::shape_of(example.select(0, 0)) + " on " + example.device().str()},
+           {"hardware", hardware},
+           {"libtorch", TORCH_VERSION},
+           {"memscale", std::to_string(version_major) + "." + std::to_string(version_minor) + "." +
+                            std::to_string(version_patch)},
+           {"optimizer", {{"type", optimizer_name}, {"group_sizes", groups}}},
+           {"budget_bytes", budget_bytes},
+           {"config", search},
+           {"search", {{"modes", modes},
+                       {"batch_sizes", options.batch_sizes},
+                       {"example_batch", example.size(0)},
+                       {"max_trials", options.max_trials},
+                       {"warmup_steps", options.warmup_steps},
+                       {"timed_steps", options.timed_steps},
+                       {"prune_with_predictor", options.prune_with_predictor}}}}};
+}
+
+/// The cache file's entries; `problem` says why the file was ignored, if it was.
+struct cache_file_contents {
+  nlohmann::json entries = nlohmann::json::object();
+  std::string problem;
+};
+
+[[nodiscard]] inline cache_file_contents read_cache(const std::string& path) {
+  cache_file_contents out;
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return out;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    out.problem = "the cache file " + path + " cannot be opened for reading";
+    return out;
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  try {
+    const auto j = nlohmann::json::parse(text.str());
+    if (!j.is_object() || j.value("format", std::string()) != cache_format)
+      throw Error("it is not a memscale autotune cache (no \"format\": \"" + std::string(cache_format) + "\")");
+    if (j.value("version", 0) != cache_format_version)
+      throw Error("its format version is " + j.value("version", nlohmann::json()).dump() + ", this memscale reads " +
+                  std::to_string(cache_format_version));
+    const auto it = j.find("entries");
+    if (it == j.end() || !it->is_object()) throw Error("it has no \"entries\" object");
+    out.entries = *it;
+  } catch (const std::exception& e) {
+    out.entries = nlohmann::json::object();
+    out.problem = "the cache file " + path + " is corrupt and was ignored (" + e.what() + ")";
+  }
+  return out;
+}
+
+/// The cached result for `key`, if `contents` holds a valid one; a malformed
+/// entry sets `problem` and is ignored.
+[[nodiscard]] inline std::optional<TuneResult> lookup(const cache_file_contents& contents, const cache_key& key,
+                                                      std::string& problem) {
+  const auto it = contents.entries.find(key.digest());
+  if (it == contents.entries.end()) return std::nullopt;
+  try {
+    if (!it->is_object() || it->find("key") == it->end() || (*it)["key"] != key.parts)
+      throw Error("its key does not match (a digest collision or an edited file)");
+    return detail::result_from(it->at("result"));
+  } catch (const std::exception& e) {
+    problem = "the cache entry " + key.digest() + " is malformed and was ignored (" + e.what() + ")";
+    return std::nullopt;
+  }
+}
+
+/// Adds (or replaces) `key`'s entry and writes the file: read afresh, so that
+/// entries another process wrote meanwhile are kept, then a temporary file in
+/// the same directory renamed over it. Returns what went wrong, or "".
+[[nodiscard]] inline std::string store(const std::string& path, const cache_key& key, const TuneResult& result) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path file(path);
+  if (file.has_parent_path()) fs::create_directories(file.parent_path(), ec);
+  if (ec) return "the cache directory " + file.parent_path().string() + " cannot be created (" + ec.message() + ")";
+  auto contents = read_cache(path);  // a corrupt file is replaced
+  contents.entries[key.digest()] = {{"key", key.parts}, {"result", nlohmann::json::parse(result.to_json(-1))}};
+  const nlohmann::json j = {{"format", cache_format}, {"version", cache_format_version}, {"entries", contents.entries}};
+  const auto temporary = fs::path(path + ".tmp." + std::to_string(::getpid()));
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    out << j.dump(1) << "\n";
+    out.flush();
+    if (!out) {
+      fs::remove(temporary, ec);
+      return "the cache file " + path + " cannot be written";
+    }
+  }
+  fs::rename(temporary, file, ec);
+  if (ec) {
+    fs::remove(temporary, ec);
+    return "the cache file " + path + " cannot be replaced (" + ec.message() + ")";
+  }
+  return {};
+}
+
+}  // namespace memscale::autotuning
