@@ -131,8 +131,6 @@ memscale::Config config_for(bool aggressive) {
   return c;
 }
 
-i64 resident() { return memscale::detail::read_process_memory()->resident_bytes; }
-
 int child_predict(const Case& k) {
   const auto b = build(k.model, k.batch);
   torch::optim::AdamW opt(b.root->parameters(), torch::optim::AdamWOptions(3e-4));
@@ -151,9 +149,8 @@ int child_measure(const Case& k) {
   auto b = build(k.model, k.batch);
   torch::optim::AdamW opt(b.root->parameters(), torch::optim::AdamWOptions(3e-4));
   // Planning (wrap's profiling) is part of the run: measured from before it.
-  const auto built_rss = resident();
   const auto built_live = memscale::memory_tracker::current_bytes();
-  memscale::detail::reset_process_peak();
+  memscale::memory_tracker::process_peak_scope process;
   std::optional<memscale::OptimizationGuard> guard;
   if (k.aggressive) guard.emplace(b.optimize(config_for(true)));
   std::vector<double> times;
@@ -167,10 +164,10 @@ int child_measure(const Case& k) {
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     allocator_peak = std::max(allocator_peak, scope.peak() - built_live);
   }
-  const auto hwm = memscale::detail::read_process_memory()->peak_bytes;
+  const auto growth = process.peak_growth();
   times.erase(times.begin());  // the warm-up
   std::sort(times.begin(), times.end());
-  std::cout << "RESULT growth=" << hwm - built_rss << " allocator=" << allocator_peak
+  std::cout << "RESULT growth=" << growth << " allocator=" << allocator_peak
             << " step=" << times[times.size() / 2] << "\n";
   return 0;
 }

@@ -139,8 +139,7 @@ Run train(gpt::GPT& model, const torch::Tensor& tokens, Loss&& loss, const memsc
   // The budget as a hard limit on LibTorch's allocator: a step past it throws.
   memscale::memory_tracker::hard_limit_scope hard(memscale::memory_tracker::current_bytes() + budget_bytes -
                                                   static_bytes);
-  memscale::detail::reset_process_peak();
-  const auto resident = memscale::detail::read_process_memory()->resident_bytes;
+  memscale::memory_tracker::process_peak_scope process;
   memscale::memory_tracker::peak_scope peak;
   std::vector<double> times;
   {
@@ -157,8 +156,7 @@ Run train(gpt::GPT& model, const torch::Tensor& tokens, Loss&& loss, const memsc
   r.allocator_peak = static_bytes + peak.peak_growth();
   // Resident pages a freed block left behind are reused without growing the
   // high-water mark, so the process figure is at least the allocator's (as autotune counts it).
-  r.process_peak = std::max(r.allocator_peak,
-                            static_bytes + memscale::detail::read_process_memory()->peak_bytes - resident);
+  r.process_peak = std::max(r.allocator_peak, static_bytes + process.peak_growth());
   std::sort(times.begin(), times.end());
   r.step_seconds = times.empty() ? 0.0 : times[times.size() / 2];
   return r;

@@ -507,3 +507,30 @@ TEST_CASE("the planner's baseline estimate tracks the measured peak", "[memory][
     CHECK(std::abs(static_cast<double>(projected - measured)) <= 0.15 * static_cast<double>(measured));
   }
 }
+
+TEST_CASE("process_peak_scope: what the process holds, nested scopes each seeing their own peak", "[memory]") {
+  REQUIRE(memscale::fix_malloc_mmap_threshold());  // freed blocks leave the process
+  constexpr std::int64_t mib = 1 << 20;
+  memory_tracker::process_peak_scope outer;
+  if (!outer.active()) {
+    WARN("/proc/self/clear_refs cannot reset the resident high-water mark here: nothing to check");
+    return;
+  }
+  {
+    const auto big = torch::ones({16 * mib}, torch::kFloat);  // 64 MiB, touched: resident
+    REQUIRE(big.max().item<float>() == 1.0f);
+  }
+  // The inner scope resets the process's one high-water mark; the outer one
+  // must still see the 64 MiB it held before.
+  std::int64_t inner_growth = 0;
+  {
+    memory_tracker::process_peak_scope inner;
+    REQUIRE(inner.active());
+    const auto small = torch::ones({4 * mib}, torch::kFloat);  // 16 MiB
+    REQUIRE(small.max().item<float>() == 1.0f);
+    inner_growth = inner.peak_growth();
+  }
+  CHECK(inner_growth >= 15 * mib);
+  CHECK(inner_growth < 48 * mib);
+  CHECK(outer.peak_growth() >= 60 * mib);  // 64 MiB, less pages the process had resident already
+}

@@ -26,17 +26,10 @@
 #include <concepts>
 #include <cstdint>
 #include <functional>
-#include <iomanip>
-#include <iostream>
-#include <memory>
-#include <new>
-#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <unistd.h>
 
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -44,21 +37,26 @@
 #include <memscale/api.hpp>
 #include <memscale/autotuning/cache.hpp>
 #include <memscale/autotuning/result.hpp>
+#include <memscale/autotuning/trial.hpp>
 #include <memscale/config.hpp>
 #include <memscale/core/memory_tracker.hpp>
-#include <memscale/core/profiler.hpp>
 #include <memscale/core/verify.hpp>
-#include <memscale/detail/process_memory.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/predict/optimizer_state.hpp>
 #include <memscale/predict/predict.hpp>
 
-#if MEMSCALE_HAS_CUDA()
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
-
 namespace memscale {
 namespace autotuning::detail {
+
+/// `tuned` with the caller's fields that do not decide a result (and are not in
+/// the cache key): logging, the metrics port, verify_correctness.
+inline Config with_callers_fields(Config tuned, const Config& base) {
+  tuned.enable_logging = base.enable_logging;
+  tuned.log_file = base.log_file;
+  tuned.observability_port = base.observability_port;
+  tuned.verify_correctness = base.verify_correctness;
+  return tuned;
+}
 
 /// "Balanced checkpoint+offload, mixed precision, 8-bit optimizer"; "no technique".
 inline std::string label_of(const Config& c) {
@@ -136,192 +134,6 @@ inline std::string plan_signature(const Prediction& p, const Config& c) {
   return os.str();
 }
 
-/// Whether `e` is an allocation failure (LibTorch 2.x and the tracker's hard
-/// limit throw c10::OutOfMemoryError; 1.13's CUDA and CPU allocators a c10::Error).
-inline bool is_out_of_memory(const c10::Error& e) {
-  if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return true;
-  const std::string what = e.what_without_backtrace();
-  return what.find("out of memory") != std::string::npos || what.find("not enough memory") != std::string::npos;
-}
-
-/// A shadow of `optimizer` (its type and every group's options) over the same
-/// parameters, or memscale's AdamW8bit with an AdamW's hyperparameters.
-inline std::unique_ptr<torch::optim::Optimizer> shadow_optimizer(const torch::optim::Optimizer& optimizer,
-                                                                 bool as_eight_bit) {
-  const auto sizing = as_eight_bit ? predictor::adamw8bit_sizing() : predictor::sizing_of(optimizer);
-  std::unique_ptr<torch::optim::Optimizer> shadow;
-  for (const auto& group : optimizer.param_groups()) {
-    std::unique_ptr<torch::optim::OptimizerOptions> options;
-    if (as_eight_bit) options = std::make_unique<optim::AdamW8bitOptions>(predictor::detail::as_eight_bit(group.options()));
-    else options = group.options().clone();
-    if (!shadow) shadow = sizing.shadow(group.params(), *options);
-    else shadow->add_param_group(torch::optim::OptimizerParamGroup(group.params(), std::move(options)));
-  }
-  return shadow;
-}
-
-/// The model's parameters as they were, put back after each trial.
-class parameter_snapshot {
- public:
-  explicit parameter_snapshot(const std::vector<torch::Tensor>& parameters) : parameters_(parameters) {
-    torch::NoGradGuard no_grad;
-    for (const auto& p : parameters_) saved_.push_back(p.detach().clone());
-  }
-  void restore() {
-    torch::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < parameters_.size(); ++i) parameters_[i].detach().copy_(saved_[i]);
-  }
-
- private:
-  std::vector<torch::Tensor> parameters_;
-  std::vector<torch::Tensor> saved_;
-};
-
-/// Shows "trial k of n, best ..., time left" on one terminal line.
-class progress_line {
- public:
-  explicit progress_line(TuneProgress mode)
-      : on_(mode == TuneProgress::always || (mode == TuneProgress::automatic && ::isatty(STDERR_FILENO) == 1)) {}
-  progress_line(const progress_line&) = delete;
-  progress_line& operator=(const progress_line&) = delete;
-  ~progress_line() {
-    if (on_ && shown_) std::cerr << "\n" << std::flush;
-  }
-  void show(std::size_t k, std::size_t n, const std::string& what, const TuneTrial* best, double seconds_left) {
-    if (!on_) return;
-    std::ostringstream os;
-    os << "\r\033[K[memscale autotune] " << k << "/" << n << " " << what << " | best: ";
-    if (best != nullptr)
-      os << best->label << " @" << best->batch_size << " " << std::fixed << std::setprecision(1)
-         << best->samples_per_second << " samples/s";
-    else
-      os << "none yet";
-    os << " | " << std::fixed << std::setprecision(0) << std::max(0.0, seconds_left) << " s left";
-    std::cerr << os.str() << std::flush;
-    shown_ = true;
-  }
-
- private:
-  bool on_;
-  bool shown_ = false;
-};
-
-/// Live bytes the trial's peak is measured from, and its peak: the counting
-/// allocator (or a reporting scope) on CPU, the caching allocator on CUDA.
-class trial_meter {
- public:
-  explicit trial_meter(c10::Device device) : device_(device) {
-    if (device.is_cpu() && !memory_tracker::installed()) {
-      reporting_.emplace();
-      if (!reporting_->active()) reporting_.reset();
-    }
-    if (device.is_cuda() || memory_tracker::installed() || reporting_) peak_.emplace(device);
-#if MEMSCALE_HAS_CUDA()
-    if (device.is_cuda()) {
-      const auto index = device.has_index() ? device.index() : c10::DeviceIndex{0};
-      reserved_before_ = static_cast<std::int64_t>(
-          c10::cuda::CUDACachingAllocator::getDeviceStats(index).reserved_bytes[0].current);
-    }
-#endif
-    if (device.is_cpu() && memscale::detail::reset_process_peak())
-      if (const auto m = memscale::detail::read_process_memory()) resident_before_ = m->resident_bytes;
-  }
-  /// Growth of the allocator's live bytes over the scope, or -1 when nothing measures it.
-  [[nodiscard]] std::int64_t allocator_growth() const { return peak_ ? peak_->peak_growth() : -1; }
-  /// Growth of what the process (CPU: resident high-water mark) or the device
-  /// (CUDA: the caching allocator's reserve) holds, or -1.
-  [[nodiscard]] std::int64_t held_growth() const {
-    if (device_.is_cpu() && resident_before_ >= 0)
-      if (const auto m = memscale::detail::read_process_memory()) return m->peak_bytes - resident_before_;
-#if MEMSCALE_HAS_CUDA()
-    if (device_.is_cuda()) {
-      const auto index = device_.has_index() ? device_.index() : c10::DeviceIndex{0};
-      return static_cast<std::int64_t>(c10::cuda::CUDACachingAllocator::getDeviceStats(index).reserved_bytes[0].peak) -
-             reserved_before_;
-    }
-#endif
-    return -1;
-  }
-
- private:
-  c10::Device device_;
-  std::optional<memory_tracker::reporting_scope> reporting_;
-  std::optional<memory_tracker::peak_scope> peak_;
-  std::int64_t resident_before_ = -1;
-  std::int64_t reserved_before_ = 0;
-};
-
-/// What a trial needs of the model and the caller.
-struct trial_context {
-  std::function<torch::Tensor(const torch::Tensor&)> forward;
-  std::function<torch::Tensor(const torch::Tensor&)> loss;
-  const torch::optim::Optimizer* optimizer = nullptr;
-  std::vector<torch::Tensor> parameters;
-  c10::Device device = c10::kCPU;
-  std::int64_t static_bytes = 0;  ///< parameters and buffers, live before any trial
-  std::int64_t budget_bytes = 0;
-  int warmup_steps = 1;
-  int timed_steps = 2;
-};
-
-/// Runs trial `t` (already sized) with `attach_guard` making the guard; fills in
-/// the measurements and the outcome. The caller restores the model afterwards.
-template <class AttachGuard>
-void run_trial(TuneTrial& t, const torch::Tensor& x, const trial_context& c, AttachGuard&& attach_guard) {
-  try {
-    auto shadow = shadow_optimizer(*c.optimizer, t.config.use_8bit_optimizer && !dynamic_cast<const optim::AdamW8bit*>(c.optimizer));
-    std::optional<memory_tracker::hard_limit_scope> hard;
-    if (c.device.is_cpu() && memory_tracker::installed())
-      hard.emplace(memory_tracker::current_bytes() + std::max<std::int64_t>(0, c.budget_bytes - c.static_bytes));
-    trial_meter meter(c.device);
-    std::vector<double> times;
-    {
-      auto guard = attach_guard(t.config, x);
-      for (int step = 0; step < c.warmup_steps + c.timed_steps; ++step) {
-        const auto started = std::chrono::steady_clock::now();
-        shadow->zero_grad();
-        {
-          torch::AutoGradMode grad_on(true);
-          auto value = c.loss(c.forward(x));
-          value.backward();
-        }
-        shadow->step();
-        memscale::detail::synchronize(c.device);
-        if (step >= c.warmup_steps) times.push_back(memscale::detail::seconds_since(started));
-      }
-      shadow->zero_grad();
-    }
-    const auto allocator = meter.allocator_growth();
-    const auto held = meter.held_growth();
-    t.allocator_peak_bytes = allocator >= 0 ? c.static_bytes + allocator : -1;
-    t.measured_peak_bytes = std::max(t.allocator_peak_bytes, held >= 0 ? c.static_bytes + held : -1);
-    std::sort(times.begin(), times.end());
-    const auto n = times.size();
-    t.step_seconds = n % 2 == 1 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
-    t.samples_per_second = t.step_seconds > 0.0 ? static_cast<double>(t.batch_size) / t.step_seconds : 0.0;
-    if (t.measured_peak_bytes < 0) {
-      t.outcome = TrialOutcome::fits;
-      t.detail = "peak not measured (no CPU allocator statistics): counted as fitting";
-    } else {
-      t.outcome = t.measured_peak_bytes <= c.budget_bytes ? TrialOutcome::fits : TrialOutcome::over_budget;
-    }
-  } catch (const c10::Error& e) {
-    t.outcome = is_out_of_memory(e) ? TrialOutcome::out_of_memory : TrialOutcome::failed;
-    t.detail = e.what_without_backtrace();
-    t.detail = t.detail.substr(0, t.detail.find('\n'));
-  } catch (const std::bad_alloc&) {
-    t.outcome = TrialOutcome::out_of_memory;
-    t.detail = "std::bad_alloc";
-  } catch (const std::exception& e) {
-    t.outcome = TrialOutcome::failed;
-    t.detail = e.what();
-    t.detail = t.detail.substr(0, t.detail.find('\n'));
-  }
-#if MEMSCALE_HAS_CUDA()
-  if (c.device.is_cuda() && t.outcome == TrialOutcome::out_of_memory) c10::cuda::CUDACachingAllocator::emptyCache();
-#endif
-}
-
 }  // namespace autotuning::detail
 
 namespace autotuning {
@@ -362,7 +174,7 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
   batches.erase(std::unique(batches.begin(), batches.end()), batches.end());
 
   // The cache.
-  const auto key = make_key(*root, example_input, device, optimizer, own.name, base, options, result.budget_bytes);
+  const auto key = make_key(*root, example_input, device, optimizer, base, options, result.budget_bytes);
   result.cache_key = key.digest();
   if (options.use_cache) {
     result.cache_file = options.cache_file.value_or(default_cache_file());
@@ -374,6 +186,7 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
       std::string problem;
       if (auto cached = lookup(contents, key, problem)) {
         cached->from_cache = true;
+        cached->best = with_callers_fields(cached->best, base);
         cached->cache_file = result.cache_file;
         cached->cache_key = result.cache_key;
         cached->notes.insert(cached->notes.begin(), result.notes.begin(), result.notes.end());
@@ -403,6 +216,7 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
   std::vector<std::pair<std::int64_t, std::string>> plans;  // (batch, signature) of the candidates that ran
   std::vector<std::size_t> plan_trial;
   int run_count = 0;
+  bool cut_by_time = false;
   const auto best_so_far = [&]() -> const TuneTrial* {
     const TuneTrial* best = nullptr;
     for (const auto& t : result.trials)
@@ -413,28 +227,39 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
 
   for (std::size_t i = 0; i < result.trials.size(); ++i) {
     auto& t = result.trials[i];
-    if (elapsed() >= options.time_budget_seconds) {
+    const auto out_of_time = [&] {
+      if (elapsed() < options.time_budget_seconds) return false;
+      t.outcome = TrialOutcome::not_run;
       t.detail = "the time budget (" + std::to_string(options.time_budget_seconds) + " s) was spent";
-      continue;
-    }
+      cut_by_time = true;
+      return true;
+    };
+    if (out_of_time()) continue;
     if (run_count >= options.max_trials) {
       t.detail = "the trial budget (" + std::to_string(options.max_trials) + " trials) was spent";
       continue;
     }
     progress.show(i + 1, result.trials.size(), "predicting " + t.label + " @" + std::to_string(t.batch_size),
                   best_so_far(), options.time_budget_seconds - elapsed());
-    const auto x = rows.batch_of(t.batch_size);
+    torch::Tensor x;
+    try {
+      x = rows.batch_of(t.batch_size);
+    } catch (...) {
+      record_exception(t);  // a batch too large to make is this candidate's failure
+      continue;
+    }
     std::string signature;
     try {
-      Config predicting = t.config;
-      const auto p = predictor::run<S>(model, x, optimizer, loss_fn, true, predicting);
+      const auto p = predictor::run<S>(model, x, optimizer, loss_fn, true, t.config);
       t.predicted_peak_bytes = p.peak_bytes;
       signature = plan_signature(p, t.config);
-    } catch (const std::exception& e) {
-      std::string what = e.what();
-      t.detail = "not predicted (" + what.substr(0, what.find('\n')) + ")";
+    } catch (...) {
+      TuneTrial failed;
+      record_exception(failed);
+      t.detail = "not predicted (" + failed.detail + ")";
     }
     box.reset();
+    if (out_of_time()) continue;
     if (!signature.empty()) {
       const auto same = std::find(plans.begin(), plans.end(), std::make_pair(t.batch_size, signature));
       if (same != plans.end()) {
@@ -465,10 +290,7 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
   if (const auto* best = best_so_far()) {
     result.found = true;
     result.best_trial = static_cast<int>(best - result.trials.data());
-    result.best = best->config;
-    result.best.enable_logging = base.enable_logging;
-    result.best.verify_correctness = base.verify_correctness;
-    result.trials[static_cast<std::size_t>(result.best_trial)].config = result.best;
+    result.best = with_callers_fields(best->config, base);
     result.best_batch_size = best->batch_size;
   } else {
     result.best = base;
@@ -484,11 +306,10 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
   }
   result.seconds = elapsed();
   if (options.use_cache && !result.cache_file.empty()) {
-    const bool complete = std::none_of(result.trials.begin(), result.trials.end(),
-                                       [](const TuneTrial& t) { return t.outcome == TrialOutcome::not_run; });
-    if (!complete)
-      result.notes.push_back("not cached: the time or trial budget ended the search before every candidate was "
-                             "considered");
+    // A search the clock cut short depends on the machine's speed that day; one
+    // the trial budget cut is what the same key gives again.
+    if (cut_by_time)
+      result.notes.push_back("not cached: the time budget ended the search before every candidate was considered");
     else if (const auto problem = store(result.cache_file, key, result); !problem.empty())
       result.notes.push_back(problem);
   }

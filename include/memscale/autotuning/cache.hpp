@@ -11,11 +11,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <system_error>
+#include <thread>
 
 #include <unistd.h>
 
@@ -26,6 +28,7 @@
 #include <memscale/autotuning/result.hpp>
 #include <memscale/config.hpp>
 #include <memscale/core/hardware.hpp>
+#include <memscale/predict/optimizer_state.hpp>
 #include <memscale/version.hpp>
 
 namespace memscale::autotuning {
@@ -68,7 +71,8 @@ struct cache_key {
   nlohmann::json parts;
   [[nodiscard]] std::string digest() const {
     std::ostringstream os;
-    os << std::hex << std::setw(16) << std::setfill('0') << fnv1a(parts.dump());
+    os << std::hex << std::setw(16) << std::setfill('0')
+       << fnv1a(parts.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
     return os.str();
   }
 };
@@ -76,7 +80,7 @@ struct cache_key {
 /// The key of tuning `root` on `example` (its shape and type, batch sizes
 /// aside) on `device` with `optimizer`, under `base` and `options`.
 [[nodiscard]] inline cache_key make_key(torch::nn::Module& root, const torch::Tensor& example, c10::Device device,
-                                        const torch::optim::Optimizer& optimizer, const std::string& optimizer_name,
+                                        const torch::optim::Optimizer& optimizer,
                                         const Config& base, const TuneOptions& options, std::int64_t budget_bytes) {
   nlohmann::json model = nlohmann::json::array();
   for (const auto& m : root.named_modules("", /*include_self=*/true)) model.push_back(m.key() + ":" + m.value()->name());
@@ -99,12 +103,21 @@ struct cache_key {
       hardware["gpu_total_bytes"] = g.total_bytes;
     }
 
+  // Each group's size and the state its options keep (momentum, amsgrad, ...):
+  // what the optimizer changes about a step's memory.
+  const auto sizing = predictor::sizing_of(optimizer);
   nlohmann::json groups = nlohmann::json::array();
-  for (const auto& g : optimizer.param_groups()) groups.push_back(g.params().size());
-  Config search = base;  // what decides the result: the knobs, not the logging
+  for (const auto& g : optimizer.param_groups()) {
+    std::int64_t state = 0;
+    for (const auto& p : g.params())
+      if (p.defined() && p.requires_grad()) state += sizing.state_bytes(p, g.options());
+    groups.push_back({{"parameters", g.params().size()}, {"state_bytes", state}});
+  }
+  Config search = base;  // what decides the result: the knobs, not what autotune() takes from the caller
   search.enable_logging = true;
   search.log_file.reset();
   search.observability_port.reset();
+  search.verify_correctness = false;
   nlohmann::json modes = nlohmann::json::array();
   for (auto m : options.modes) modes.push_back(m);
 
@@ -115,7 +128,7 @@ struct cache_key {
            {"libtorch", TORCH_VERSION},
            {"memscale", std::to_string(version_major) + "." + std::to_string(version_minor) + "." +
                             std::to_string(version_patch)},
-           {"optimizer", {{"type", optimizer_name}, {"group_sizes", groups}}},
+           {"optimizer", {{"type", sizing.name}, {"groups", groups}}},
            {"budget_bytes", budget_bytes},
            {"config", search},
            {"search", {{"modes", modes},
@@ -179,32 +192,49 @@ struct cache_file_contents {
 
 /// Adds (or replaces) `key`'s entry and writes the file: read afresh, so that
 /// entries another process wrote meanwhile are kept, then a temporary file in
-/// the same directory renamed over it. Returns what went wrong, or "".
+/// the same directory renamed over it. A file that is not a cache this memscale
+/// reads is moved aside to `path`.corrupt first, never overwritten. Returns what
+/// went wrong (or was moved), "" when nothing did; never throws.
 [[nodiscard]] inline std::string store(const std::string& path, const cache_key& key, const TuneResult& result) {
   namespace fs = std::filesystem;
-  std::error_code ec;
-  const fs::path file(path);
-  if (file.has_parent_path()) fs::create_directories(file.parent_path(), ec);
-  if (ec) return "the cache directory " + file.parent_path().string() + " cannot be created (" + ec.message() + ")";
-  auto contents = read_cache(path);  // a corrupt file is replaced
-  contents.entries[key.digest()] = {{"key", key.parts}, {"result", nlohmann::json::parse(result.to_json(-1))}};
-  const nlohmann::json j = {{"format", cache_format}, {"version", cache_format_version}, {"entries", contents.entries}};
-  const auto temporary = fs::path(path + ".tmp." + std::to_string(::getpid()));
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    out << j.dump(1) << "\n";
-    out.flush();
-    if (!out) {
-      fs::remove(temporary, ec);
-      return "the cache file " + path + " cannot be written";
+  try {
+    std::error_code ec;
+    const fs::path file(path);
+    if (file.has_parent_path()) fs::create_directories(file.parent_path(), ec);
+    if (ec) return "the cache directory " + file.parent_path().string() + " cannot be created (" + ec.message() + ")";
+    std::string moved;
+    auto contents = read_cache(path);
+    if (!contents.problem.empty()) {
+      fs::rename(file, fs::path(path + ".corrupt"), ec);
+      if (ec) return "the cache file " + path + " is not a memscale cache and cannot be moved aside (" + ec.message() +
+                     "): left as it is, the result not cached";
+      moved = "the unreadable cache file was moved to " + path + ".corrupt";
     }
+    contents.entries[key.digest()] = {{"key", key.parts}, {"result", nlohmann::json::parse(result.to_json(-1))}};
+    const nlohmann::json j = {
+        {"format", cache_format}, {"version", cache_format_version}, {"entries", contents.entries}};
+    // The process and the thread: two writers never share a temporary file.
+    std::ostringstream name;
+    name << path << ".tmp." << ::getpid() << "." << std::hash<std::thread::id>{}(std::this_thread::get_id());
+    const fs::path temporary(name.str());
+    {
+      std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+      out << j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+      out.flush();
+      if (!out) {
+        fs::remove(temporary, ec);
+        return "the cache file " + path + " cannot be written";
+      }
+    }
+    fs::rename(temporary, file, ec);
+    if (ec) {
+      fs::remove(temporary, ec);
+      return "the cache file " + path + " cannot be replaced (" + ec.message() + ")";
+    }
+    return moved;
+  } catch (const std::exception& e) {
+    return "the cache file " + path + " was not written (" + e.what() + ")";
   }
-  fs::rename(temporary, file, ec);
-  if (ec) {
-    fs::remove(temporary, ec);
-    return "the cache file " + path + " cannot be replaced (" + ec.message() + ")";
-  }
-  return {};
 }
 
 }  // namespace memscale::autotuning

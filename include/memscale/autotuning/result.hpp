@@ -340,7 +340,7 @@ inline std::string TuneResult::to_json(int indent) const {
                       {"cache_key", cache_key},
                       {"notes", notes},
                       {"seconds", seconds}};
-  return j.dump(indent);
+  return j.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);  // an exception's text may not be UTF-8
 }
 
 namespace autotuning::detail {
@@ -353,6 +353,7 @@ inline TuneResult result_from(const nlohmann::json& j) {
     r.found = j.at("found").get<bool>();
     r.best = j.at("best").get<Config>();
     r.best_batch_size = j.at("best_batch_size").get<std::int64_t>();
+    if (!j.at("best_trial").is_number_integer()) throw Error("best_trial must be an integer");
     r.best_trial = j.at("best_trial").get<int>();
     r.budget_bytes = j.at("budget_bytes").get<std::int64_t>();
     r.trials = j.at("trials").get<std::vector<TuneTrial>>();
@@ -361,6 +362,8 @@ inline TuneResult result_from(const nlohmann::json& j) {
     get_if_present(j, "cache_key", r.cache_key);
     get_if_present(j, "notes", r.notes);
     get_if_present(j, "seconds", r.seconds);
+    if (r.found && r.best_batch_size < 1)
+      throw Error("best_batch_size must be >= 1, got " + std::to_string(r.best_batch_size));
     if (r.found && r.winner() == nullptr)
       throw Error("best_trial " + std::to_string(r.best_trial) + " is not one of the " +
                   std::to_string(r.trials.size()) + " trials");

@@ -24,6 +24,7 @@
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 
+#include <memscale/detail/process_memory.hpp>
 #include <memscale/errors.hpp>
 
 #if defined(MEMSCALE_WITH_CUDA) && MEMSCALE_WITH_CUDA
@@ -396,6 +397,35 @@ class memory_tracker {
     const auto cap = detail::counting_cpu_allocator::instance().limit().load();
     return cap >= 0 ? std::optional<std::int64_t>(cap) : std::nullopt;
   }
+
+  /// What the process holds (CPU), over a scope: its resident bytes' peak above
+  /// what was resident when the scope began (Linux's VmHWM, reset at the start),
+  /// which includes what LibTorch's allocator does not see (oneDNN and BLAS
+  /// buffers, malloc's retention; see fix_malloc_mmap_threshold()). Scopes nest
+  /// and overlap across threads: each sees its own peak. Inactive (growth -1)
+  /// where /proc/self cannot reset or report the mark.
+  class process_peak_scope {
+   public:
+    process_peak_scope() {
+      if (const auto resident = detail::process_peak_registry::instance().open(&seen_)) resident_ = *resident;
+    }
+    process_peak_scope(const process_peak_scope&) = delete;
+    process_peak_scope& operator=(const process_peak_scope&) = delete;
+    ~process_peak_scope() {
+      if (active()) detail::process_peak_registry::instance().close(&seen_);
+    }
+    [[nodiscard]] bool active() const noexcept { return resident_ >= 0; }
+    /// Resident bytes when the scope began, or -1.
+    [[nodiscard]] std::int64_t baseline() const noexcept { return resident_; }
+    /// The resident peak since the scope began, or -1.
+    [[nodiscard]] std::int64_t peak() { return active() ? detail::process_peak_registry::instance().peak(&seen_) : -1; }
+    /// peak() - baseline(), or -1.
+    [[nodiscard]] std::int64_t peak_growth() { return active() ? peak() - resident_ : -1; }
+
+   private:
+    std::int64_t seen_ = 0;
+    std::int64_t resident_ = -1;
+  };
 
   /// Measures the peak within a scope, from the source current_bytes() reads
   /// when the scope begins. On CPU nested scopes compose (an outer scope still

@@ -1,16 +1,20 @@
 // memscale::detail — what the process holds (Linux /proc/self): resident bytes,
-// their high-water mark and its reset; and glibc's mmap threshold, which decides
+// their high-water mark and its reset (one registry, so that measurements nest);
+// and glibc's mmap threshold, which decides
 // whether freed tensor memory goes back to the system. Used by predict() to
 // measure what sits outside LibTorch's allocator (oneDNN and BLAS buffers,
 // malloc's retention), and by the benchmarks to measure a step's max RSS growth.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -57,6 +61,53 @@ inline bool reset_process_peak() {
   out.flush();
   return static_cast<bool>(out);
 }
+
+/// The process's resident high-water mark is one per process, and resetting it
+/// erases what an enclosing measurement has not read yet. Every measurement
+/// opens here: each reset first folds the current mark into every open one, so
+/// nested and overlapping measurements (a tuner's trial inside a benchmark's
+/// run, predict() inside either) each see their own peak.
+class process_peak_registry {
+ public:
+  static process_peak_registry& instance() {
+    static process_peak_registry registry;
+    return registry;
+  }
+
+  /// Opens a measurement from now: `seen` holds the highest mark folded into it.
+  /// Returns the resident bytes at its start, or nullopt where the mark cannot
+  /// be reset or read (then nothing is registered).
+  std::optional<std::int64_t> open(std::int64_t* seen) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fold();
+    if (!reset_process_peak()) return std::nullopt;
+    const auto now = read_process_memory();
+    if (!now) return std::nullopt;
+    *seen = now->peak_bytes;
+    open_.push_back(seen);
+    return now->resident_bytes;
+  }
+  /// The highest resident bytes since `seen`'s measurement opened.
+  std::int64_t peak(std::int64_t* seen) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fold();
+    return *seen;
+  }
+  void close(std::int64_t* seen) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fold();
+    open_.erase(std::remove(open_.begin(), open_.end(), seen), open_.end());
+  }
+
+ private:
+  void fold() {
+    if (open_.empty()) return;
+    if (const auto now = read_process_memory())
+      for (auto* s : open_) *s = std::max(*s, now->peak_bytes);
+  }
+  std::mutex mutex_;
+  std::vector<std::int64_t*> open_;
+};
 
 inline std::atomic<std::int64_t>& pinned_mmap_threshold() {
   static std::atomic<std::int64_t> bytes{-1};

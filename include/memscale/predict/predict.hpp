@@ -328,13 +328,11 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   // largest step: what the process holds outside the allocator (oneDNN and BLAS
   // buffers made at their first use, malloc's retention).
   std::int64_t process_growth = -1, allocator_growth = 0;
-  std::optional<memscale::detail::process_memory> process_before;
-  if (device.is_cpu() && memscale::detail::reset_process_peak())
-    process_before = memscale::detail::read_process_memory();
+  std::optional<memory_tracker::process_peak_scope> process;
+  if (device.is_cpu()) process.emplace();
   const auto base_fit = detail::fit_timelines(c, out.calibration_batches, misaligned, allocator_growth);
-  if (process_before)
-    if (const auto after = memscale::detail::read_process_memory())
-      process_growth = after->peak_bytes - process_before->resident_bytes;
+  if (process && process->active()) process_growth = process->peak_growth();
+  process.reset();
   if (!misaligned.empty()) out.notes.push_back("baseline: " + misaligned);
 
   timeline_fit plan_fit = base_fit;

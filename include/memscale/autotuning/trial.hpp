@@ -1,0 +1,257 @@
+// memscale::autotune's trials: one candidate run as real training steps under
+// memscale::optimize, stepping a shadow of the user's optimizer, measured
+// (the allocator's peak, the process's or the device's, the median step time)
+// and held to the budget by the tracker's hard limit, an out-of-memory caught.
+// Also what puts the model back after each trial (the parameter snapshot) and
+// the terminal progress line. Internal to autotune().
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <new>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <unistd.h>
+
+#include <torch/torch.h>
+
+#include <memscale/autotuning/result.hpp>
+#include <memscale/core/memory_tracker.hpp>
+#include <memscale/core/profiler.hpp>
+#include <memscale/predict/optimizer_state.hpp>
+#include <memscale/predict/predict.hpp>
+#include <memscale/techniques/optim8bit.hpp>
+
+#if MEMSCALE_HAS_CUDA()
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace memscale::autotuning::detail {
+
+/// Whether `e` is an allocation failure (LibTorch 2.x and the tracker's hard
+/// limit throw c10::OutOfMemoryError; 1.13's CUDA and CPU allocators a c10::Error).
+inline bool is_out_of_memory(const c10::Error& e) {
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return true;
+  const std::string what = e.what_without_backtrace();
+  for (const char* sign : {"out of memory", "not enough memory", "can't allocate memory", "Cannot allocate memory"})
+    if (what.find(sign) != std::string::npos) return true;
+  return false;
+}
+
+/// Records the exception in flight as the trial's outcome: an allocation
+/// failure as out_of_memory, anything else as failed, with its first line.
+inline void record_exception(TuneTrial& t) noexcept {
+  const auto first_line = [](std::string what) { return what.substr(0, what.find('\n')); };
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    t.outcome = is_out_of_memory(e) ? TrialOutcome::out_of_memory : TrialOutcome::failed;
+    t.detail = first_line(e.what_without_backtrace());
+  } catch (const std::bad_alloc&) {
+    t.outcome = TrialOutcome::out_of_memory;
+    t.detail = "std::bad_alloc";
+  } catch (const std::exception& e) {
+    t.outcome = TrialOutcome::failed;
+    t.detail = first_line(e.what());
+  } catch (...) {
+    t.outcome = TrialOutcome::failed;
+    t.detail = "an exception of a type not derived from std::exception";
+  }
+}
+
+/// A shadow of `optimizer` (its type and every group's options) over the same
+/// parameters, or memscale's AdamW8bit with an AdamW's hyperparameters.
+inline std::unique_ptr<torch::optim::Optimizer> shadow_optimizer(const torch::optim::Optimizer& optimizer,
+                                                                 bool as_eight_bit) {
+  const auto sizing = as_eight_bit ? predictor::adamw8bit_sizing() : predictor::sizing_of(optimizer);
+  std::unique_ptr<torch::optim::Optimizer> shadow;
+  for (const auto& group : optimizer.param_groups()) {
+    std::unique_ptr<torch::optim::OptimizerOptions> options;
+    if (as_eight_bit) options = std::make_unique<optim::AdamW8bitOptions>(predictor::detail::as_eight_bit(group.options()));
+    else options = group.options().clone();
+    if (!shadow) shadow = sizing.shadow(group.params(), *options);
+    else shadow->add_param_group(torch::optim::OptimizerParamGroup(group.params(), std::move(options)));
+  }
+  return shadow;
+}
+
+/// The model's parameters as they were, put back after each trial and, whatever
+/// happens, at the end. Kept on the host, so a GPU trial has the room real
+/// training would have.
+class parameter_snapshot {
+ public:
+  explicit parameter_snapshot(const std::vector<torch::Tensor>& parameters) : parameters_(parameters) {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : parameters_) saved_.push_back(p.detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true));
+  }
+  parameter_snapshot(const parameter_snapshot&) = delete;
+  parameter_snapshot& operator=(const parameter_snapshot&) = delete;
+  ~parameter_snapshot() {
+    try {
+      restore();
+    } catch (...) {  // never throw from a destructor
+    }
+  }
+  void restore() {
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < parameters_.size(); ++i) parameters_[i].detach().copy_(saved_[i]);
+  }
+
+ private:
+  std::vector<torch::Tensor> parameters_;
+  std::vector<torch::Tensor> saved_;
+};
+
+/// Shows "trial k of n, best ..., time left" on one terminal line.
+class progress_line {
+ public:
+  explicit progress_line(TuneProgress mode)
+      : on_(mode == TuneProgress::always || (mode == TuneProgress::automatic && ::isatty(STDERR_FILENO) == 1)) {}
+  progress_line(const progress_line&) = delete;
+  progress_line& operator=(const progress_line&) = delete;
+  ~progress_line() {
+    if (on_ && shown_) std::cerr << "\n" << std::flush;
+  }
+  void show(std::size_t k, std::size_t n, const std::string& what, const TuneTrial* best, double seconds_left) {
+    if (!on_) return;
+    std::ostringstream os;
+    os << "\r\033[K[memscale autotune] " << k << "/" << n << " " << what << " | best: ";
+    if (best != nullptr)
+      os << best->label << " @" << best->batch_size << " " << std::fixed << std::setprecision(1)
+         << best->samples_per_second << " samples/s";
+    else
+      os << "none yet";
+    os << " | " << std::fixed << std::setprecision(0) << std::max(0.0, seconds_left) << " s left";
+    std::cerr << os.str() << std::flush;
+    shown_ = true;
+  }
+
+ private:
+  bool on_;
+  bool shown_ = false;
+};
+
+/// Live bytes the trial's peak is measured from, and its peak: the counting
+/// allocator (or a reporting scope) on CPU, the caching allocator on CUDA.
+class trial_meter {
+ public:
+  explicit trial_meter(c10::Device device) : device_(device) {
+    if (device.is_cpu() && !memory_tracker::installed()) {
+      reporting_.emplace();
+      if (!reporting_->active()) reporting_.reset();
+    }
+    if (device.is_cuda() || memory_tracker::installed() || reporting_) peak_.emplace(device);
+#if MEMSCALE_HAS_CUDA()
+    if (device.is_cuda()) {
+      const auto index = device.has_index() ? device.index() : c10::DeviceIndex{0};
+      reserved_before_ = static_cast<std::int64_t>(
+          c10::cuda::CUDACachingAllocator::getDeviceStats(index).reserved_bytes[0].current);
+    }
+#endif
+    if (device.is_cpu()) process_.emplace();
+  }
+  /// Growth of the allocator's live bytes over the scope, or -1 when nothing measures it.
+  [[nodiscard]] std::int64_t allocator_growth() const { return peak_ ? peak_->peak_growth() : -1; }
+  /// Growth of what the process (CPU: resident high-water mark) or the device
+  /// (CUDA: the caching allocator's reserve) holds, or -1.
+  [[nodiscard]] std::int64_t held_growth() {
+    if (process_ && process_->active()) return process_->peak_growth();
+#if MEMSCALE_HAS_CUDA()
+    if (device_.is_cuda()) {
+      const auto index = device_.has_index() ? device_.index() : c10::DeviceIndex{0};
+      return static_cast<std::int64_t>(c10::cuda::CUDACachingAllocator::getDeviceStats(index).reserved_bytes[0].peak) -
+             reserved_before_;
+    }
+#endif
+    return -1;
+  }
+
+ private:
+  c10::Device device_;
+  std::optional<memory_tracker::reporting_scope> reporting_;
+  std::optional<memory_tracker::peak_scope> peak_;
+  std::optional<memory_tracker::process_peak_scope> process_;  // CPU
+  std::int64_t reserved_before_ = 0;
+};
+
+/// What a trial needs of the model and the caller.
+struct trial_context {
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::function<torch::Tensor(const torch::Tensor&)> loss;
+  const torch::optim::Optimizer* optimizer = nullptr;
+  std::vector<torch::Tensor> parameters;
+  c10::Device device = c10::kCPU;
+  std::int64_t static_bytes = 0;  ///< parameters and buffers, live before any trial
+  std::int64_t budget_bytes = 0;
+  int warmup_steps = 1;
+  int timed_steps = 2;
+};
+
+/// Runs trial `t` (already sized) with `attach_guard` making the guard; fills in
+/// the measurements and the outcome. The caller restores the model afterwards.
+template <class AttachGuard>
+void run_trial(TuneTrial& t, const torch::Tensor& x, const trial_context& c, AttachGuard&& attach_guard) {
+  try {
+    const bool as_eight_bit =
+        t.config.use_8bit_optimizer && dynamic_cast<const optim::AdamW8bit*>(c.optimizer) == nullptr;
+    auto shadow = shadow_optimizer(*c.optimizer, as_eight_bit);
+#if MEMSCALE_HAS_CUDA()
+    if (c.device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();  // no earlier trial's reserve reused
+#endif
+    // The budget as a hard limit (never looser than one the caller set).
+    std::optional<memory_tracker::hard_limit_scope> hard;
+    if (c.device.is_cpu() && memory_tracker::installed()) {
+      auto limit = memory_tracker::current_bytes() + std::max<std::int64_t>(0, c.budget_bytes - c.static_bytes);
+      if (const auto outer = memory_tracker::hard_limit()) limit = std::min(limit, *outer);
+      hard.emplace(limit);
+    }
+    trial_meter meter(c.device);
+    std::vector<double> times;
+    {
+      auto guard = attach_guard(t.config, x);
+      for (int step = 0; step < c.warmup_steps + c.timed_steps; ++step) {
+        const auto started = std::chrono::steady_clock::now();
+        shadow->zero_grad();
+        {
+          torch::AutoGradMode grad_on(true);
+          auto value = c.loss(c.forward(x));
+          value.backward();
+        }
+        shadow->step();
+        memscale::detail::synchronize(c.device);
+        if (step >= c.warmup_steps) times.push_back(memscale::detail::seconds_since(started));
+      }
+      shadow->zero_grad();
+    }
+    const auto allocator = meter.allocator_growth();
+    const auto held = meter.held_growth();
+    t.allocator_peak_bytes = allocator >= 0 ? c.static_bytes + allocator : -1;
+    t.measured_peak_bytes = std::max(t.allocator_peak_bytes, held >= 0 ? c.static_bytes + held : -1);
+    std::sort(times.begin(), times.end());
+    const auto n = times.size();
+    t.step_seconds = n % 2 == 1 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
+    t.samples_per_second = t.step_seconds > 0.0 ? static_cast<double>(t.batch_size) / t.step_seconds : 0.0;
+    if (t.measured_peak_bytes < 0) {
+      t.outcome = TrialOutcome::fits;
+      t.detail = "peak not measured (no CPU allocator statistics): counted as fitting";
+    } else {
+      t.outcome = t.measured_peak_bytes <= c.budget_bytes ? TrialOutcome::fits : TrialOutcome::over_budget;
+    }
+  } catch (...) {
+    record_exception(t);
+  }
+#if MEMSCALE_HAS_CUDA()
+  if (c.device.is_cuda() && t.outcome == TrialOutcome::out_of_memory) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
+}  // namespace memscale::autotuning::detail
