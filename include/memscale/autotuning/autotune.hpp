@@ -26,13 +26,13 @@
 #include <concepts>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <torch/torch.h>
-#include <torch/version.h>
 
 #include <memscale/api.hpp>
 #include <memscale/autotuning/cache.hpp>
@@ -165,7 +165,8 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
   context.timed_steps = options.timed_steps;
 
   // The budget, as predict() and the planner count it.
-  result.budget_bytes = memory_budget_bytes(base.memory_budget_gb, detect_hardware(), device);
+  const auto hardware = detect_hardware();
+  result.budget_bytes = memory_budget_bytes(base.memory_budget_gb, hardware, device);
   context.budget_bytes = result.budget_bytes;
 
   auto batches = options.batch_sizes;
@@ -174,7 +175,7 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
   batches.erase(std::unique(batches.begin(), batches.end()), batches.end());
 
   // The cache.
-  const auto key = make_key(*root, example_input, device, optimizer, base, options, result.budget_bytes);
+  const auto key = make_key(*root, example_input, device, hardware, optimizer, own, base, options, result.budget_bytes);
   result.cache_key = key.digest();
   if (options.use_cache) {
     result.cache_file = options.cache_file.value_or(default_cache_file());
@@ -211,10 +212,8 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
 
   core::verify::sandbox box(*root);  // gradients (set aside), buffers and RNG: back at the end
   parameter_snapshot snapshot(parameters);
-  predictor::detail::calibration rows{forward, loss_fn, example_input, device, TORCH_VERSION_MAJOR < 2, {}, nullptr};
   progress_line progress(options.progress);
-  std::vector<std::pair<std::int64_t, std::string>> plans;  // (batch, signature) of the candidates that ran
-  std::vector<std::size_t> plan_trial;
+  std::map<std::pair<std::int64_t, std::string>, std::size_t> plans;  // (batch, plan signature) -> the trial that ran it
   int run_count = 0;
   bool cut_by_time = false;
   const auto best_so_far = [&]() -> const TuneTrial* {
@@ -243,7 +242,7 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
                   best_so_far(), options.time_budget_seconds - elapsed());
     torch::Tensor x;
     try {
-      x = rows.batch_of(t.batch_size);
+      x = predictor::detail::rows_of(example_input, t.batch_size);
     } catch (...) {
       record_exception(t);  // a batch too large to make is this candidate's failure
       continue;
@@ -261,10 +260,9 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
     box.reset();
     if (out_of_time()) continue;
     if (!signature.empty()) {
-      const auto same = std::find(plans.begin(), plans.end(), std::make_pair(t.batch_size, signature));
-      if (same != plans.end()) {
+      if (const auto same = plans.find({t.batch_size, signature}); same != plans.end()) {
         t.outcome = TrialOutcome::duplicate;
-        t.detail = "the same plan as #" + std::to_string(plan_trial[static_cast<std::size_t>(same - plans.begin())]);
+        t.detail = "the same plan as #" + std::to_string(same->second);
         continue;
       }
     }
@@ -276,10 +274,7 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
     progress.show(i + 1, result.trials.size(), "running " + t.label + " @" + std::to_string(t.batch_size),
                   best_so_far(), options.time_budget_seconds - elapsed());
     ++run_count;
-    if (!signature.empty()) {
-      plans.emplace_back(t.batch_size, signature);
-      plan_trial.push_back(i);
-    }
+    if (!signature.empty()) plans.emplace(std::make_pair(t.batch_size, signature), i);
     run_trial(t, x, context, [&model](const Config& config, const torch::Tensor& input) {
       return memscale::optimize<S>(model, input, config);
     });

@@ -78,9 +78,11 @@ struct cache_key {
 };
 
 /// The key of tuning `root` on `example` (its shape and type, batch sizes
-/// aside) on `device` with `optimizer`, under `base` and `options`.
+/// aside) on `device` of `hw` with `optimizer` (sized by `sizing`), under
+/// `base` and `options`.
 [[nodiscard]] inline cache_key make_key(torch::nn::Module& root, const torch::Tensor& example, c10::Device device,
-                                        const torch::optim::Optimizer& optimizer,
+                                        const HardwareInfo& hw, const torch::optim::Optimizer& optimizer,
+                                        const predictor::optimizer_sizing& sizing,
                                         const Config& base, const TuneOptions& options, std::int64_t budget_bytes) {
   nlohmann::json model = nlohmann::json::array();
   for (const auto& m : root.named_modules("", /*include_self=*/true)) model.push_back(m.key() + ":" + m.value()->name());
@@ -91,7 +93,6 @@ struct cache_key {
   for (const auto& b : root.named_buffers(/*recurse=*/true))
     if (b.value().defined()) buffers.push_back(b.key() + ":" + detail::shape_of(b.value()));
 
-  const auto hw = detect_hardware();
   nlohmann::json hardware = {{"device", device.str()}, {"host_total_bytes", hw.host_total_bytes}};
   if (device.is_cpu()) {
     hardware["cpu"] = memscale::detail::cpu_model();
@@ -105,7 +106,6 @@ struct cache_key {
 
   // Each group's size and the state its options keep (momentum, amsgrad, ...):
   // what the optimizer changes about a step's memory.
-  const auto sizing = predictor::sizing_of(optimizer);
   nlohmann::json groups = nlohmann::json::array();
   for (const auto& g : optimizer.param_groups()) {
     std::int64_t state = 0;

@@ -142,6 +142,16 @@ struct Prediction {
 namespace predictor {
 namespace detail {
 
+/// The example's rows 0, 1, ... repeated to `batch` rows (row i is row i % N):
+/// how predict() and autotune() make a batch of another size.
+[[nodiscard]] inline torch::Tensor rows_of(const torch::Tensor& example, std::int64_t batch) {
+  const auto rows = example.size(0);
+  if (batch == rows) return example;
+  torch::NoGradGuard no_grad;
+  const auto index = torch::arange(batch, torch::TensorOptions().dtype(torch::kLong).device(example.device())) % rows;
+  return example.index_select(0, index).contiguous();
+}
+
 /// One calibration step (forward, loss, backward; no optimizer step) at batch
 /// `batch`, recorded. The sandbox puts gradients, buffers and the RNG back first.
 struct calibration {
@@ -153,14 +163,7 @@ struct calibration {
   std::vector<torch::Tensor> trainable;
   core::verify::sandbox* box = nullptr;
 
-  /// The example's rows 0, 1, ... repeated to `batch` rows.
-  [[nodiscard]] torch::Tensor batch_of(std::int64_t batch) const {
-    const auto rows = example.size(0);
-    if (batch == rows) return example;
-    torch::NoGradGuard no_grad;
-    const auto index = torch::arange(batch, torch::TensorOptions().dtype(torch::kLong).device(example.device())) % rows;
-    return example.index_select(0, index).contiguous();
-  }
+  [[nodiscard]] torch::Tensor batch_of(std::int64_t batch) const { return rows_of(example, batch); }
 
   timeline run(std::int64_t batch) {
     box->reset();
