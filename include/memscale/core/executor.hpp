@@ -33,6 +33,7 @@
 #include <memscale/core/call_sites.hpp>
 #include <memscale/core/decision_engine.hpp>
 #include <memscale/core/hardware.hpp>
+#include <memscale/core/memory_tracker.hpp>
 #include <memscale/core/plan.hpp>
 #include <memscale/core/profiler.hpp>
 #include <memscale/core/registry.hpp>
@@ -148,16 +149,74 @@ inline double& profile_batch_scale() {
   return scale;
 }
 
-/// Sets profile_batch_scale() for its lifetime, then puts back what it found.
+/// What planning on this thread takes as the bytes the process holds outside
+/// LibTorch's allocator (CPU), instead of measuring them (attachment's
+/// outside_allocator_probe): memscale::predict passes the figure it measured over
+/// its calibration steps, as the profile it plans from ran at a small batch. -1
+/// (measure) outside a profile_scale_scope that sets it.
+inline std::int64_t& profile_outside_allocator_bytes() {
+  thread_local std::int64_t bytes = -1;
+  return bytes;
+}
+
+/// Sets profile_batch_scale() (and, when given, profile_outside_allocator_bytes())
+/// for its lifetime, then puts back what it found.
 class profile_scale_scope {
  public:
-  explicit profile_scale_scope(double scale) : before_(profile_batch_scale()) { profile_batch_scale() = scale; }
+  explicit profile_scale_scope(double scale, std::int64_t outside_allocator_bytes = -1)
+      : before_(profile_batch_scale()), outside_before_(profile_outside_allocator_bytes()) {
+    profile_batch_scale() = scale;
+    profile_outside_allocator_bytes() = outside_allocator_bytes;
+  }
   profile_scale_scope(const profile_scale_scope&) = delete;
   profile_scale_scope& operator=(const profile_scale_scope&) = delete;
-  ~profile_scale_scope() { profile_batch_scale() = before_; }
+  ~profile_scale_scope() {
+    profile_batch_scale() = before_;
+    profile_outside_allocator_bytes() = outside_before_;
+  }
 
  private:
   double before_;
+  std::int64_t outside_before_;
+};
+
+/// What the process comes to hold beyond LibTorch's allocator while memscale
+/// runs the model to plan it on CPU (verify's unoptimized step, the example
+/// forward, the profiling at the full batch): the growth of the process's
+/// resident peak over the span minus the growth of the allocator's peak. Most of
+/// it is made once, at the first operations of that size (OpenMP and OpenBLAS
+/// worker threads' stacks and buffers, oneDNN's scratchpads), so it is measured
+/// in the process where training will run; a process that has trained before
+/// made it already and reads about 0 (nothing new to reserve). With glibc's
+/// dynamic mmap threshold it also holds what malloc keeps of freed blocks.
+/// Thread-bound: open and close it on one thread, inside any reporting scope
+/// open around it.
+class outside_allocator_probe {
+ public:
+  outside_allocator_probe() {
+    if (!process_.active()) return;
+    if (!memory_tracker::installed()) {
+      reporting_.emplace();
+      if (!reporting_->active()) return;
+    }
+    allocator_.emplace(c10::kCPU);
+  }
+  outside_allocator_probe(const outside_allocator_probe&) = delete;
+  outside_allocator_probe& operator=(const outside_allocator_probe&) = delete;
+
+  /// The bytes so far (>= 0), or -1 where the process's or the allocator's
+  /// peak cannot be read (no /proc/self, or a LibTorch profiler holds the slot).
+  [[nodiscard]] std::int64_t bytes() {
+    if (!allocator_) return -1;
+    const auto process = process_.peak_growth();
+    if (process < 0) return -1;
+    return std::max<std::int64_t>(0, process - allocator_->peak_growth());
+  }
+
+ private:
+  memory_tracker::process_peak_scope process_;
+  std::optional<memory_tracker::reporting_scope> reporting_;
+  std::optional<memory_tracker::peak_scope> allocator_;  // closes before reporting_
 };
 
 /// A profile measured at batch b, as the profile at batch b * scale would read:
@@ -194,7 +253,24 @@ class planning_scope {
   bool before_;
 };
 
+class attachment;
+
+/// Lends attach()'s outside_allocator_probe to an attachment's planning for the
+/// binding's lifetime.
+class outside_probe_binding {
+ public:
+  outside_probe_binding(attachment& attached, outside_allocator_probe* probe);
+  outside_probe_binding(const outside_probe_binding&) = delete;
+  outside_probe_binding& operator=(const outside_probe_binding&) = delete;
+  ~outside_probe_binding();
+
+ private:
+  attachment& attached_;
+};
+
 class attachment : public std::enable_shared_from_this<attachment>, public call_site_host {
+  friend class outside_probe_binding;
+
  public:
   attachment(const std::shared_ptr<torch::nn::Module>& root, std::vector<chain_ref> chains, Config config,
              technique_set techniques, plan_agreement agree = {},
@@ -397,6 +473,28 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   /// verify_correctness: one step of `example` in `box`, through the model as
   /// it is now; `as_before_wrap`: memscale::forward calls run directly (the
   /// unoptimized step, taken before the plan is applied).
+  /// One training step (forward, a mean-square loss, backward) of the example's
+  /// first two rows in verify's sandbox (gradients, buffers and the RNG put
+  /// back), run directly, so that outside_allocator_probe sees what the worker
+  /// threads and autograd make outside the allocator. A failure is a note: the
+  /// reserve then comes from the example forward and the profiling only.
+  void run_native_warmup(const torch::Tensor& example) {
+    auto root = root_.lock();
+    MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
+    try {
+      verify::sandbox box(*root);
+      (void)verification_step(box, example.narrow(0, 0, std::min<std::int64_t>(2, example.size(0))),
+                              /*as_before_wrap=*/true);
+    } catch (const std::exception& e) {
+      const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+      std::lock_guard<std::mutex> lock(mutex_);
+      report_.notes.push_back(std::string("the training step at two rows that measures what the process holds "
+                                          "outside the allocator failed (") +
+                              (c10_error != nullptr ? c10_error->what_without_backtrace() : e.what()) +
+                              "); the reserve covers the example forward and the profiling only");
+    }
+  }
+
   verify::step_outcome verification_step(verify::sandbox& box, const torch::Tensor& example, bool as_before_wrap) {
     MEMSCALE_ASSERT(whole_forward_, "verify_correctness needs the model's Tensor -> Tensor forward");
     planning_scope direct_calls(as_before_wrap);
@@ -577,6 +675,11 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     if (auto root = root_.lock()) training = root->is_training();
     const auto options = profile_options_from(config_, training);
     detail::fault_point(detail::pipeline_stage::profile);
+    // CPU: what the process holds beyond the allocator, measured over the
+    // profiling here unless attach() measures from before the example forward.
+    const bool measure_outside = device.is_cpu() && !out.planned && profile_outside_allocator_bytes() < 0;
+    std::optional<outside_allocator_probe> own_probe;
+    if (measure_outside && outside_probe_ == nullptr) own_probe.emplace();
     std::vector<chain_profile> profiles;
     {
       torch::AutoGradMode grad_on(true);  // profiling measures what backward keeps
@@ -598,6 +701,23 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
                                                  config_.target_gpu_utilization);
     if (!out.planned) {
       out.parameter_bytes = out.gradient_bytes = out.buffer_bytes = out.optimizer_reserve_bytes = 0;
+      out.outside_allocator_bytes = 0;
+      if (device.is_cpu()) {
+        std::int64_t outside = profile_outside_allocator_bytes();
+        if (measure_outside) outside = (own_probe ? *own_probe : *outside_probe_).bytes();
+        if (outside >= 0) {
+          out.outside_allocator_bytes = outside;
+        } else {
+          out.notes.push_back("the process's resident peak could not be read (/proc/self, or a LibTorch profiler "
+                              "holds the memory-reporting slot): what it holds outside LibTorch's allocator is "
+                              "not reserved in the budget");
+        }
+        if (config_.memory_budget_gb && !fixed_malloc_mmap_threshold())
+          out.notes.push_back("glibc's mmap threshold is not fixed: freed tensor memory may stay resident in "
+                              "malloc's heaps, so the process can hold well above the planned peak; call "
+                              "memscale::fix_malloc_mmap_threshold() (or set MALLOC_MMAP_THRESHOLD_=131072) "
+                              "before training for a CPU budget that holds");
+      }
       if (auto root = root_.lock()) {
         for (const auto& p : root->parameters()) {
           if (p.device() != device) continue;
@@ -1051,10 +1171,17 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   std::atomic<std::int64_t> diverged_forwards_{0};
   std::atomic<std::int64_t> short_forwards_{0};
   std::shared_ptr<offload::engine> engine_;  // guarded by mutex_
+  outside_allocator_probe* outside_probe_ = nullptr;  // attach()'s, while it runs (outside_probe_binding)
   mutable std::mutex mutex_;  // guards report_ and engine_
   std::mutex plan_mutex_;     // serializes lazy planning and restore
   Report report_;
 };
+
+inline outside_probe_binding::outside_probe_binding(attachment& attached, outside_allocator_probe* probe)
+    : attached_(attached) {
+  attached_.outside_probe_ = probe;
+}
+inline outside_probe_binding::~outside_probe_binding() { attached_.outside_probe_ = nullptr; }
 
 inline torch::Tensor PlanningProbeImpl::forward(torch::Tensor x) {
   // Planning replaces this very slot: the module and the AnyModule holder that
@@ -1103,10 +1230,29 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
         throw AlreadyOptimizedError("memscale: Sequential '" + (chain.path.empty() ? root->name() : chain.path) +
                                     "' is already managed by memscale (through another model that contains "
                                     "it); detach that model first");
+  const bool has_whole_forward = static_cast<bool>(whole_forward);
   auto attached = std::make_shared<attachment>(root, std::move(chains), config, techniques, std::move(agree),
                                                std::move(whole_forward));
   try {
     attached->listen_to_call_sites();
+    // CPU: what the process comes to hold beyond the allocator, from the first
+    // full-batch operation on (verify's step or the example forward) to the end
+    // of profiling. Declared before the sandbox, so it closes after it.
+    std::optional<outside_allocator_probe> outside;
+    if (forward && profile_outside_allocator_bytes() < 0) {
+      const auto parameters = root->parameters();
+      const bool cpu = example != nullptr ? example->device().is_cpu()
+                                          : parameters.empty() || parameters.front().device().is_cpu();
+      if (cpu) outside.emplace();
+    }
+    const outside_probe_binding bound(*attached, outside ? &*outside : nullptr);
+    // With a CPU budget and no verification step (which runs a whole step of
+    // its own first), a training step at two rows lets the probe see what
+    // backward and autograd make outside the allocator too, which the no-grad
+    // example forward and the profiling do not reach.
+    if (outside && example != nullptr && has_whole_forward && config.memory_budget_gb &&
+        !config.verify_correctness)
+      attached->run_native_warmup(*example);
     // verify_correctness: the unoptimized step first, on the model as it is.
     std::optional<verify::sandbox> box;
     std::optional<verify::step_outcome> unoptimized;

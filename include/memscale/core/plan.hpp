@@ -63,13 +63,20 @@ struct Report {
   std::int64_t optimizer_reserve_bytes = 0;  ///< AdamW's state (2 x trainable parameters), or AdamW8bit's
   std::int64_t buffer_bytes = 0;
   std::int64_t earlier_chains_bytes = 0;     ///< kept by chains planned before (lazy planning)
+  /// CPU: what the process came to hold beyond LibTorch's allocator while
+  /// memscale ran the model at the full batch to plan it (OpenMP and BLAS worker
+  /// threads' buffers, oneDNN's scratchpads, malloc's retention): reserved in the
+  /// budget, so that the budget holds for the process. About 0 in a process that
+  /// has trained before (they exist already). 0 on CUDA.
+  std::int64_t outside_allocator_bytes = 0;
   std::vector<chain_profile> chains;
   core::engine_plan plan;
   std::vector<std::string> notes;
   std::optional<CorrectnessCheck> verification;  ///< with Config::verify_correctness
 
   [[nodiscard]] std::int64_t static_bytes() const noexcept {
-    return parameter_bytes + gradient_bytes + optimizer_reserve_bytes + buffer_bytes + earlier_chains_bytes;
+    return parameter_bytes + gradient_bytes + optimizer_reserve_bytes + buffer_bytes + earlier_chains_bytes +
+           outside_allocator_bytes;
   }
   [[nodiscard]] double memory_pressure() const noexcept { return plan.pressure; }
   [[nodiscard]] std::int64_t baseline_peak_bytes() const noexcept { return plan.baseline_peak; }
@@ -126,6 +133,9 @@ struct Report {
        << " + gradients " << format_bytes(gradient_bytes) << " + optimizer reserve "
        << format_bytes(optimizer_reserve_bytes) << " + buffers " << format_bytes(buffer_bytes);
     if (earlier_chains_bytes != 0) os << " + earlier chains " << format_bytes(earlier_chains_bytes);
+    if (device == "cpu")
+      os << " + outside the allocator " << format_bytes(outside_allocator_bytes)
+         << " (the process's growth beyond LibTorch's allocator while memscale ran the model to plan it)";
     os << "\n";
     os << "projected peak: baseline " << format_bytes(plan.baseline_peak) << " (pressure " << std::fixed
        << std::setprecision(2) << plan.pressure << "), planned " << format_bytes(plan.planned_peak)

@@ -350,7 +350,13 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     const auto example_small = c.batch_of(profile_batch);
     std::shared_ptr<core::attachment> attached;
     {
-      core::profile_scale_scope scale(static_cast<double>(out.batch_size) / static_cast<double>(profile_batch));
+      // The plan reserves, in a CPU budget, what the process holds beyond the
+      // allocator: the figure the calibration measured (profiling at batch 2
+      // would see little of it).
+      const std::int64_t outside_cpu =
+          device.is_cpu() && process_growth >= 0 ? std::max<std::int64_t>(0, process_growth - allocator_growth) : -1;
+      core::profile_scale_scope scale(static_cast<double>(out.batch_size) / static_cast<double>(profile_batch),
+                                      outside_cpu);
       attached = memscale::detail::attach<S>(model, planning, &example_small);
     }
     struct detach_at_exit {
