@@ -545,7 +545,7 @@ std::map<std::string, std::int64_t> run_fresh_budget(std::int64_t budget, bool r
 }  // namespace
 
 // Run by the test below in a process of its own.
-TEST_CASE("fresh process: Balanced on the flat chain under a CPU budget", "[.][fresh]") {
+TEST_CASE(fresh_budget_case, "[.][fresh]") {
   const char* budget_text = std::getenv("MEMSCALE_TEST_FRESH_BUDGET");
   if (budget_text == nullptr) return;  // only meaningful as a child process
   const auto budget = std::stoll(budget_text);

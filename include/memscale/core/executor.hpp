@@ -470,15 +470,14 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     return chains_[c].ref.sequential->begin()->forward<torch::Tensor>(x);
   }
 
-  /// verify_correctness: one step of `example` in `box`, through the model as
-  /// it is now; `as_before_wrap`: memscale::forward calls run directly (the
-  /// unoptimized step, taken before the plan is applied).
   /// One training step (forward, a mean-square loss, backward) of the example's
   /// first two rows in verify's sandbox (gradients, buffers and the RNG put
   /// back), run directly, so that outside_allocator_probe sees what the worker
-  /// threads and autograd make outside the allocator. A failure is a note: the
-  /// reserve then comes from the example forward and the profiling only.
+  /// threads and autograd make outside the allocator. Nothing for a forward
+  /// that is not Tensor -> Tensor. A failure is a note: the reserve then comes
+  /// from the example forward and the profiling only.
   void run_native_warmup(const torch::Tensor& example) {
+    if (!whole_forward_) return;
     auto root = root_.lock();
     MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
     try {
@@ -495,6 +494,9 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     }
   }
 
+  /// verify_correctness: one step of `example` in `box`, through the model as
+  /// it is now; `as_before_wrap`: memscale::forward calls run directly (the
+  /// unoptimized step, taken before the plan is applied).
   verify::step_outcome verification_step(verify::sandbox& box, const torch::Tensor& example, bool as_before_wrap) {
     MEMSCALE_ASSERT(whole_forward_, "verify_correctness needs the model's Tensor -> Tensor forward");
     planning_scope direct_calls(as_before_wrap);
@@ -1230,7 +1232,6 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
         throw AlreadyOptimizedError("memscale: Sequential '" + (chain.path.empty() ? root->name() : chain.path) +
                                     "' is already managed by memscale (through another model that contains "
                                     "it); detach that model first");
-  const bool has_whole_forward = static_cast<bool>(whole_forward);
   auto attached = std::make_shared<attachment>(root, std::move(chains), config, techniques, std::move(agree),
                                                std::move(whole_forward));
   try {
@@ -1250,8 +1251,7 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
     // its own first), a training step at two rows lets the probe see what
     // backward and autograd make outside the allocator too, which the no-grad
     // example forward and the profiling do not reach.
-    if (outside && example != nullptr && has_whole_forward && config.memory_budget_gb &&
-        !config.verify_correctness)
+    if (outside && example != nullptr && config.memory_budget_gb && !config.verify_correctness)
       attached->run_native_warmup(*example);
     // verify_correctness: the unoptimized step first, on the model as it is.
     std::optional<verify::sandbox> box;

@@ -336,6 +336,9 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   const auto base_fit = detail::fit_timelines(c, out.calibration_batches, misaligned, allocator_growth);
   if (process && process->active()) process_growth = process->peak_growth();
   process.reset();
+  // CPU: what the process holds beyond the allocator (-1: not measured).
+  const std::int64_t outside_cpu =
+      device.is_cpu() && process_growth >= 0 ? std::max<std::int64_t>(0, process_growth - allocator_growth) : -1;
   if (!misaligned.empty()) out.notes.push_back("baseline: " + misaligned);
 
   timeline_fit plan_fit = base_fit;
@@ -353,8 +356,6 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
       // The plan reserves, in a CPU budget, what the process holds beyond the
       // allocator: the figure the calibration measured (profiling at batch 2
       // would see little of it).
-      const std::int64_t outside_cpu =
-          device.is_cpu() && process_growth >= 0 ? std::max<std::int64_t>(0, process_growth - allocator_growth) : -1;
       core::profile_scale_scope scale(static_cast<double>(out.batch_size) / static_cast<double>(profile_batch),
                                       outside_cpu);
       attached = memscale::detail::attach<S>(model, planning, &example_small);
@@ -379,8 +380,8 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   // Outside the allocator.
   std::int64_t outside = 0;
   if (device.is_cpu()) {
-    if (process_growth >= 0) {
-      outside = std::max<std::int64_t>(0, process_growth - allocator_growth);
+    if (outside_cpu >= 0) {
+      outside = outside_cpu;
       if (!fixed_malloc_mmap_threshold())
         out.notes.push_back(
             "glibc's mmap threshold is not fixed: freed tensor memory may stay resident in malloc's heaps, and a "
