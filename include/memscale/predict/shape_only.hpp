@@ -1,0 +1,275 @@
+// memscale::predict — shape-only execution: a training step whose operators
+// allocate their outputs as they would but compute nothing, so that the step's
+// allocation timeline costs dispatch time, not arithmetic.
+//
+// LibTorch 1.13 has DispatchKey::Fake (between ADInplaceOrView and the
+// backends) and registers nothing for it. A boxed fallback registered for it
+// here, and turned on for a span by shape_only_scope (a thread-local
+// IncludeDispatchKeyGuard, which autograd's threads inherit), handles every
+// operator that reaches it:
+//   - an in-place operator returns its written argument and computes nothing;
+//   - views, out= and other aliasing operators, operators without a tensor
+//     argument (factories), operators with integer or bool results (indices
+//     stay right) and operators with no meta kernel (no shape function in this
+//     LibTorch; remembered after the first failure) run for real;
+//   - every other operator runs on meta tensors for its outputs' shapes and
+//     strides, and real, uninitialised outputs of those are allocated on the
+//     device: LibTorch's allocator sees the allocations of the real step.
+// Autograd records and runs backward through the same fallback. What this
+// misses: workspace a real kernel allocates inside itself and frees before it
+// returns (measured: none on the example GPT, 1.2% of an MLP's step peak;
+// benchmarks/studies/README.md), and values (uninitialised: a forward whose
+// control flow reads them may take another path, a data-dependent shape may
+// differ; predict() checks the timelines it gets and falls back to real steps).
+//
+// In census mode the first call of each operator in the scope runs for real, on
+// its real shapes: the code, threads and buffers the step's kernels need are
+// then made, as a real step at that batch makes them, at a fraction of its cost
+// where operators repeat (a model's blocks).
+//
+// LibTorch 2.x uses DispatchKey::Fake for its own FakeTensor mode: there
+// shape_only_available() is false and predict() runs real steps.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <memscale/errors.hpp>
+
+#if TORCH_VERSION_MAJOR < 2
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+#endif
+
+namespace memscale::predictor {
+
+/// What a shape_only_scope's span did, by operator call.
+struct shape_only_tally {
+  std::int64_t shape_only = 0;  ///< ran on meta, outputs allocated uninitialised
+  std::int64_t skipped = 0;     ///< in-place: nothing computed
+  std::int64_t real = 0;        ///< ran for real (views, factories, integer results, census)
+  /// Operators that ran for real because this LibTorch has no meta kernel for
+  /// them (their compute is not skipped), with their call counts.
+  std::map<std::string, std::int64_t> without_meta;
+};
+
+namespace detail {
+
+#if TORCH_VERSION_MAJOR < 2
+
+/// The fallback's process-wide state: the operators known to have no meta
+/// kernel, the active span's tally and census.
+struct shape_only_state {
+  std::mutex mutex;
+  std::unordered_set<const c10::FunctionSchema*> without_meta;
+  shape_only_tally* tally = nullptr;  // the open scope's, or null
+  bool census = false;
+  std::unordered_set<const c10::FunctionSchema*> seen;  // census: operators run once already
+  static shape_only_state& instance() {
+    static shape_only_state state;
+    return state;
+  }
+};
+
+inline torch::Tensor meta_like(const torch::Tensor& t) {
+  c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+  return at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kMeta));
+}
+
+inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  auto& state = shape_only_state::instance();
+  const auto& schema = op.schema();
+  const auto n = schema.arguments().size();
+  const auto args = torch::jit::last(*stack, n);
+  const auto count = [&](std::int64_t shape_only_tally::*field) {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    if (state.tally != nullptr) ++(state.tally->*field);
+  };
+  const auto real = [&] {
+    count(&shape_only_tally::real);
+    c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+    op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Fake), stack);
+  };
+
+  // The device outputs go to: the first tensor argument's that is not a CPU scalar.
+  std::optional<c10::Device> device;
+  for (const auto& v : args) {
+    if (!v.isTensor() || !v.toTensor().defined()) continue;
+    const auto& t = v.toTensor();
+    if (!device || (device->is_cpu() && !t.is_cpu())) device = t.device();
+  }
+  if (!device) return real();  // a factory: runs as it is
+  bool census_call = false;  // the operator's first call in a census: run for real
+  {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    census_call = state.census && state.seen.insert(&schema).second;
+  }
+  if (census_call) return real();
+  bool writes = false;
+  for (const auto& a : schema.arguments())
+    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) writes = true;
+  bool aliases = false;
+  for (const auto& r : schema.returns())
+    if (r.alias_info() != nullptr) aliases = true;
+  // In place (one result, the written argument): nothing to compute, nothing allocated.
+  if (writes && schema.overload_name().find("out") == std::string::npos && schema.returns().size() == 1 &&
+      schema.returns()[0].alias_info() != nullptr && schema.returns()[0].alias_info()->isWrite()) {
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto* alias = schema.arguments()[i].alias_info();
+      if (alias != nullptr && alias->isWrite() && args[i].isTensor()) {
+        auto self = args[i];
+        torch::jit::drop(*stack, n);
+        stack->push_back(std::move(self));
+        count(&shape_only_tally::skipped);
+        return;
+      }
+    }
+  }
+  bool known_without_meta = false;
+  {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    known_without_meta = state.without_meta.count(&schema) > 0;
+  }
+  const auto without_meta = [&] {
+    {
+      std::lock_guard<std::mutex> lock(state.mutex);
+      state.without_meta.insert(&schema);
+      if (state.tally != nullptr) ++state.tally->without_meta[schema.name()];
+    }
+    real();
+  };
+  if (writes || aliases) return real();
+  if (known_without_meta || !op.hasComputedKernelForDispatchKey(c10::DispatchKey::Meta)) return without_meta();
+
+  // Shapes on meta.
+  torch::jit::Stack meta;
+  meta.reserve(n);
+  for (const auto& v : args) {
+    if (v.isTensor() && v.toTensor().defined()) {
+      meta.emplace_back(meta_like(v.toTensor()));
+    } else if (v.isTensorList()) {
+      std::vector<torch::Tensor> list;
+      for (const auto& element : v.toTensorList()) {
+        const torch::Tensor t = element;
+        list.push_back(t.defined() ? meta_like(t) : t);
+      }
+      meta.emplace_back(std::move(list));
+    } else {
+      meta.push_back(v);
+    }
+  }
+  try {
+    c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+    op.callBoxed(meta);
+  } catch (const c10::Error&) {
+    return without_meta();
+  }
+  for (const auto& r : meta) {
+    if (!r.isTensor()) return real();  // a scalar or list result: compute it
+    const auto& t = r.toTensor();
+    if (t.defined() && !t.is_floating_point() && !t.is_complex()) return real();  // indices, masks
+  }
+  torch::jit::drop(*stack, n);
+  c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+  for (const auto& r : meta) {
+    const auto& t = r.toTensor();
+    stack->push_back(t.defined() ? at::empty_strided(t.sizes(), t.strides(), t.options().device(*device)) : t);
+  }
+  count(&shape_only_tally::shape_only);
+}
+
+/// Registers the fallback once per process; false where LibTorch refused it
+/// (another library registered one for DispatchKey::Fake).
+inline bool register_shape_only_fallback() {
+  static const bool registered = [] {
+    try {
+      // Kept for the process's lifetime: a registration is undone when its Library is destroyed.
+      static auto* library =
+          new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::Fake, __FILE__, __LINE__);
+      library->fallback(torch::CppFunction::makeFromBoxedFunction<&shape_only_fallback>());
+      return true;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return registered;
+}
+
+#endif  // TORCH_VERSION_MAJOR < 2
+
+}  // namespace detail
+
+/// Whether shape-only execution is possible in this process (LibTorch 1.13,
+/// and the fallback registered).
+[[nodiscard]] inline bool shape_only_available() {
+#if TORCH_VERSION_MAJOR < 2
+  return detail::register_shape_only_fallback();
+#else
+  return false;
+#endif
+}
+
+/// Runs what is dispatched on this thread (and autograd's, for the work it
+/// starts) shape-only while open; with `census`, each operator's first call in
+/// the span runs for real. One open scope at a time per process; open it only
+/// where shape_only_available(). The tally is the span's.
+class shape_only_scope {
+ public:
+  explicit shape_only_scope(bool census = false) {
+#if TORCH_VERSION_MAJOR < 2
+    if (!detail::register_shape_only_fallback())
+      throw Error("memscale::predict(): shape-only execution is unavailable (LibTorch refused a fallback for "
+                  "DispatchKey::Fake: another library registered one)");
+    auto& state = detail::shape_only_state::instance();
+    {
+      std::lock_guard<std::mutex> lock(state.mutex);
+      state.tally = &tally_;
+      state.census = census;
+      state.seen.clear();
+    }
+    guard_.emplace(c10::DispatchKey::Fake);
+#else
+    (void)census;
+    throw Error("memscale::predict(): shape-only execution needs LibTorch 1.x (DispatchKey::Fake is LibTorch 2.x's "
+                "own FakeTensor key)");
+#endif
+  }
+  shape_only_scope(const shape_only_scope&) = delete;
+  shape_only_scope& operator=(const shape_only_scope&) = delete;
+  ~shape_only_scope() {
+#if TORCH_VERSION_MAJOR < 2
+    guard_.reset();
+    auto& state = detail::shape_only_state::instance();
+    std::lock_guard<std::mutex> lock(state.mutex);
+    state.tally = nullptr;
+    state.census = false;
+    state.seen.clear();
+#endif
+  }
+  /// The calls so far.
+  [[nodiscard]] shape_only_tally tally() const {
+#if TORCH_VERSION_MAJOR < 2
+    std::lock_guard<std::mutex> lock(detail::shape_only_state::instance().mutex);
+#endif
+    return tally_;
+  }
+
+ private:
+  shape_only_tally tally_;
+#if TORCH_VERSION_MAJOR < 2
+  std::optional<c10::impl::IncludeDispatchKeyGuard> guard_;
+#endif
+};
+
+}  // namespace memscale::predictor
