@@ -20,7 +20,8 @@
 // returns (measured: none on the example GPT, 1.2% of an MLP's step peak;
 // benchmarks/studies/README.md), and values (uninitialised: a forward whose
 // control flow reads them may take another path, a data-dependent shape may
-// differ; predict() checks the timelines it gets and falls back to real steps).
+// differ: a user of it must check what it gets, e.g. that timelines at two
+// batches align, and run real steps otherwise).
 //
 // In census mode the first call of each operator in the scope runs for real, on
 // its real shapes: the code, threads and buffers the step's kernels need are
@@ -28,13 +29,14 @@
 // where operators repeat (a model's blocks).
 //
 // LibTorch 2.x uses DispatchKey::Fake for its own FakeTensor mode: there
-// shape_only_available() is false and predict() runs real steps.
+// shape_only_available() is false and shape_only_scope refuses.
+//
+// Not used by predict() yet (it runs real calibration steps): the groundwork
+// for its time target, tested against real steps in tests/test_predict.cpp.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -102,7 +104,8 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
     op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Fake), stack);
   };
 
-  // The device outputs go to: the first tensor argument's that is not a CPU scalar.
+  // The device outputs go to: the first tensor argument's on another device than
+  // the CPU (a CPU scalar may come with CUDA tensors), else the CPU.
   std::optional<c10::Device> device;
   for (const auto& v : args) {
     if (!v.isTensor() || !v.toTensor().defined()) continue;
@@ -111,9 +114,11 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
   }
   if (!device) return real();  // a factory: runs as it is
   bool census_call = false;  // the operator's first call in a census: run for real
+  bool known_without_meta = false;
   {
     std::lock_guard<std::mutex> lock(state.mutex);
     census_call = state.census && state.seen.insert(&schema).second;
+    known_without_meta = state.without_meta.count(&schema) > 0;
   }
   if (census_call) return real();
   bool writes = false;
@@ -135,11 +140,6 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
         return;
       }
     }
-  }
-  bool known_without_meta = false;
-  {
-    std::lock_guard<std::mutex> lock(state.mutex);
-    known_without_meta = state.without_meta.count(&schema) > 0;
   }
   const auto without_meta = [&] {
     {
