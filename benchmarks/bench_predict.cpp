@@ -17,6 +17,8 @@
 //
 // By default both processes call memscale::fix_malloc_mmap_threshold() (see its
 // comment); --default-malloc leaves glibc's dynamic threshold, to show what it does.
+// With MEMSCALE_BENCH_SHOW set, each predicting process prints its whole Prediction
+// (breakdown, method, notes) to stderr.
 #include <unistd.h>
 
 #include <algorithm>
@@ -135,6 +137,7 @@ int child_predict(const Case& k) {
   const auto b = build(k.model, k.batch);
   torch::optim::AdamW opt(b.root->parameters(), torch::optim::AdamWOptions(3e-4));
   const auto p = b.predict(opt, config_for(k.aggressive));
+  if (std::getenv("MEMSCALE_BENCH_SHOW") != nullptr) std::cerr << p << "\n";
   const auto& used = k.aggressive ? p.planned : p.baseline;
   const auto total = k.aggressive ? p.peak_bytes : p.baseline_peak_bytes;
   std::cout << "RESULT growth=" << total - used.parameter_bytes - used.buffer_bytes

@@ -4,21 +4,29 @@
 // running it at that size: baseline and with the plan `config` would apply, a
 // breakdown, whether it fits the budget and the largest batch that does.
 //
-// How: the step runs at batches 1 and 2 (each a copy of the example's leading
-// rows) while a timeline_scope records every allocation and free on the model's
-// device. The two timelines hold the same events in the same order, and each
-// event's live bytes are affine in the batch, so the timeline at any batch is
-// their event-by-event extrapolation, and its maximum is the step's peak. Where
-// the two do not align (an operator that takes another path at batch 1), batches
-// 2 and 3 are tried, then 3 and 4. The optimizer's state comes from its type and
-// options, its step's temporaries from a shadow optimizer (predict/optimizer_state.hpp).
-// The plan is made as wrap() would make it at the full batch (profiled at
-// batch 2, the profile scaled to the full batch), applied for the two
-// calibration steps and removed. On CPU the process holds more than LibTorch's
-// allocator sees (oneDNN and BLAS buffers, malloc's retention): that share is
-// measured (the resident high-water mark over the calibration step, beyond the
-// allocator's peak) and added; on CUDA the caching allocator's reserve above
-// its allocations and the CUDA context are.
+// How: the step (forward, loss, backward) runs at batches 2 and 3 (each a copy
+// of the example's leading rows) while a timeline_scope records every
+// allocation and free on the model's device. The two timelines hold the same
+// events in the same order, and each event's live bytes are affine in the
+// batch, so the timeline at any batch is their event-by-event extrapolation,
+// and its maximum is the step's peak. Where the two do not align (an operator
+// that takes another path at some batch), batches 3 and 4, then 4 and 5 are
+// tried. On CPU with LibTorch 1.x these steps run shape-only
+// (predict/shape_only.hpp: every output allocated as the real step allocates
+// it, nothing computed), the ones without the plan in census mode (each
+// operator's first call for real, so that its code and buffers are made and
+// measured); elsewhere, or when a shape-only step fails or its timelines do not
+// align, they run for real (Prediction::shape_only, and a note saying why). The
+// optimizer's state comes from its type and options, its step's temporaries
+// from a shadow optimizer (predict/optimizer_state.hpp). The plan is made as
+// wrap() would make it at the full batch (profiled at batch 2 for real, the
+// profile scaled to the full batch), applied for its two calibration steps and
+// removed. On CPU the process holds more than LibTorch's allocator sees
+// (libtorch's code read in at first use, oneDNN and BLAS buffers, malloc's
+// retention): that share is measured (the resident high-water mark's growth
+// over the calibration without the plan, beyond the allocator's peak) and
+// added; on CUDA the caching allocator's reserve above its allocations and the
+// CUDA context are.
 //
 // Nothing predict() touches stays changed: parameters are not stepped (the
 // optimizer is only read), gradients, buffers and the RNG state are put back.
@@ -49,6 +57,7 @@
 #include <memscale/detail/process_memory.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/predict/optimizer_state.hpp>
+#include <memscale/predict/shape_only.hpp>
 #include <memscale/predict/timeline.hpp>
 
 namespace memscale {
@@ -99,6 +108,9 @@ struct Prediction {
   Report plan;               ///< the plan `config` applies at the full batch
   bool plan_applies = false;  ///< false: the plan changes nothing, peak == baseline
   std::vector<std::int64_t> calibration_batches;  ///< the batches the step ran at
+  /// The calibration steps ran shape-only (outputs allocated, nothing computed;
+  /// LibTorch 1.x on CPU), not for real: see `notes` for why not when false.
+  bool shape_only = false;
   std::string method;                             ///< how the figures were obtained
   std::vector<std::string> notes;                 ///< assumptions and what could not be measured
   double seconds = 0.0;                           ///< time predict() took
@@ -165,6 +177,11 @@ struct calibration {
 
   [[nodiscard]] torch::Tensor batch_of(std::int64_t batch) const { return rows_of(example, batch); }
 
+  /// How the step runs: for real, or shape-only (predict/shape_only.hpp), with
+  /// each operator's first call real (census) or none.
+  enum class execution : std::uint8_t { real, shape_only, census };
+  execution how = execution::real;
+
   timeline run(std::int64_t batch) {
     box->reset();
     if (gradients_kept) {
@@ -174,6 +191,8 @@ struct calibration {
     const auto x = batch_of(batch);
     timeline_scope recorder(device);
     {
+      std::optional<shape_only_scope> shapes_only;
+      if (how != execution::real) shapes_only.emplace(how == execution::census);
       torch::AutoGradMode grad_on(true);
       auto output = forward(x);
       recorder.mark();
@@ -184,7 +203,11 @@ struct calibration {
       recorder.mark();
       value.backward();
     }
-    return recorder.finish();
+    auto recorded = recorder.finish();
+    // Operators without a meta kernel (batch norm) ran for real on uninitialised
+    // values: their buffers are put back now, not only before the next step.
+    if (how != execution::real) box->reset();
+    return recorded;
   }
 };
 
@@ -219,6 +242,48 @@ inline timeline_fit fit_timelines(calibration& c, std::vector<std::int64_t>& bat
     return r;
   };
   return {reduce(runs[2]), first_calibration_batch + 2, reduce(runs[3]), first_calibration_batch + 3};
+}
+
+/// fit_timelines with the step run shape-only (`how`: census or not) where that
+/// can be done, else for real: LibTorch 2.x, a model off the CPU (unverified on
+/// CUDA), an operator that threw on uninitialised values, or shape-only
+/// timelines that align at no two batches. Returns an empty string when it ran
+/// shape-only, else why not. On a fallback, `batches` and `allocator_growth`
+/// are the real run's.
+inline std::string fit_shape_only_or_real(calibration& c, calibration::execution how, timeline_fit& fit,
+                                          std::vector<std::int64_t>& batches, std::string& note,
+                                          std::int64_t& allocator_growth) {
+  std::string why;
+  if (!c.device.is_cpu()) {
+    why = "the model is on " + c.device.str() + " (shape-only calibration is used on CPU only)";
+  } else if (!shape_only_available()) {
+    why = TORCH_VERSION_MAJOR < 2 ? "shape-only execution is unavailable (another library registered a fallback "
+                                    "for DispatchKey::Fake)"
+                                  : "shape-only execution needs LibTorch 1.x";
+  } else {
+    std::vector<std::int64_t> tried;
+    std::string misaligned;
+    std::int64_t growth = allocator_growth;
+    c.how = how;
+    try {
+      fit = fit_timelines(c, tried, misaligned, growth);
+      if (misaligned.empty()) {
+        c.how = calibration::execution::real;
+        batches.insert(batches.end(), tried.begin(), tried.end());
+        allocator_growth = growth;
+        return {};
+      }
+      why = "shape-only timelines did not align at any two batches from 2 to 5";
+    } catch (const std::exception& e) {
+      why = std::string("a shape-only step failed (") +
+            (dynamic_cast<const c10::Error*>(&e) ? dynamic_cast<const c10::Error*>(&e)->what_without_backtrace()
+                                                 : e.what()) +
+            ")";
+    }
+    c.how = calibration::execution::real;
+  }
+  fit = fit_timelines(c, batches, note, allocator_growth);
+  return why;
 }
 
 /// The model's root and its forward as a function, after the checks predict()
@@ -327,14 +392,38 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   core::verify::sandbox box(*root);  // gradients, buffers and RNG back at the end
   detail::calibration c{forward, loss_fn, example_input, device, TORCH_VERSION_MAJOR < 2, trainable, &box};
   std::string misaligned;
-  // The process's growth over the baseline calibration, beyond the allocator's
-  // largest step: what the process holds outside the allocator (oneDNN and BLAS
-  // buffers made at their first use, malloc's retention).
+  // What the process holds outside the allocator (libtorch's code read in at
+  // first use, oneDNN and BLAS buffers, malloc's retention), measured over the
+  // calibration without the plan. Real steps: the resident high-water mark's
+  // growth beyond the allocator's largest step. Shape-only steps write none of
+  // their uncomputed outputs (whose pages are then not resident), so there it is
+  // the resident size's growth from before the calibration to after it beyond
+  // the allocator's: what the census's real first calls left resident (the code,
+  // the kernels' threads and buffers; a buffer a kernel frees before it returns
+  // is missed, and predict's own meta kernels' code is counted).
   std::int64_t process_growth = -1, allocator_growth = 0;
   std::optional<memory_tracker::process_peak_scope> process;
-  if (device.is_cpu()) process.emplace();
-  const auto base_fit = detail::fit_timelines(c, out.calibration_batches, misaligned, allocator_growth);
-  if (process && process->active()) process_growth = process->peak_growth();
+  std::optional<memscale::detail::process_memory> resident_before;
+  std::int64_t allocator_before = 0;
+  if (device.is_cpu()) {
+    process.emplace();
+    resident_before = memscale::detail::read_process_memory();
+    // Without the counting allocator: the sandbox puts back what the steps made, taken as no change.
+    if (memory_tracker::installed()) allocator_before = memory_tracker::current_bytes();
+  }
+  timeline_fit base_fit;
+  const auto base_real_why = detail::fit_shape_only_or_real(c, detail::calibration::execution::census, base_fit,
+                                                            out.calibration_batches, misaligned, allocator_growth);
+  out.shape_only = base_real_why.empty();
+  if (!out.shape_only) out.notes.push_back("calibration ran for real: " + base_real_why);
+  if (out.shape_only) {
+    const auto resident_after = resident_before ? memscale::detail::read_process_memory() : std::nullopt;
+    if (resident_after)
+      process_growth = allocator_growth + resident_after->resident_bytes - resident_before->resident_bytes -
+                       (memory_tracker::installed() ? memory_tracker::current_bytes() - allocator_before : 0);
+  } else if (process && process->active()) {
+    process_growth = process->peak_growth();
+  }
   process.reset();
   // CPU: what the process holds beyond the allocator (-1: not measured).
   const std::int64_t outside_cpu =
@@ -372,7 +461,14 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
       std::vector<std::int64_t> batches;
       std::string plan_misaligned;
       std::int64_t unused = 0;
-      plan_fit = detail::fit_timelines(c, batches, plan_misaligned, unused);
+      if (!out.shape_only) {
+        plan_fit = detail::fit_timelines(c, batches, plan_misaligned, unused);
+      } else if (const auto why = detail::fit_shape_only_or_real(c, detail::calibration::execution::shape_only,
+                                                                 plan_fit, batches, plan_misaligned, unused);
+                 !why.empty()) {
+        out.shape_only = false;
+        out.notes.push_back("calibration with the plan ran for real: " + why);
+      }
       if (!plan_misaligned.empty()) out.notes.push_back("with the plan: " + plan_misaligned);
     }
   }
@@ -439,15 +535,22 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   std::ostringstream method;
   method << "the step (forward, loss, backward) ran at batches";
   for (auto b : out.calibration_batches) method << " " << b;
-  method << " with every allocation on " << out.device << " recorded; two aligned timelines extrapolated event by "
+  method << (out.shape_only ? " shape-only (every operator's outputs allocated as the real step allocates them, "
+                              "nothing computed; without the plan each operator's first call ran for real)"
+                            : " for real")
+         << " with every allocation on " << out.device << " recorded; two aligned timelines extrapolated event by "
          << "event to batch " << out.batch_size << "; the optimizer's state from its type and options, its step's "
          << "temporaries measured on a shadow copy; gradients "
          << (kept ? "kept between steps (LibTorch 1.13's zero_grad() zeroes them)"
                   : "freed between steps (LibTorch 2.x's zero_grad() sets them to None)")
          << "; the plan made as wrap() makes it at batch " << out.batch_size << " (profiled at batch "
          << std::min(detail::first_calibration_batch, out.batch_size) << ", scaled)";
-  if (device.is_cpu()) method << "; outside the allocator: the resident high-water mark's growth over the calibration "
-                              << "beyond the allocator's largest step";
+  if (device.is_cpu())
+    method << "; outside the allocator: "
+           << (out.shape_only ? "the resident size's growth over the calibration without the plan, beyond the "
+                                "allocator's (what its real first calls left: code read in, kernels' buffers)"
+                              : "the resident high-water mark's growth over the calibration without the plan, "
+                                "beyond the allocator's largest step");
   out.method = method.str();
   if (!loss_given)
     out.notes.push_back("no loss_fn: the loss is taken as output.sum(), whose memory is negligible; pass the "

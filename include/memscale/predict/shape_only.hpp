@@ -26,13 +26,16 @@
 // In census mode the first call of each operator in the scope runs for real, on
 // its real shapes: the code, threads and buffers the step's kernels need are
 // then made, as a real step at that batch makes them, at a fraction of its cost
-// where operators repeat (a model's blocks).
+// where operators repeat (a model's blocks). Outputs made shape-only are never
+// written, so their pages are not resident: the process's resident peak over
+// the span is not the real step's (what stays resident after it is: the code
+// read in, the kernels' threads and buffers).
 //
 // LibTorch 2.x uses DispatchKey::Fake for its own FakeTensor mode: there
 // shape_only_available() is false and shape_only_scope refuses.
 //
-// Not used by predict() yet (it runs real calibration steps): the groundwork
-// for its time target, tested against real steps in tests/test_predict.cpp.
+// predict() runs its calibration steps with it on CPU (predict.hpp's header
+// says how); tested against real steps in tests/test_predict.cpp.
 #pragma once
 
 #include <cstdint>
