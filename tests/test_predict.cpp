@@ -136,6 +136,7 @@ TEST_CASE("predict's allocator peak matches a measured steady-state step, baseli
     REQUIRE(p.plan_applies);
     CHECK(p.batch_size == batch);
     CHECK(p.shape_only == (TORCH_VERSION_MAJOR < 2));  // the calibration computed nothing where it can
+    CHECK(p.plan_profile_shape_only == (TORCH_VERSION_MAJOR < 2));
     (void)measured_step(model, optimizer, x, loss);  // state created
     const auto baseline = measured_step(model, optimizer, x, loss);
     CHECK(predicted_growth(p.baseline) == Approx(baseline).epsilon(0.01));
@@ -290,4 +291,40 @@ TEST_CASE("a shape-only step allocates what the real step allocates, computing n
     for (const auto& p : model->parameters()) after.push_back(p.detach().clone());
     CHECK(test::bit_equal(after, before));
   }
+}
+
+TEST_CASE("shape-only execution counts what its operators would take, and the profiler can time by it (LibTorch 1.x)",
+          "[predict][shape_only]") {
+  using memscale::predictor::shape_only_available;
+  using memscale::predictor::shape_only_scope;
+  using clock = memscale::detail::profile_clock_scope;
+  if (!shape_only_available()) {
+    SUCCEED("LibTorch 2.x: shape-only execution is unavailable");
+    return;
+  }
+  const auto a = torch::ones({256, 256});
+  const auto b = torch::ones({256, 512});
+  const auto c = torch::ones({256, 1024});
+  const auto estimate = [&](const torch::Tensor& y) {
+    shape_only_scope scope;
+    const auto z = torch::mm(a, y);
+    CHECK(z.sizes() == torch::IntArrayRef({256, y.size(1)}));
+    return scope.estimated_seconds();
+  };
+  const double narrow = estimate(b);
+  const double wide = estimate(c);
+  CHECK(narrow > 0.0);
+  // Twice the arithmetic, 1.8x the bytes: between the two.
+  CHECK(wide / narrow > 1.7);
+  CHECK(wide / narrow < 2.05);
+  {
+    shape_only_scope scope;
+    const clock counted([&scope] { return scope.estimated_seconds(); });
+    const double start = clock::now();
+    (void)torch::mm(a, c);
+    CHECK(clock::now() - start == Approx(wide).epsilon(1e-9));
+  }
+  // Outside a clock scope the profiler's clock is the wall clock again.
+  const double wall = clock::now();
+  CHECK(wall > 1.0);
 }

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -72,6 +73,33 @@ inline void synchronize(const c10::Device& device) {
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
+
+/// Where the profiler's times come from on this thread while it is open: a
+/// count of seconds that is not the wall clock's (memscale::predict's
+/// shape-only execution, whose operators compute nothing, counts what they
+/// would take). Outside one, measure_slot times with the wall clock.
+class profile_clock_scope {
+ public:
+  explicit profile_clock_scope(std::function<double()> seconds) : seconds_(std::move(seconds)), outer_(open()) {
+    open() = this;
+  }
+  profile_clock_scope(const profile_clock_scope&) = delete;
+  profile_clock_scope& operator=(const profile_clock_scope&) = delete;
+  ~profile_clock_scope() { open() = outer_; }
+  /// Seconds on this thread's clock: the open scope's count, else the wall clock's.
+  [[nodiscard]] static double now() {
+    if (const auto* scope = open()) return scope->seconds_();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+
+ private:
+  static profile_clock_scope*& open() {
+    thread_local profile_clock_scope* scope = nullptr;
+    return scope;
+  }
+  std::function<double()> seconds_;
+  profile_clock_scope* outer_;
+};
 
 inline torch::Tensor synthetic_input(const layer_input& in, const c10::Device& device) {
   auto options = torch::TensorOptions().dtype(in.dtype).device(device);
@@ -176,7 +204,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       } else if (source == byte_source::saved_tensors) {
         log.emplace();
       }
-      const auto start = std::chrono::steady_clock::now();
+      const auto start = profile_clock_scope::now();
       auto out = slot.any_forward(x);
       auto* tensor = out.try_get<torch::Tensor>();
       if (tensor == nullptr) {
@@ -185,7 +213,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       }
       y = *tensor;
       synchronize(device);
-      cost.forward_seconds = seconds_since(start);
+      cost.forward_seconds = profile_clock_scope::now() - start;
       if (by_allocations) {
         live_after = memory_tracker::current_bytes(device);
         peak = scope->peak();
@@ -220,13 +248,13 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       if (x.requires_grad()) targets.push_back(x);
       for (const auto& p : slot.ptr()->parameters())
         if (p.requires_grad()) targets.push_back(p);
-      const auto start = std::chrono::steady_clock::now();
+      const auto start = profile_clock_scope::now();
       if (!targets.empty()) {
         auto grads = torch::autograd::grad({y}, targets, {torch::ones_like(y)}, /*retain_graph=*/true,
                                            /*create_graph=*/false, /*allow_unused=*/true);
         synchronize(device);
       }
-      cost.backward_seconds = seconds_since(start);
+      cost.backward_seconds = profile_clock_scope::now() - start;
     }
     auto next = y.detach().clone();
     if (by_allocations) {

@@ -19,14 +19,16 @@
 // align, they run for real (Prediction::shape_only, and a note saying why). The
 // optimizer's state comes from its type and options, its step's temporaries
 // from a shadow optimizer (predict/optimizer_state.hpp). The plan is made as
-// wrap() would make it at the full batch (profiled at batch 2 for real, the
-// profile scaled to the full batch), applied for its two calibration steps and
-// removed. On CPU the process holds more than LibTorch's allocator sees
-// (libtorch's code read in at first use, oneDNN and BLAS buffers, malloc's
-// retention): that share is measured (the resident high-water mark's growth
-// over the calibration without the plan, beyond the allocator's peak) and
-// added; on CUDA the caching allocator's reserve above its allocations and the
-// CUDA context are.
+// wrap() would make it at the full batch (profiled at batch 2, the profile
+// scaled to the full batch; shape-only where the calibration was, with each
+// unit's times estimated: Prediction::plan_profile_shape_only), applied for its
+// two calibration steps and removed. On CPU the process holds more than
+// LibTorch's allocator sees (libtorch's code read in at first use, oneDNN and
+// BLAS buffers, malloc's retention): that share is measured over the
+// calibration without the plan (shape-only: the resident size's growth beyond
+// the allocator's; real: the resident high-water mark's growth beyond the
+// allocator's peak) and added; on CUDA the caching allocator's reserve above
+// its allocations and the CUDA context are.
 //
 // Nothing predict() touches stays changed: parameters are not stepped (the
 // optimizer is only read), gradients, buffers and the RNG state are put back.
@@ -111,6 +113,9 @@ struct Prediction {
   /// The calibration steps ran shape-only (outputs allocated, nothing computed;
   /// LibTorch 1.x on CPU), not for real: see `notes` for why not when false.
   bool shape_only = false;
+  /// The plan's profile ran shape-only: its byte figures are a real run's, its
+  /// times estimated (see `method`), not measured.
+  bool plan_profile_shape_only = false;
   std::string method;                             ///< how the figures were obtained
   std::vector<std::string> notes;                 ///< assumptions and what could not be measured
   double seconds = 0.0;                           ///< time predict() took
@@ -406,6 +411,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   std::optional<memscale::detail::process_memory> resident_before;
   std::int64_t allocator_before = 0;
   if (device.is_cpu()) {
+    (void)shape_only_available();  // its one-time set-up (a fallback, two timed kernels) before the measuring
     process.emplace();
     resident_before = memscale::detail::read_process_memory();
     // Without the counting allocator: the sandbox puts back what the steps made, taken as no change.
@@ -447,7 +453,24 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
       // would see little of it).
       core::profile_scale_scope scale(static_cast<double>(out.batch_size) / static_cast<double>(profile_batch),
                                       outside_cpu);
-      attached = memscale::detail::attach<S>(model, planning, &example_small);
+      if (out.shape_only) {
+        // Profiled shape-only too: the bytes each unit keeps are what a real
+        // run allocates; its times are estimated (matrix products' arithmetic
+        // and bytes moved at rates measured once, operators that run for real
+        // timed), so the plan ranks recomputation by those.
+        try {
+          shape_only_scope shapes_only;
+          memscale::detail::profile_clock_scope clock([&shapes_only] { return shapes_only.estimated_seconds(); });
+          attached = memscale::detail::attach<S>(model, planning, &example_small);
+          out.plan_profile_shape_only = true;
+        } catch (const std::exception& e) {
+          const auto* error = dynamic_cast<const c10::Error*>(&e);
+          out.notes.push_back(std::string("the plan was profiled for real: profiling shape-only failed (") +
+                              (error != nullptr ? error->what_without_backtrace() : e.what()) + ")");
+        }
+        box.reset();  // operators without a meta kernel wrote buffers from uninitialised values
+      }
+      if (!attached) attached = memscale::detail::attach<S>(model, planning, &example_small);
     }
     struct detach_at_exit {
       std::shared_ptr<torch::nn::Module> root;
@@ -544,7 +567,12 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
          << (kept ? "kept between steps (LibTorch 1.13's zero_grad() zeroes them)"
                   : "freed between steps (LibTorch 2.x's zero_grad() sets them to None)")
          << "; the plan made as wrap() makes it at batch " << out.batch_size << " (profiled at batch "
-         << std::min(detail::first_calibration_batch, out.batch_size) << ", scaled)";
+         << std::min(detail::first_calibration_batch, out.batch_size) << ", scaled"
+         << (out.plan_profile_shape_only
+                 ? "; shape-only: each unit's bytes as allocated, its times estimated from its matrix products' "
+                   "arithmetic and the bytes its operators move, at rates measured once per process"
+                 : "")
+         << ")";
   if (device.is_cpu())
     method << "; outside the allocator: "
            << (out.shape_only ? "the resident size's growth over the calibration without the plan, beyond the "

@@ -34,10 +34,19 @@
 // LibTorch 2.x uses DispatchKey::Fake for its own FakeTensor mode: there
 // shape_only_available() is false and shape_only_scope refuses.
 //
-// predict() runs its calibration steps with it on CPU (predict.hpp's header
-// says how); tested against real steps in tests/test_predict.cpp.
+// The tally counts what the span's operators would take computed: those run
+// for real are timed, the others estimated from their matrix products'
+// arithmetic and the bytes they read and write, at rates measured once per
+// process (shape_only_rates). The profiler can time by that count
+// (profile_clock_scope), which is how predict() profiles its plan shape-only.
+//
+// predict() runs its calibration steps and its plan's profile with it on CPU
+// (predict.hpp's header says how); tested against real steps in
+// tests/test_predict.cpp.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -64,9 +73,21 @@ struct shape_only_tally {
   std::int64_t shape_only = 0;  ///< ran on meta, outputs allocated uninitialised
   std::int64_t skipped = 0;     ///< in-place: nothing computed
   std::int64_t real = 0;        ///< ran for real (views, factories, integer results, census)
+  /// What the span's operators would take computed: measured for those run for
+  /// real, estimated for the others (shape_only_rates).
+  double estimated_seconds = 0.0;
   /// Operators that ran for real because this LibTorch has no meta kernel for
   /// them (their compute is not skipped), with their call counts.
   std::map<std::string, std::int64_t> without_meta;
+};
+
+/// The rates shape-only execution turns an operator's arithmetic and memory
+/// traffic into seconds with: measured once per process (a 256^3 float matrix
+/// product and an 8 MiB copy, each the fastest of three, at the thread count set
+/// then).
+struct shape_only_rates {
+  double flops_per_second = 0.0;
+  double bytes_per_second = 0.0;
 };
 
 namespace detail {
@@ -87,6 +108,69 @@ struct shape_only_state {
   }
 };
 
+inline shape_only_rates measure_rates() {
+  c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+  torch::NoGradGuard no_grad;
+  const auto fastest = [](const auto& work) {
+    double best = 1e300;
+    for (int i = 0; i < 3; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      work();
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    return std::max(best, 1e-9);
+  };
+  constexpr std::int64_t n = 256;
+  const auto a = torch::full({n, n}, 0.5f);
+  const auto b = torch::full({n, n}, 0.25f);
+  const double gemm = fastest([&] { (void)torch::mm(a, b); });
+  const auto source = torch::full({std::int64_t{2} << 20}, 1.0f);
+  auto target = torch::empty_like(source);
+  const double copy = fastest([&] { target.copy_(source); });
+  return {2.0 * static_cast<double>(n * n * n) / gemm, 2.0 * static_cast<double>(source.nbytes()) / copy};
+}
+
+inline const shape_only_rates& rates() {
+  static const shape_only_rates measured = measure_rates();
+  return measured;
+}
+
+inline std::int64_t tensor_bytes(const c10::IValue& v) {
+  if (v.isTensor()) {
+    const auto& t = v.toTensor();
+    return t.defined() ? static_cast<std::int64_t>(t.numel()) * static_cast<std::int64_t>(t.element_size()) : 0;
+  }
+  std::int64_t bytes = 0;
+  if (v.isTensorList())
+    for (const auto& element : v.toTensorList()) bytes += tensor_bytes(c10::IValue(static_cast<torch::Tensor>(element)));
+  return bytes;
+}
+
+/// Seconds an operator would take computed: its matrix products' arithmetic
+/// plus the bytes it reads and writes, at rates().
+inline double estimated_seconds(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args,
+                                std::int64_t output_bytes) {
+  const auto& r = rates();
+  const auto& name = schema.name();
+  const auto dims = [&](std::size_t i) -> c10::IntArrayRef {
+    return i < args.size() && args[i].isTensor() && args[i].toTensor().defined() ? args[i].toTensor().sizes()
+                                                                                   : c10::IntArrayRef{};
+  };
+  double flops = 0.0;
+  const auto product = [&](c10::IntArrayRef a, c10::IntArrayRef b) {  // [.., M, K] x [.., K, N]
+    if (a.size() < 2 || b.size() < 2) return;
+    double batch = 1.0;
+    for (std::size_t d = 0; d + 2 < a.size(); ++d) batch *= static_cast<double>(a[d]);
+    flops = 2.0 * batch * static_cast<double>(a[a.size() - 2]) * static_cast<double>(a[a.size() - 1]) *
+            static_cast<double>(b[b.size() - 1]);
+  };
+  if (name == "aten::mm" || name == "aten::bmm") product(dims(0), dims(1));
+  else if (name == "aten::addmm" || name == "aten::baddbmm" || name == "aten::addbmm") product(dims(1), dims(2));
+  std::int64_t bytes = output_bytes;
+  for (const auto& v : args) bytes += tensor_bytes(v);
+  return flops / r.flops_per_second + static_cast<double>(bytes) / r.bytes_per_second;
+}
+
 inline torch::Tensor meta_like(const torch::Tensor& t) {
   c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
   return at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kMeta));
@@ -101,10 +185,16 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
     std::lock_guard<std::mutex> lock(state.mutex);
     if (state.tally != nullptr) ++(state.tally->*field);
   };
+  const auto add_seconds = [&](double seconds) {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    if (state.tally != nullptr) state.tally->estimated_seconds += seconds;
+  };
   const auto real = [&] {
     count(&shape_only_tally::real);
     c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+    const auto start = std::chrono::steady_clock::now();
     op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Fake), stack);
+    add_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   };
 
   // The device outputs go to: the first tensor argument's on another device than
@@ -137,6 +227,7 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
       const auto* alias = schema.arguments()[i].alias_info();
       if (alias != nullptr && alias->isWrite() && args[i].isTensor()) {
         auto self = args[i];
+        add_seconds(estimated_seconds(schema, args, tensor_bytes(self)));
         torch::jit::drop(*stack, n);
         stack->push_back(std::move(self));
         count(&shape_only_tally::skipped);
@@ -183,6 +274,9 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
     const auto& t = r.toTensor();
     if (t.defined() && !t.is_floating_point() && !t.is_complex()) return real();  // indices, masks
   }
+  std::int64_t output_bytes = 0;
+  for (const auto& r : meta) output_bytes += tensor_bytes(r);
+  add_seconds(estimated_seconds(schema, args, output_bytes));
   torch::jit::drop(*stack, n);
   c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
   for (const auto& r : meta) {
@@ -217,7 +311,9 @@ inline bool register_shape_only_fallback() {
 /// and the fallback registered).
 [[nodiscard]] inline bool shape_only_available() {
 #if TORCH_VERSION_MAJOR < 2
-  return detail::register_shape_only_fallback();
+  if (!detail::register_shape_only_fallback()) return false;
+  (void)detail::rates();  // measured once, now, so that no span sees their allocations
+  return true;
 #else
   return false;
 #endif
@@ -234,6 +330,7 @@ class shape_only_scope {
     if (!detail::register_shape_only_fallback())
       throw Error("memscale::predict(): shape-only execution is unavailable (LibTorch refused a fallback for "
                   "DispatchKey::Fake: another library registered one)");
+    (void)detail::rates();  // measured once, for real, before any span
     auto& state = detail::shape_only_state::instance();
     {
       std::lock_guard<std::mutex> lock(state.mutex);
@@ -259,6 +356,14 @@ class shape_only_scope {
     state.census = false;
     state.seen.clear();
 #endif
+  }
+  /// What the span's operators so far would have taken computed (the tally's
+  /// estimated_seconds), cheaper than a copy of the tally.
+  [[nodiscard]] double estimated_seconds() const {
+#if TORCH_VERSION_MAJOR < 2
+    std::lock_guard<std::mutex> lock(detail::shape_only_state::instance().mutex);
+#endif
+    return tally_.estimated_seconds;
   }
   /// The calls so far.
   [[nodiscard]] shape_only_tally tally() const {
