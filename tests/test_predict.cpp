@@ -47,6 +47,22 @@ std::int64_t measured_step(Model& model, torch::optim::Optimizer& optimizer, con
   return scope.peak_growth();
 }
 
+/// A forward that branches on a value it computes: the two paths keep
+/// different activations, so a step sized on the wrong one is wrong.
+struct BranchyImpl : torch::nn::Module {
+  BranchyImpl()
+      : in(register_module("in", torch::nn::Linear(32, 256))),
+        kept(register_module("kept", torch::nn::Linear(256, 32))),
+        squared(register_module("squared", torch::nn::Linear(256, 32))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::relu(in->forward(x));
+    if (h.mean().item<float>() >= 0.0f) return kept->forward(torch::tanh(h) * torch::sigmoid(h));  // always, for real
+    return squared->forward(h);
+  }
+  torch::nn::Linear in, kept, squared;
+};
+TORCH_MODULE(Branchy);
+
 /// What the prediction says the step adds to what lives at its start.
 std::int64_t predicted_growth(const memscale::MemoryBreakdown& b) {
   const bool kept = TORCH_VERSION_MAJOR < 2;
@@ -327,4 +343,23 @@ TEST_CASE("shape-only execution counts what its operators would take, and the pr
   // Outside a clock scope the profiler's clock is the wall clock again.
   const double wall = clock::now();
   CHECK(wall > 1.0);
+}
+
+TEST_CASE("predict runs real steps for a forward that reads tensor values, and says why", "[predict][shape_only]") {
+  memory_tracker::install();
+  torch::manual_seed(11);
+  Branchy model;
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+  const auto x = torch::randn({64, 32});
+  const auto loss = [](const torch::Tensor& y) { return y.pow(2).mean(); };
+  const auto p = memscale::predict(model, x, optimizer, loss, test::quiet());
+  CHECK_FALSE(p.shape_only);
+  if (memscale::predictor::shape_only_available()) {
+    bool said = false;
+    for (const auto& note : p.notes) said = said || note.find("reads tensor values") != std::string::npos;
+    CHECK(said);
+  }
+  (void)measured_step(model, optimizer, x, loss);
+  const auto measured = measured_step(model, optimizer, x, loss);
+  CHECK(predicted_growth(p.baseline) == Approx(measured).epsilon(0.01));
 }

@@ -7,8 +7,29 @@
 #include <vector>
 
 #include <torch/torch.h>
+#include <torch/version.h>
+
+#if TORCH_VERSION_MAJOR < 2
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#endif
 
 namespace memscale::detail {
+
+/// Computes what runs in its scope for real even inside predict's shape-only
+/// execution (predict/shape_only.hpp, LibTorch 1.x: DispatchKey::Fake): for
+/// memscale's own bookkeeping, whose values must be right. Nothing on 2.x.
+class computing_guard {
+ public:
+  computing_guard() = default;
+  computing_guard(const computing_guard&) = delete;
+  computing_guard& operator=(const computing_guard&) = delete;
+  ~computing_guard() {}  // user-provided: a scope guard, even where it holds nothing (2.x)
+
+ private:
+#if TORCH_VERSION_MAJOR < 2
+  c10::impl::ExcludeDispatchKeyGuard no_fake_{c10::DispatchKey::Fake};
+#endif
+};
 
 /// Restores every buffer of the given modules to its value at construction.
 class buffer_restore {
@@ -29,6 +50,7 @@ class buffer_restore {
   /// Puts the buffers back now (and again at the end).
   void restore() {
     torch::NoGradGuard no_grad;
+    const computing_guard computing;
     // Only what changed: a copy bumps the version of a buffer autograd may have saved.
     for (auto& [live, copy] : saved_)
       if (!live.equal(copy)) live.copy_(copy);
@@ -37,6 +59,7 @@ class buffer_restore {
  private:
   void add(const torch::nn::Module& module) {
     torch::NoGradGuard no_grad;
+    const computing_guard computing;
     for (const auto& b : module.buffers())
       if (b.defined()) saved_.emplace_back(b, b.clone());
   }

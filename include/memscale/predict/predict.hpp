@@ -207,6 +207,9 @@ struct calibration {
                     (value.defined() ? std::string("one of shape ") + c10::str(value.sizes()) : "an undefined one"));
       recorder.mark();
       value.backward();
+      if (shapes_only && shapes_only->tally().values_read > 0)
+        throw Error("the step reads tensor values (item(), a data-dependent shape), which shape-only execution "
+                    "leaves uninitialised");
     }
     auto recorded = recorder.finish();
     // Operators without a meta kernel (batch norm) ran for real on uninitialised
@@ -462,6 +465,12 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
           shape_only_scope shapes_only;
           memscale::detail::profile_clock_scope clock([&shapes_only] { return shapes_only.estimated_seconds(); });
           attached = memscale::detail::attach<S>(model, planning, &example_small);
+          if (shapes_only.tally().values_read > 0) {
+            core::detach(root.get(), attached.get());
+            attached.reset();
+            throw Error("the forward reads tensor values (item(), a data-dependent shape), which shape-only "
+                        "execution leaves uninitialised");
+          }
           out.plan_profile_shape_only = true;
         } catch (const std::exception& e) {
           const auto* error = dynamic_cast<const c10::Error*>(&e);

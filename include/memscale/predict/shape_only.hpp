@@ -20,8 +20,9 @@
 // returns (measured: none on the example GPT, 1.2% of an MLP's step peak;
 // benchmarks/studies/README.md), and values (uninitialised: a forward whose
 // control flow reads them may take another path, a data-dependent shape may
-// differ: a user of it must check what it gets, e.g. that timelines at two
-// batches align, and run real steps otherwise).
+// differ). The tally counts the calls that read values (values_read): a user
+// of it must check that count, and what it gets (e.g. that timelines at two
+// batches align), and run real steps otherwise.
 //
 // In census mode the first call of each operator in the scope runs for real, on
 // its real shapes: the code, threads and buffers the step's kernels need are
@@ -79,6 +80,10 @@ struct shape_only_tally {
   /// Operators that ran for real because this LibTorch has no meta kernel for
   /// them (their compute is not skipped), with their call counts.
   std::map<std::string, std::int64_t> without_meta;
+  /// Calls that read tensor values on the host (item(), equal) or whose output
+  /// shape depends on them (nonzero, masked_select, unique): computed from
+  /// uninitialised memory, so what follows them may not be the real step's.
+  std::int64_t values_read = 0;
 };
 
 /// The rates shape-only execution turns an operator's arithmetic and memory
@@ -176,10 +181,24 @@ inline torch::Tensor meta_like(const torch::Tensor& t) {
   return at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kMeta));
 }
 
+/// Operators whose results (a host value, or an output's shape) depend on their
+/// input's values.
+inline bool reads_values(const std::string& name) {
+  static const std::unordered_set<std::string> names{
+      "aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal",        "aten::nonzero",
+      "aten::masked_select",       "aten::_unique",    "aten::_unique2",     "aten::unique_dim",
+      "aten::unique_consecutive",  "aten::argwhere",   "aten::nonzero_numpy"};
+  return names.count(name) > 0;
+}
+
 inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   auto& state = shape_only_state::instance();
   const auto& schema = op.schema();
   const auto n = schema.arguments().size();
+  if (reads_values(schema.name())) {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    if (state.tally != nullptr) ++state.tally->values_read;
+  }
   const auto args = torch::jit::last(*stack, n);
   const auto count = [&](std::int64_t shape_only_tally::*field) {
     std::lock_guard<std::mutex> lock(state.mutex);
