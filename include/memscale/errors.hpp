@@ -2,9 +2,12 @@
 // A call that throws leaves the model exactly as it was before the call.
 #pragma once
 
+#include <exception>
 #include <stdexcept>
 #include <string>
 #include <utility>
+
+#include <c10/util/Exception.h>
 
 namespace memscale {
 
@@ -62,5 +65,15 @@ class PolicyFallbackNeeded : public Error {
  public:
   using Error::Error;
 };
+
+namespace detail {
+
+/// An exception's message for a report note: a c10::Error's without its backtrace.
+[[nodiscard]] inline std::string message_of(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
+}  // namespace detail
 
 }  // namespace memscale

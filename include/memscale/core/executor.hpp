@@ -485,11 +485,9 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
       (void)verification_step(box, example.narrow(0, 0, std::min<std::int64_t>(2, example.size(0))),
                               /*as_before_wrap=*/true);
     } catch (const std::exception& e) {
-      const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
       std::lock_guard<std::mutex> lock(mutex_);
-      report_.notes.push_back(std::string("the training step at two rows that measures what the process holds "
-                                          "outside the allocator failed (") +
-                              (c10_error != nullptr ? c10_error->what_without_backtrace() : e.what()) +
+      report_.notes.push_back("the training step at two rows that measures what the process holds outside the "
+                              "allocator failed (" + memscale::detail::message_of(e) +
                               "); the reserve covers the example forward and the profiling only");
     }
   }

@@ -283,10 +283,7 @@ inline std::string fit_shape_only_or_real(calibration& c, calibration::execution
       }
       why = "shape-only timelines did not align at any two batches from 2 to 5";
     } catch (const std::exception& e) {
-      why = std::string("a shape-only step failed (") +
-            (dynamic_cast<const c10::Error*>(&e) ? dynamic_cast<const c10::Error*>(&e)->what_without_backtrace()
-                                                 : e.what()) +
-            ")";
+      why = "a shape-only step failed (" + memscale::detail::message_of(e) + ")";
     }
     c.how = calibration::execution::real;
   }
@@ -423,9 +420,10 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   timeline_fit base_fit;
   const auto base_real_why = detail::fit_shape_only_or_real(c, detail::calibration::execution::census, base_fit,
                                                             out.calibration_batches, misaligned, allocator_growth);
-  out.shape_only = base_real_why.empty();
-  if (!out.shape_only) out.notes.push_back("calibration ran for real: " + base_real_why);
-  if (out.shape_only) {
+  const bool base_shape_only = base_real_why.empty();
+  out.shape_only = base_shape_only;
+  if (!base_shape_only) out.notes.push_back("calibration ran for real: " + base_real_why);
+  if (base_shape_only) {
     const auto resident_after = resident_before ? memscale::detail::read_process_memory() : std::nullopt;
     if (resident_after)
       process_growth = allocator_growth + resident_after->resident_bytes - resident_before->resident_bytes -
@@ -473,9 +471,8 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
           }
           out.plan_profile_shape_only = true;
         } catch (const std::exception& e) {
-          const auto* error = dynamic_cast<const c10::Error*>(&e);
-          out.notes.push_back(std::string("the plan was profiled for real: profiling shape-only failed (") +
-                              (error != nullptr ? error->what_without_backtrace() : e.what()) + ")");
+          out.notes.push_back("the plan was profiled for real: profiling shape-only failed (" +
+                              memscale::detail::message_of(e) + ")");
         }
         box.reset();  // operators without a meta kernel wrote buffers from uninitialised values
       }
@@ -584,7 +581,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
          << ")";
   if (device.is_cpu())
     method << "; outside the allocator: "
-           << (out.shape_only ? "the resident size's growth over the calibration without the plan, beyond the "
+           << (base_shape_only ? "the resident size's growth over the calibration without the plan, beyond the "
                                 "allocator's (what its real first calls left: code read in, kernels' buffers)"
                               : "the resident high-water mark's growth over the calibration without the plan, "
                                 "beyond the allocator's largest step");
