@@ -6,6 +6,7 @@
 // step (predict/shape_only.hpp) against the real one.
 #include <functional>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -151,6 +152,9 @@ TEST_CASE("predict's allocator peak matches a measured steady-state step, baseli
     const auto p = memscale::predict(model, x, optimizer, loss, config);
     REQUIRE(p.plan_applies);
     CHECK(p.batch_size == batch);
+    // The plan's one-time first forward ran before its calibration: its two
+    // steps aligned at the first two batches.
+    for (const auto& note : p.notes) CHECK(note.find("with the plan:") == std::string::npos);
     CHECK(p.shape_only == (TORCH_VERSION_MAJOR < 2));  // the calibration computed nothing where it can
     CHECK(p.plan_profile_shape_only == (TORCH_VERSION_MAJOR < 2));
     (void)measured_step(model, optimizer, x, loss);  // state created
@@ -307,6 +311,72 @@ TEST_CASE("a shape-only step allocates what the real step allocates, computing n
     for (const auto& p : model->parameters()) after.push_back(p.detach().clone());
     CHECK(test::bit_equal(after, before));
   }
+}
+
+TEST_CASE("a census runs each operator for real once per process, unseen, and aligns with shape-only steps "
+          "(LibTorch 1.x)",
+          "[predict][shape_only]") {
+  using memscale::predictor::shape_only_available;
+  using memscale::predictor::shape_only_scope;
+  using memscale::predictor::shape_only_tally;
+  using memscale::predictor::timeline_scope;
+  if (!shape_only_available()) {
+    SUCCEED("LibTorch 2.x: shape-only execution is unavailable");
+    return;
+  }
+  memory_tracker::install();
+  torch::manual_seed(13);
+  const auto x = torch::randn({8, 32});
+  // Operators no other test in this binary runs, so that the census meets them here first.
+  const auto step = [&](int how, std::int64_t rows, shape_only_tally* tally) {
+    const auto xs = x.narrow(0, 0, rows).clone().requires_grad_(true);
+    timeline_scope recorder(c10::kCPU);
+    {
+      std::optional<shape_only_scope> scope;
+      if (how > 0) scope.emplace(how == 2);
+      torch::hypot(torch::cosh(xs), torch::atan(xs)).sum().backward();
+      if (tally != nullptr) *tally = scope->tally();
+    }
+    return recorder.finish();
+  };
+  shape_only_tally first, again;
+  const auto census = step(2, 2, &first);
+  const auto census_again = step(2, 3, &again);
+  CHECK(first.census >= 3);  // cosh, atan, hypot and their backward's new operators, run for real
+  CHECK(again.census == 0);  // once per process
+  // The census's real calls are unseen: its timeline is a shape-only step's,
+  // and what a real step allocates.
+  CHECK(memscale::predictor::aligned(census, step(1, 2, nullptr)));
+  CHECK(memscale::predictor::aligned(census, census_again));
+  CHECK(census.peak() == step(0, 2, nullptr).peak());
+}
+
+TEST_CASE("shape-only outputs are counted and limited like the allocator's, and cost no resident memory",
+          "[predict][shape_only]") {
+  using memscale::predictor::shape_only_available;
+  using memscale::predictor::shape_only_scope;
+  if (!shape_only_available()) {
+    SUCCEED("LibTorch 2.x: shape-only execution is unavailable");
+    return;
+  }
+  memory_tracker::install();
+  const auto a = torch::ones({512, 512});
+  const std::int64_t bytes = 512 * 512 * 4;
+  shape_only_scope scope;
+  const auto live = memory_tracker::current_bytes();
+  const auto resident = memscale::detail::read_process_memory();
+  std::vector<torch::Tensor> outputs;
+  for (int i = 0; i < 64; ++i) outputs.push_back(torch::mm(a, a));  // 64 MiB, never written
+  CHECK(memory_tracker::current_bytes() - live == 64 * bytes);
+  if (resident) {
+    const auto now = memscale::detail::read_process_memory();
+    REQUIRE(now);
+    CHECK(now->resident_bytes - resident->resident_bytes < 8 * bytes);
+  }
+  outputs.clear();
+  CHECK(memory_tracker::current_bytes() == live);
+  memory_tracker::hard_limit_scope cap(live + bytes / 2);
+  CHECK_THROWS_WITH(torch::mm(a, a), Catch::Contains("hard limit"));
 }
 
 TEST_CASE("shape-only execution counts what its operators would take, and the profiler can time by it (LibTorch 1.x)",

@@ -13,16 +13,17 @@
 // that takes another path at some batch), batches 3 and 4, then 4 and 5 are
 // tried. On CPU with LibTorch 1.x these steps run shape-only
 // (predict/shape_only.hpp: every output allocated as the real step allocates
-// it, nothing computed), the ones without the plan in census mode (each
-// operator's first call for real, so that its code and buffers are made and
-// measured); elsewhere, or when a shape-only step fails or its timelines do not
-// align, they run for real (Prediction::shape_only, and a note saying why). The
-// optimizer's state comes from its type and options, its step's temporaries
-// from a shadow optimizer (predict/optimizer_state.hpp). The plan is made as
-// wrap() would make it at the full batch (profiled at batch 2, the profile
-// scaled to the full batch; shape-only where the calibration was, with each
-// unit's times estimated: Prediction::plan_profile_shape_only), applied for its
-// two calibration steps and removed. On CPU the process holds more than
+// it, nothing computed), the first without the plan in census mode (each
+// operator's first call in the process also runs for real, so that its code and
+// buffers are made and measured); elsewhere, or when a shape-only step fails or
+// its timelines do not align, they run for real (Prediction::shape_only, and a
+// note saying why). The optimizer's state comes from its type and options, its
+// step's temporaries from a shadow optimizer (predict/optimizer_state.hpp). The
+// plan is made as wrap() would make it at the full batch (profiled at batch 2,
+// the profile scaled to the full batch; shape-only where the calibration was,
+// with each unit's times estimated: Prediction::plan_profile_shape_only),
+// applied, run through one forward (its one-time work) and its two
+// calibration steps, and removed. On CPU the process holds more than
 // LibTorch's allocator sees (libtorch's code read in at first use, oneDNN and
 // BLAS buffers, malloc's retention): that share is measured over the
 // calibration without the plan (shape-only: the resident size's growth beyond
@@ -190,8 +191,9 @@ struct calibration {
   timeline run(std::int64_t batch) {
     box->reset();
     if (gradients_kept) {
+      // Shape-only steps never read them: no need to write (and fault in) zeros.
       torch::NoGradGuard no_grad;
-      for (auto& p : trainable) p.mutable_grad() = torch::zeros_like(p);
+      for (auto& p : trainable) p.mutable_grad() = how == execution::real ? torch::zeros_like(p) : torch::empty_like(p);
     }
     const auto x = batch_of(batch);
     timeline_scope recorder(device);
@@ -207,7 +209,7 @@ struct calibration {
                     (value.defined() ? std::string("one of shape ") + c10::str(value.sizes()) : "an undefined one"));
       recorder.mark();
       value.backward();
-      if (shapes_only && shapes_only->tally().values_read > 0)
+      if (shapes_only && shapes_only->values_read() > 0)
         throw Error("the step reads tensor values (item(), a data-dependent shape), which shape-only execution "
                     "leaves uninitialised");
     }
@@ -231,6 +233,9 @@ inline timeline_fit fit_timelines(calibration& c, std::vector<std::int64_t>& bat
   std::vector<timeline> runs;
   for (std::int64_t b = first_calibration_batch; b <= first_calibration_batch + 3; ++b) {
     runs.push_back(c.run(b));
+    // A census once: its real first calls made what they make; the next steps
+    // only need the timeline.
+    if (c.how == calibration::execution::census) c.how = calibration::execution::shape_only;
     allocator_growth = std::max(allocator_growth, runs.back().peak());
     batches.push_back(b);
     const auto n = runs.size();
@@ -379,6 +384,17 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   for (const auto& b : root->buffers())
     if (b.defined() && b.device() == device) fixed.buffer_bytes += static_cast<std::int64_t>(b.nbytes());
 
+  // CPU, shape-only: the resident size from before the optimizer's shadow step
+  // (see below); without the counting allocator, the sandbox and the shadow put
+  // back what they made, taken as no change.
+  std::optional<memscale::detail::process_memory> resident_before;
+  std::int64_t allocator_before = 0;
+  if (device.is_cpu()) {
+    (void)shape_only_available();  // its one-time set-up (a fallback) before the measuring
+    resident_before = memscale::detail::read_process_memory();
+    if (memory_tracker::installed()) allocator_before = memory_tracker::current_bytes();
+  }
+
   const auto own = size_optimizer(optimizer, device);  // throws for a type it cannot size, before any calibration
   out.optimizer = own.name;
   auto planned_optimizer = own;
@@ -402,21 +418,15 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   // calibration without the plan. Real steps: the resident high-water mark's
   // growth beyond the allocator's largest step. Shape-only steps write none of
   // their uncomputed outputs (whose pages are then not resident), so there it is
-  // the resident size's growth from before the calibration to after it beyond
-  // the allocator's: what the census's real first calls left resident (the code,
-  // the kernels' threads and buffers; a buffer a kernel frees before it returns
-  // is missed, and predict's own meta kernels' code is counted).
+  // the resident size's growth beyond the allocator's from before the optimizer's
+  // shadow step (whose kernels' code and threads a training step's optimizer
+  // step makes too: 2.3-4.5 MiB on the benchmark models, measured) to after the
+  // calibration: what the shadow step and the census's real first calls left
+  // resident (the code, the kernels' threads and buffers; predict's own meta
+  // kernels' code is counted).
   std::int64_t process_growth = -1, allocator_growth = 0;
   std::optional<memory_tracker::process_peak_scope> process;
-  std::optional<memscale::detail::process_memory> resident_before;
-  std::int64_t allocator_before = 0;
-  if (device.is_cpu()) {
-    (void)shape_only_available();  // its one-time set-up (a fallback, two timed kernels) before the measuring
-    process.emplace();
-    resident_before = memscale::detail::read_process_memory();
-    // Without the counting allocator: the sandbox puts back what the steps made, taken as no change.
-    if (memory_tracker::installed()) allocator_before = memory_tracker::current_bytes();
-  }
+  if (device.is_cpu()) process.emplace();
   timeline_fit base_fit;
   const auto base_real_why = detail::fit_shape_only_or_real(c, detail::calibration::execution::census, base_fit,
                                                             out.calibration_batches, misaligned, allocator_growth);
@@ -460,10 +470,11 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
         // and bytes moved at rates measured once, operators that run for real
         // timed), so the plan ranks recomputation by those.
         try {
+          (void)measured_shape_only_rates();  // before the span: the profile would see their allocations
           shape_only_scope shapes_only;
           memscale::detail::profile_clock_scope clock([&shapes_only] { return shapes_only.estimated_seconds(); });
           attached = memscale::detail::attach<S>(model, planning, &example_small);
-          if (shapes_only.tally().values_read > 0) {
+          if (shapes_only.values_read() > 0) {
             core::detach(root.get(), attached.get());
             attached.reset();
             throw Error("the forward reads tensor values (item(), a data-dependent shape), which shape-only "
@@ -487,6 +498,27 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     out.plan_applies = out.plan.checkpointed_segments() + out.plan.offloaded_units() + out.plan.tiled_segments() > 0 ||
                        config.use_mixed_precision;
     if (out.plan_applies) {
+      // The plan's first training forward does one-time work (each checkpointed
+      // segment's probe for the tensors it reads): done here, unrecorded (and
+      // shape-only where the calibration is), so that both calibration steps
+      // are steady-state ones and align (the first had a block's forward more,
+      // and a third step was needed).
+      {
+        torch::AutoGradMode grad_on(true);
+        const auto x = c.batch_of(detail::first_calibration_batch);
+        bool done = false;
+        if (out.shape_only) {
+          try {
+            shape_only_scope shapes_only;
+            (void)forward(x);
+            done = true;
+          } catch (const std::exception&) {  // the calibration below then says why, or runs for real
+          }
+          box.reset();
+        }
+        if (!done) (void)forward(x);
+      }
+      box.reset();
       std::vector<std::int64_t> batches;
       std::string plan_misaligned;
       std::int64_t unused = 0;

@@ -24,13 +24,18 @@
 // of it must check that count, and what it gets (e.g. that timelines at two
 // batches align), and run real steps otherwise.
 //
-// In census mode the first call of each operator in the scope runs for real, on
-// its real shapes: the code, threads and buffers the step's kernels need are
-// then made, as a real step at that batch makes them, at a fraction of its cost
-// where operators repeat (a model's blocks). Outputs made shape-only are never
-// written, so their pages are not resident: the process's resident peak over
-// the span is not the real step's (what stays resident after it is: the code
-// read in, the kernels' threads and buffers).
+// In census mode an operator's first call in the process (among census spans)
+// also runs for real, on its real arguments, its results dropped and its
+// allocations unreported (the span's timeline is then a shape-only step's):
+// the code, threads and buffers the step's kernels need are made, as a real
+// step at that batch makes them, at a fraction of its cost where operators
+// repeat (a model's blocks), and once per process. Outputs made shape-only are
+// never written, so their pages are not resident: the process's resident peak
+// over the span is not the real step's (what stays resident after it is: the
+// code read in, the kernels' threads and buffers).
+//
+// Shape-only outputs on the CPU come from an arena of reserved address space
+// (shape_only_arena), not from malloc: no system call, no page per output.
 //
 // LibTorch 2.x uses DispatchKey::Fake for its own FakeTensor mode: there
 // shape_only_available() is false and shape_only_scope refuses.
@@ -47,7 +52,9 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -61,10 +68,16 @@
 
 #include <memscale/errors.hpp>
 
+#include <memscale/core/memory_tracker.hpp>
+
 #if TORCH_VERSION_MAJOR < 2
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 #endif
 
 namespace memscale::predictor {
@@ -73,10 +86,16 @@ namespace memscale::predictor {
 struct shape_only_tally {
   std::int64_t shape_only = 0;  ///< ran on meta, outputs allocated uninitialised
   std::int64_t skipped = 0;     ///< in-place: nothing computed
-  std::int64_t real = 0;        ///< ran for real (views, factories, integer results, census)
+  std::int64_t real = 0;        ///< ran for real (views, factories, integer results, no meta kernel)
+  std::int64_t census = 0;      ///< also ran for real, unseen: a census's first call of the operator in the process
   /// What the span's operators would take computed: measured for those run for
-  /// real, estimated for the others (shape_only_rates).
+  /// real, estimated for the others (shape_only_rates): real_seconds +
+  /// flops / flops_per_second + bytes_moved / bytes_per_second, filled by
+  /// shape_only_scope::tally().
   double estimated_seconds = 0.0;
+  double real_seconds = 0.0;  ///< the operators run for real, timed
+  double flops = 0.0;         ///< the others' matrix products' arithmetic
+  double bytes_moved = 0.0;   ///< the bytes the others read and write
   /// Operators that ran for real because this LibTorch has no meta kernel for
   /// them (their compute is not skipped), with their call counts.
   std::map<std::string, std::int64_t> without_meta;
@@ -88,16 +107,40 @@ struct shape_only_tally {
 
 /// The rates shape-only execution turns an operator's arithmetic and memory
 /// traffic into seconds with: measured once per process (a 256^3 float matrix
-/// product and an 8 MiB copy, each the fastest of three, at the thread count set
-/// then).
+/// product and a 4 MiB copy, each the fastest of three, at the thread count set
+/// then), at the first shape_only_scope::estimated_seconds() or tally(), or
+/// before, by measured_shape_only_rates().
 struct shape_only_rates {
   double flops_per_second = 0.0;
   double bytes_per_second = 0.0;
+  /// The tally's estimate of what its operators would take computed.
+  [[nodiscard]] double seconds(const shape_only_tally& t) const {
+    return t.real_seconds + t.flops / flops_per_second + t.bytes_moved / bytes_per_second;
+  }
 };
 
 namespace detail {
 
 #if TORCH_VERSION_MAJOR < 2
+
+/// Operators whose meta path throws in LibTorch 1.13 although the dispatcher
+/// has a Meta entry for them (a composite kernel that reaches one without a
+/// meta kernel), as measured on training models' common layers and losses.
+/// Known from the start, they run for real without the attempt: each failing
+/// attempt costs a c10::Error with its symbolised backtrace, about 3 ms, which
+/// was a third of the first shape-only step of the example GPT.
+inline constexpr const char* operators_without_meta[] = {
+    "aten::embedding",          "aten::embedding_dense_backward",
+    "aten::_embedding_bag",     "aten::index_select",
+    "aten::native_layer_norm",  "aten::native_layer_norm_backward",
+    "aten::native_group_norm",  "aten::native_group_norm_backward",
+    "aten::native_batch_norm",  "aten::native_batch_norm_backward",
+    "aten::convolution",        "aten::convolution_backward",
+    "aten::_adaptive_avg_pool2d", "aten::_adaptive_avg_pool2d_backward",
+    "aten::native_dropout",     "aten::mse_loss_backward",
+    "aten::l1_loss",            "aten::smooth_l1_loss_backward",
+    "aten::huber_loss_backward", "aten::binary_cross_entropy",
+    "aten::binary_cross_entropy_backward", "aten::_thnn_fused_lstm_cell"};
 
 /// The fallback's process-wide state: the operators known to have no meta
 /// kernel, the active span's tally and census.
@@ -106,12 +149,146 @@ struct shape_only_state {
   std::unordered_set<const c10::FunctionSchema*> without_meta;
   shape_only_tally* tally = nullptr;  // the open scope's, or null
   bool census = false;
-  std::unordered_set<const c10::FunctionSchema*> seen;  // census: operators run once already
+  std::unordered_set<const c10::FunctionSchema*> censused;  // operators a census ran for real in this process
   static shape_only_state& instance() {
     static shape_only_state state;
     return state;
   }
+
+ private:
+  shape_only_state() {
+    for (const char* name : operators_without_meta)
+      if (const auto op = c10::Dispatcher::singleton().findSchema({name, ""})) without_meta.insert(&op->schema());
+  }
 };
+
+/// Where shape-only outputs on the CPU live: address space reserved once per
+/// process (an anonymous MAP_NORESERVE mapping, up to 1 TiB) and handed out by a
+/// bump pointer, so that an output costs no system call and no page: glibc's
+/// malloc would mmap and munmap each block above its mmap threshold (128 KiB
+/// once memscale::fix_malloc_mmap_threshold() fixed it), which measured 60% of a
+/// shape-only step of the example GPT. Nothing writes these blocks (in-place
+/// operators are skipped), so their pages never become resident; any a real
+/// operator writes are given back (MADV_DONTNEED) when the arena starts over,
+/// which it does at the end of a span once no block is live, so that no block
+/// ever aliases a live one. Allocations and frees are reported as LibTorch's CPU
+/// allocator reports them (timelines and reporting scopes see them) and counted
+/// by memscale's counting allocator where it is installed (its hard limit
+/// included). Null where the address space cannot be reserved (strict
+/// overcommit, an address-space limit): outputs then come from LibTorch's
+/// allocator, and likewise once a span has used the whole reservation.
+class shape_only_arena final : public c10::Allocator {
+ public:
+  static shape_only_arena* instance() {
+    static shape_only_arena* arena = [] {
+#if defined(__linux__) && defined(MAP_NORESERVE)
+      for (std::size_t bytes = std::size_t{1} << 40; bytes >= (std::size_t{1} << 30); bytes /= 4) {
+        void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (base == MAP_FAILED) continue;
+#if defined(MADV_DONTDUMP)
+        (void)::madvise(base, bytes, MADV_DONTDUMP);  // no terabyte of zeros in a core file
+#endif
+        return new shape_only_arena(static_cast<char*>(base), bytes);  // never destroyed: blocks may outlive anything
+      }
+#endif
+      return static_cast<shape_only_arena*>(nullptr);
+    }();
+    return arena;
+  }
+
+  /// A block of `bytes`, or an empty DataPtr when the reservation is used up.
+  c10::DataPtr allocate(std::size_t bytes) const override {
+    const c10::Device cpu(c10::kCPU);
+    if (bytes == 0) return c10::DataPtr(nullptr, nullptr, &release, cpu);
+    const auto size = static_cast<std::int64_t>(bytes);
+    const auto tracked = memory_tracker::installed();
+    auto& counting = memscale::detail::counting_cpu_allocator::instance();
+    if (tracked) {
+      if (const auto cap = counting.limit().load(std::memory_order_relaxed); cap >= 0) {
+        const auto live = counting.counter().current();
+        TORCH_CHECK_WITH(OutOfMemoryError, live + size <= cap,
+                         "CPU out of memory (memscale::memory_tracker::hard_limit_scope): tried to allocate ", size,
+                         " bytes with ", live, " bytes live; the hard limit is ", cap, " bytes");
+      }
+    }
+    constexpr std::size_t alignment = 64;  // LibTorch's CPU alignment
+    const auto rounded = (bytes + alignment - 1) / alignment * alignment;
+    char* data = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (capacity_ - next_ < rounded) return {};
+      data = base_ + next_;
+      next_ += rounded;
+      ++live_blocks_;
+    }
+    if (tracked) counting.counter().add(size);
+    report(data, size, tracked);
+    return c10::DataPtr(data, new block{data, size, tracked}, &release, cpu);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+
+  /// At the end of a span: when no block is live, gives back any page a real
+  /// operator wrote and starts over from the reservation's beginning.
+  void start_over_if_idle() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (live_blocks_ != 0 || next_ == 0) return;
+#if defined(__linux__)
+    (void)::madvise(base_, next_, MADV_DONTNEED);
+#endif
+    next_ = 0;
+  }
+
+ private:
+  struct block {
+    char* data;
+    std::int64_t bytes;
+    bool tracked;
+  };
+  shape_only_arena(char* base, std::size_t capacity) : base_(base), capacity_(capacity) {}
+
+  static void report(void* data, std::int64_t delta, bool tracked) {
+    if (!c10::memoryProfilingEnabled()) return;
+    const auto live = tracked ? memscale::detail::counting_cpu_allocator::instance().counter().current() : 0;
+    c10::reportMemoryUsageToProfiler(data, delta, live, live, c10::Device(c10::kCPU));
+  }
+  static void release(void* context) {
+    const auto* b = static_cast<const block*>(context);
+    if (b->tracked) memscale::detail::counting_cpu_allocator::instance().counter().add(-b->bytes);
+    report(b->data, -b->bytes, b->tracked);
+    {
+      auto* arena = instance();
+      std::lock_guard<std::mutex> lock(arena->mutex_);
+      --arena->live_blocks_;
+    }
+    delete b;
+  }
+
+  char* const base_;
+  const std::size_t capacity_;
+  mutable std::mutex mutex_;
+  mutable std::size_t next_ = 0;
+  mutable std::int64_t live_blocks_ = 0;
+};
+
+/// An uninitialised tensor of `meta`'s shape, strides and type on `device`: from
+/// the arena on the CPU where it has room, else from the device's allocator.
+inline torch::Tensor shape_only_empty(const torch::Tensor& meta, c10::Device device) {
+  c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+  if (device.is_cpu()) {
+    if (auto* arena = shape_only_arena::instance()) {
+      const auto bytes = at::detail::computeStorageNbytes(meta.sizes(), meta.strides(), meta.dtype().itemsize());
+      auto data = arena->allocate(bytes);
+      if (data || bytes == 0) {
+        c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(data), arena, /*resizable=*/true);
+        auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                          meta.dtype());
+        t.unsafeGetTensorImpl()->set_sizes_and_strides(meta.sizes(), meta.strides());
+        return t;
+      }
+    }
+  }
+  return at::empty_strided(meta.sizes(), meta.strides(), meta.options().device(device));
+}
 
 inline shape_only_rates measure_rates() {
   c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
@@ -129,7 +306,12 @@ inline shape_only_rates measure_rates() {
   const auto a = torch::full({n, n}, 0.5f);
   const auto b = torch::full({n, n}, 0.25f);
   const double gemm = fastest([&] { (void)torch::mm(a, b); });
-  const auto source = torch::full({std::int64_t{2} << 20}, 1.0f);
+  // 4 MiB each way, past a core's L2 on usual CPUs. The 8 MiB copy used before
+  // cost 9 ms in a fresh process (page faults), a fifth of predict's time on the
+  // example GPT; on the 2-core build machine it read 30 GB/s against 69 here,
+  // both within its 32 MiB L3: a rate to weigh arithmetic against traffic, not
+  // a bandwidth.
+  const auto source = torch::full({std::int64_t{1} << 20}, 1.0f);
   auto target = torch::empty_like(source);
   const double copy = fastest([&] { target.copy_(source); });
   return {2.0 * static_cast<double>(n * n * n) / gemm, 2.0 * static_cast<double>(source.nbytes()) / copy};
@@ -151,11 +333,14 @@ inline std::int64_t tensor_bytes(const c10::IValue& v) {
   return bytes;
 }
 
-/// Seconds an operator would take computed: its matrix products' arithmetic
-/// plus the bytes it reads and writes, at rates().
-inline double estimated_seconds(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args,
-                                std::int64_t output_bytes) {
-  const auto& r = rates();
+/// What an operator would do computed: its matrix products' arithmetic and the
+/// bytes it reads and writes.
+struct operator_work {
+  double flops = 0.0;
+  double bytes = 0.0;
+};
+inline operator_work work_of(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args,
+                             std::int64_t output_bytes) {
   const auto& name = schema.name();
   const auto dims = [&](std::size_t i) -> c10::IntArrayRef {
     return i < args.size() && args[i].isTensor() && args[i].toTensor().defined() ? args[i].toTensor().sizes()
@@ -173,7 +358,7 @@ inline double estimated_seconds(const c10::FunctionSchema& schema, c10::ArrayRef
   else if (name == "aten::addmm" || name == "aten::baddbmm" || name == "aten::addbmm") product(dims(1), dims(2));
   std::int64_t bytes = output_bytes;
   for (const auto& v : args) bytes += tensor_bytes(v);
-  return flops / r.flops_per_second + static_cast<double>(bytes) / r.bytes_per_second;
+  return {flops, static_cast<double>(bytes)};
 }
 
 inline torch::Tensor meta_like(const torch::Tensor& t) {
@@ -191,6 +376,33 @@ inline bool reads_values(const std::string& name) {
   return names.count(name) > 0;
 }
 
+/// A memory reporter that asks for no reports: what census_run() puts in the
+/// thread's PROFILER_STATE slot.
+class unreported final : public c10::MemoryReportingInfoBase {
+ public:
+  void reportMemoryUsage(void*, std::int64_t, memscale::detail::report_total_t, memscale::detail::report_total_t,
+                         c10::Device) override {}
+  void reportOutOfMemory(std::int64_t, memscale::detail::oom_total_t, memscale::detail::oom_total_t,
+                         c10::Device) override {}
+  [[nodiscard]] bool memoryProfilingEnabled() const override { return false; }
+};
+
+/// A census's real call of an operator that otherwise runs shape-only: it runs
+/// for real on the arguments (its code, threads and buffers are made as a real
+/// step makes them) with its results dropped and its allocations unreported
+/// (where no LibTorch profiler holds the reporting slot), so that the span's
+/// timeline holds the events a shape-only step's holds and aligns with it.
+inline void census_run(const c10::OperatorHandle& op, c10::DispatchKeySet keys, c10::ArrayRef<c10::IValue> args) {
+  static const auto silent = std::make_shared<unreported>();
+  std::optional<c10::DebugInfoGuard> unseen;
+  if (memscale::detail::inspect_profiler_slot().refusal.empty())
+    unseen.emplace(c10::DebugInfoKind::PROFILER_STATE, silent);
+  c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+  torch::jit::Stack copy(args.begin(), args.end());
+  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Fake), &copy);
+  copy.clear();  // the results freed unseen
+}
+
 inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   auto& state = shape_only_state::instance();
   const auto& schema = op.schema();
@@ -204,16 +416,20 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
     std::lock_guard<std::mutex> lock(state.mutex);
     if (state.tally != nullptr) ++(state.tally->*field);
   };
-  const auto add_seconds = [&](double seconds) {
+  const auto add_work = [&](operator_work work) {
     std::lock_guard<std::mutex> lock(state.mutex);
-    if (state.tally != nullptr) state.tally->estimated_seconds += seconds;
+    if (state.tally == nullptr) return;
+    state.tally->flops += work.flops;
+    state.tally->bytes_moved += work.bytes;
   };
   const auto real = [&] {
     count(&shape_only_tally::real);
     c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
     const auto start = std::chrono::steady_clock::now();
     op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Fake), stack);
-    add_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::lock_guard<std::mutex> lock(state.mutex);
+    if (state.tally != nullptr) state.tally->real_seconds += seconds;
   };
 
   // The device outputs go to: the first tensor argument's on another device than
@@ -225,14 +441,14 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
     if (!device || (device->is_cpu() && !t.is_cpu())) device = t.device();
   }
   if (!device) return real();  // a factory: runs as it is
-  bool census_call = false;  // the operator's first call in a census: run for real
+  bool census_call = false;  // the operator's first call in a census: also run for real, unseen
   bool known_without_meta = false;
   {
     std::lock_guard<std::mutex> lock(state.mutex);
-    census_call = state.census && state.seen.insert(&schema).second;
+    census_call = state.census && state.censused.insert(&schema).second;
+    if (census_call && state.tally != nullptr) ++state.tally->census;
     known_without_meta = state.without_meta.count(&schema) > 0;
   }
-  if (census_call) return real();
   bool writes = false;
   for (const auto& a : schema.arguments())
     if (a.alias_info() != nullptr && a.alias_info()->isWrite()) writes = true;
@@ -246,7 +462,8 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
       const auto* alias = schema.arguments()[i].alias_info();
       if (alias != nullptr && alias->isWrite() && args[i].isTensor()) {
         auto self = args[i];
-        add_seconds(estimated_seconds(schema, args, tensor_bytes(self)));
+        if (census_call) census_run(op, keys, args);
+        add_work(work_of(schema, args, tensor_bytes(self)));
         torch::jit::drop(*stack, n);
         stack->push_back(std::move(self));
         count(&shape_only_tally::skipped);
@@ -293,14 +510,15 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
     const auto& t = r.toTensor();
     if (t.defined() && !t.is_floating_point() && !t.is_complex()) return real();  // indices, masks
   }
+  if (census_call) census_run(op, keys, args);
   std::int64_t output_bytes = 0;
   for (const auto& r : meta) output_bytes += tensor_bytes(r);
-  add_seconds(estimated_seconds(schema, args, output_bytes));
+  add_work(work_of(schema, args, output_bytes));
   torch::jit::drop(*stack, n);
   c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
   for (const auto& r : meta) {
     const auto& t = r.toTensor();
-    stack->push_back(t.defined() ? at::empty_strided(t.sizes(), t.strides(), t.options().device(*device)) : t);
+    stack->push_back(t.defined() ? shape_only_empty(t, *device) : t);
   }
   count(&shape_only_tally::shape_only);
 }
@@ -330,18 +548,29 @@ inline bool register_shape_only_fallback() {
 /// and the fallback registered).
 [[nodiscard]] inline bool shape_only_available() {
 #if TORCH_VERSION_MAJOR < 2
-  if (!detail::register_shape_only_fallback()) return false;
-  (void)detail::rates();  // measured once, now, so that no span sees their allocations
-  return true;
+  return detail::register_shape_only_fallback();
 #else
   return false;
 #endif
 }
 
+/// The rates shape-only execution estimates times with, measured now if they
+/// were not yet (a few milliseconds of real work whose allocations a watching
+/// scope would see: call it before opening a span whose allocations are watched).
+/// Zero where shape-only execution is unavailable.
+[[nodiscard]] inline shape_only_rates measured_shape_only_rates() {
+#if TORCH_VERSION_MAJOR < 2
+  return detail::register_shape_only_fallback() ? detail::rates() : shape_only_rates{};
+#else
+  return {};
+#endif
+}
+
 /// Runs what is dispatched on this thread (and autograd's, for the work it
-/// starts) shape-only while open; with `census`, each operator's first call in
-/// the span runs for real. One open scope at a time per process; open it only
-/// where shape_only_available(). The tally is the span's.
+/// starts) shape-only while open; with `census`, an operator's first call in
+/// the process among census spans also runs for real, unseen (see the header).
+/// One open scope at a time per process; open it only where
+/// shape_only_available(). The tally is the span's.
 class shape_only_scope {
  public:
   explicit shape_only_scope(bool census = false) {
@@ -349,13 +578,11 @@ class shape_only_scope {
     if (!detail::register_shape_only_fallback())
       throw Error("memscale::predict(): shape-only execution is unavailable (LibTorch refused a fallback for "
                   "DispatchKey::Fake: another library registered one)");
-    (void)detail::rates();  // measured once, for real, before any span
     auto& state = detail::shape_only_state::instance();
     {
       std::lock_guard<std::mutex> lock(state.mutex);
       state.tally = &tally_;
       state.census = census;
-      state.seen.clear();
     }
     guard_.emplace(c10::DispatchKey::Fake);
 #else
@@ -370,26 +597,46 @@ class shape_only_scope {
 #if TORCH_VERSION_MAJOR < 2
     guard_.reset();
     auto& state = detail::shape_only_state::instance();
-    std::lock_guard<std::mutex> lock(state.mutex);
-    state.tally = nullptr;
-    state.census = false;
-    state.seen.clear();
+    {
+      std::lock_guard<std::mutex> lock(state.mutex);
+      state.tally = nullptr;
+      state.census = false;
+    }
+    if (auto* arena = detail::shape_only_arena::instance()) arena->start_over_if_idle();
 #endif
   }
   /// What the span's operators so far would have taken computed (the tally's
-  /// estimated_seconds), cheaper than a copy of the tally.
+  /// estimated_seconds), cheaper than a copy of the tally. The first call in a
+  /// process measures the rates (measured_shape_only_rates()): where the span's
+  /// allocations are watched, measure them before opening it.
   [[nodiscard]] double estimated_seconds() const {
 #if TORCH_VERSION_MAJOR < 2
+    const auto& rates = detail::rates();
     std::lock_guard<std::mutex> lock(detail::shape_only_state::instance().mutex);
+    return rates.seconds(tally_);
+#else
+    return 0.0;
 #endif
-    return tally_.estimated_seconds;
   }
-  /// The calls so far.
+  /// The calls so far (estimated_seconds filled as by estimated_seconds()).
   [[nodiscard]] shape_only_tally tally() const {
+#if TORCH_VERSION_MAJOR < 2
+    const auto& rates = detail::rates();
+    std::lock_guard<std::mutex> lock(detail::shape_only_state::instance().mutex);
+    auto copy = tally_;
+    copy.estimated_seconds = rates.seconds(copy);
+    return copy;
+#else
+    return tally_;
+#endif
+  }
+  /// Calls that read tensor values so far (the tally's values_read), without the
+  /// copy or the rates.
+  [[nodiscard]] std::int64_t values_read() const {
 #if TORCH_VERSION_MAJOR < 2
     std::lock_guard<std::mutex> lock(detail::shape_only_state::instance().mutex);
 #endif
-    return tally_;
+    return tally_.values_read;
   }
 
  private:
