@@ -166,7 +166,7 @@ struct shape_only_state {
 /// process (an anonymous MAP_NORESERVE mapping, up to 1 TiB) and handed out by a
 /// bump pointer, so that an output costs no system call and no page: glibc's
 /// malloc would mmap and munmap each block above its mmap threshold (128 KiB
-/// once memscale::fix_malloc_mmap_threshold() fixed it), which measured 60% of a
+/// once memscale::fix_malloc_mmap_threshold() fixed it), which measured 45% of a
 /// shape-only step of the example GPT. Nothing writes these blocks (in-place
 /// operators are skipped), so their pages never become resident; any a real
 /// operator writes are given back (MADV_DONTNEED) when the arena starts over,
