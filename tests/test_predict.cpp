@@ -13,11 +13,24 @@
 
 #include <memscale/predict/shape_only.hpp>
 
+#include "resnet.hpp"
 #include "test_support.hpp"
 
 namespace {
 
 using memscale::memory_tracker;
+using memscale::predictor::shape_only_available;
+using memscale::predictor::shape_only_scope;
+using memscale::predictor::shape_only_tally;
+using memscale::predictor::timeline_scope;
+
+/// LibTorch 2.x keeps DispatchKey::Fake for its own FakeTensor mode: a
+/// shape-only test has nothing to run there and says so.
+bool shape_only_skipped() {
+  if (shape_only_available()) return false;
+  SUCCEED("LibTorch 2.x: shape-only execution is unavailable");
+  return true;
+}
 
 std::int64_t state_bytes(const torch::optim::Optimizer& optimizer) {
   std::int64_t total = 0;
@@ -257,9 +270,6 @@ TEST_CASE("predict refuses what it cannot size, changing nothing", "[predict]") 
 
 TEST_CASE("a shape-only step allocates what the real step allocates, computing nothing (LibTorch 1.x)",
           "[predict][shape_only]") {
-  using memscale::predictor::shape_only_available;
-  using memscale::predictor::shape_only_scope;
-  using memscale::predictor::timeline_scope;
   if (!shape_only_available()) {
     // LibTorch 2.x keeps DispatchKey::Fake for itself: the scope refuses, naming why.
     CHECK_THROWS_WITH(shape_only_scope(), Catch::Contains("LibTorch 1.x"));
@@ -270,7 +280,7 @@ TEST_CASE("a shape-only step allocates what the real step allocates, computing n
   const auto o = test::small_gpt();
   gpt::GPT model(o);
   const auto tokens = torch::randint(0, o.vocab, {8, o.context}, torch::kLong);
-  const auto step = [&](bool shape_only, memscale::predictor::shape_only_tally* tally, std::int64_t rows = 8) {
+  const auto step = [&](bool shape_only, shape_only_tally* tally, std::int64_t rows = 8) {
     for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
     const auto x = tokens.narrow(0, 0, rows);
     timeline_scope recorder(c10::kCPU);
@@ -292,7 +302,7 @@ TEST_CASE("a shape-only step allocates what the real step allocates, computing n
       guard.emplace(memscale::optimize(model, tokens, test::quiet({.mode = memscale::OptimizationMode::Aggressive})));
     (void)step(false, nullptr);  // one-time allocations
     const auto real = step(false, nullptr);
-    memscale::predictor::shape_only_tally tally;
+    shape_only_tally tally;
     const auto fake = step(true, &tally);
     CHECK(fake.peak() == real.peak());
     // At other batches too; and shape-only timelines at two batches align event
@@ -316,14 +326,7 @@ TEST_CASE("a shape-only step allocates what the real step allocates, computing n
 TEST_CASE("a census runs each operator for real once per process, unseen, and aligns with shape-only steps "
           "(LibTorch 1.x)",
           "[predict][shape_only]") {
-  using memscale::predictor::shape_only_available;
-  using memscale::predictor::shape_only_scope;
-  using memscale::predictor::shape_only_tally;
-  using memscale::predictor::timeline_scope;
-  if (!shape_only_available()) {
-    SUCCEED("LibTorch 2.x: shape-only execution is unavailable");
-    return;
-  }
+  if (shape_only_skipped()) return;
   memory_tracker::install();
   torch::manual_seed(13);
   const auto x = torch::randn({8, 32});
@@ -351,14 +354,112 @@ TEST_CASE("a census runs each operator for real once per process, unseen, and al
   CHECK(census.peak() == step(0, 2, nullptr).peak());
 }
 
+TEST_CASE("shape rules give what the real kernels give, for the operators without a meta kernel (LibTorch 1.x)",
+          "[predict][shape_only]") {
+  if (shape_only_skipped()) return;
+  torch::manual_seed(17);
+  const auto r = [](std::vector<std::int64_t> sizes) { return torch::randn(sizes); };
+  const auto x = r({4, 6, 8}), w8 = r({8}), b8 = r({8});
+  const auto table = r({10, 4});
+  const auto ids = torch::randint(0, 10, {3, 5}, torch::kLong);
+  const auto planes = r({4, 3, 5, 5}), gamma = r({3}), beta = r({3});
+  using outputs = std::vector<torch::Tensor>;
+  const auto all = [](auto t) {
+    return outputs{std::get<0>(t), std::get<1>(t), std::get<2>(t)};
+  };
+  const std::vector<std::pair<std::string, std::function<outputs()>>> calls{
+      {"layer norm", [&] { return all(at::native_layer_norm(x, {8}, w8, b8, 1e-5)); }},
+      {"layer norm over two dims", [&] { return all(at::native_layer_norm(x, {6, 8}, {}, {}, 1e-5)); }},
+      {"layer norm backward",
+       [&] {
+         const auto f = at::native_layer_norm(x, {8}, w8, b8, 1e-5);
+         return all(at::native_layer_norm_backward(r({4, 6, 8}), x, {8}, std::get<1>(f), std::get<2>(f), w8, b8,
+                                                   {true, true, true}));
+       }},
+      {"layer norm backward, input only",
+       [&] {
+         const auto f = at::native_layer_norm(x, {8}, w8, b8, 1e-5);
+         return all(at::native_layer_norm_backward(r({4, 6, 8}), x, {8}, std::get<1>(f), std::get<2>(f), w8, b8,
+                                                   {true, false, false}));
+       }},
+      {"embedding", [&] { return outputs{at::embedding(table, ids)}; }},
+      {"embedding backward", [&] { return outputs{at::embedding_dense_backward(r({3, 5, 4}), ids, 10, -1, false)}; }},
+      {"batch norm, training",
+       [&] {
+         auto mean = torch::zeros({3}), var = torch::ones({3});
+         return all(at::native_batch_norm(planes, gamma, beta, mean, var, true, 0.1, 1e-5));
+       }},
+      {"batch norm, evaluation",
+       [&] {
+         auto mean = torch::zeros({3}), var = torch::ones({3});
+         return all(at::native_batch_norm(planes, gamma, beta, mean, var, false, 0.1, 1e-5));
+       }},
+      {"batch norm backward",
+       [&] {
+         auto mean = torch::zeros({3}), var = torch::ones({3});
+         const auto f = at::native_batch_norm(planes, gamma, beta, mean, var, true, 0.1, 1e-5);
+         return all(at::native_batch_norm_backward(r({4, 3, 5, 5}), planes, gamma, mean, var, std::get<1>(f),
+                                                   std::get<2>(f), true, 1e-5, {true, true, true}));
+       }},
+  };
+  for (const auto& [what, call] : calls) {
+    CAPTURE(what);
+    const auto real = call();
+    outputs fake;
+    shape_only_tally tally;
+    {
+      shape_only_scope scope;
+      fake = call();
+      tally = scope.tally();
+    }
+    REQUIRE(fake.size() == real.size());
+    for (std::size_t i = 0; i < real.size(); ++i) {
+      CAPTURE(i);
+      CHECK(fake[i].defined() == real[i].defined());
+      if (!real[i].defined() || !fake[i].defined()) continue;
+      CHECK(fake[i].sizes() == real[i].sizes());
+      CHECK(fake[i].strides() == real[i].strides());
+      CHECK(fake[i].scalar_type() == real[i].scalar_type());
+    }
+    CHECK(tally.without_meta.empty());  // a rule made them: nothing ran for want of a meta kernel
+  }
+}
+
+TEST_CASE("a ResNet-style CNN's shape-only step allocates what its real step does (LibTorch 1.x)",
+          "[predict][shape_only]") {
+  if (shape_only_skipped()) return;
+  memory_tracker::install();
+  torch::manual_seed(19);
+  resnet::ResNet model(2, 16);
+  const auto images = torch::randn({4, 3, 16, 16});
+  const auto labels = torch::randint(0, 10, {4}, torch::kLong);
+  const auto step = [&](bool shape_only, std::int64_t rows, shape_only_tally* tally = nullptr) {
+    for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
+    memscale::core::verify::sandbox box(*model);  // running statistics put back
+    timeline_scope recorder(c10::kCPU);
+    {
+      std::optional<shape_only_scope> fake;
+      if (shape_only) fake.emplace();
+      torch::cross_entropy_loss(model->forward(images.narrow(0, 0, rows)), labels.narrow(0, 0, rows)).backward();
+      if (tally != nullptr) *tally = fake->tally();
+    }
+    return recorder.finish();
+  };
+  (void)step(false, 2);  // one-time allocations
+  shape_only_tally tally;
+  const auto at2 = step(true, 2, &tally);
+  const auto at3 = step(true, 3);
+  CHECK(at2.peak() == step(false, 2).peak());
+  CHECK(at3.peak() == step(false, 3).peak());
+  CHECK(memscale::predictor::aligned(at2, at3));
+  // Batch norm made by rules; convolution runs for real (no rule: see shape_only.hpp).
+  CHECK(tally.without_meta.count("aten::native_batch_norm") == 0);
+  CHECK(tally.without_meta.count("aten::convolution") == 1);
+}
+
 TEST_CASE("shape-only outputs are counted and limited like the allocator's, and cost no resident memory",
           "[predict][shape_only]") {
-  using memscale::predictor::shape_only_available;
-  using memscale::predictor::shape_only_scope;
-  if (!shape_only_available()) {
-    SUCCEED("LibTorch 2.x: shape-only execution is unavailable");
-    return;
-  }
+  if (shape_only_skipped()) return;
   memory_tracker::install();
   const auto a = torch::ones({512, 512});
   const std::int64_t bytes = 512 * 512 * 4;
@@ -381,13 +482,8 @@ TEST_CASE("shape-only outputs are counted and limited like the allocator's, and 
 
 TEST_CASE("shape-only execution counts what its operators would take, and the profiler can time by it (LibTorch 1.x)",
           "[predict][shape_only]") {
-  using memscale::predictor::shape_only_available;
-  using memscale::predictor::shape_only_scope;
   using clock = memscale::detail::profile_clock_scope;
-  if (!shape_only_available()) {
-    SUCCEED("LibTorch 2.x: shape-only execution is unavailable");
-    return;
-  }
+  if (shape_only_skipped()) return;
   const auto a = torch::ones({256, 256});
   const auto b = torch::ones({256, 512});
   const auto c = torch::ones({256, 1024});

@@ -91,7 +91,7 @@ struct shape_only_tally {
   /// What the span's operators would take computed: measured for those run for
   /// real, estimated for the others (shape_only_rates): real_seconds +
   /// flops / flops_per_second + bytes_moved / bytes_per_second, filled by
-  /// shape_only_scope::tally().
+  /// shape_only_scope::tally() once the rates are measured.
   double estimated_seconds = 0.0;
   double real_seconds = 0.0;  ///< the operators run for real, timed
   double flops = 0.0;         ///< the others' matrix products' arithmetic
@@ -108,8 +108,8 @@ struct shape_only_tally {
 /// The rates shape-only execution turns an operator's arithmetic and memory
 /// traffic into seconds with: measured once per process (a 256^3 float matrix
 /// product and a 4 MiB copy, each the fastest of three, at the thread count set
-/// then), at the first shape_only_scope::estimated_seconds() or tally(), or
-/// before, by measured_shape_only_rates().
+/// then), at the first shape_only_scope::estimated_seconds(), or before, by
+/// measured_shape_only_rates().
 struct shape_only_rates {
   double flops_per_second = 0.0;
   double bytes_per_second = 0.0;
@@ -270,25 +270,196 @@ class shape_only_arena final : public c10::Allocator {
   mutable std::int64_t live_blocks_ = 0;
 };
 
-/// An uninitialised tensor of `meta`'s shape, strides and type on `device`: from
+/// An uninitialised tensor of these sizes, strides and type on `device`: from
 /// the arena on the CPU where it has room, else from the device's allocator.
-inline torch::Tensor shape_only_empty(const torch::Tensor& meta, c10::Device device) {
+inline torch::Tensor shape_only_empty(c10::IntArrayRef sizes, c10::IntArrayRef strides, caffe2::TypeMeta dtype,
+                                      c10::Device device) {
   c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
   if (device.is_cpu()) {
     if (auto* arena = shape_only_arena::instance()) {
-      const auto bytes = at::detail::computeStorageNbytes(meta.sizes(), meta.strides(), meta.dtype().itemsize());
+      const auto bytes = at::detail::computeStorageNbytes(sizes, strides, dtype.itemsize());
       auto data = arena->allocate(bytes);
       if (data || bytes == 0) {
         c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(data), arena, /*resizable=*/true);
         auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                          meta.dtype());
-        t.unsafeGetTensorImpl()->set_sizes_and_strides(meta.sizes(), meta.strides());
+                                                          dtype);
+        t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
         return t;
       }
     }
   }
-  return at::empty_strided(meta.sizes(), meta.strides(), meta.options().device(device));
+  return at::empty_strided(sizes, strides, torch::TensorOptions().dtype(dtype).device(device));
 }
+inline torch::Tensor shape_only_empty(const torch::Tensor& meta, c10::Device device) {
+  return shape_only_empty(meta.sizes(), meta.strides(), meta.dtype(), device);
+}
+
+/// An output a shape rule makes: its sizes, strides and type (undefined: the
+/// operator returns no tensor there).
+struct output_spec {
+  bool defined = false;
+  std::vector<std::int64_t> sizes;
+  std::vector<std::int64_t> strides;
+  caffe2::TypeMeta dtype;
+};
+
+inline output_spec contiguous_spec(std::vector<std::int64_t> sizes, caffe2::TypeMeta dtype) {
+  output_spec s{true, std::move(sizes), {}, dtype};
+  s.strides.assign(s.sizes.size(), 1);
+  for (std::size_t d = s.sizes.size(); d-- > 1;) s.strides[d - 1] = s.strides[d] * std::max<std::int64_t>(1, s.sizes[d]);
+  return s;
+}
+
+/// The arguments a rule reads, checked: the i-th argument as a defined CPU
+/// float or double tensor in the default contiguous layout (what the rules
+/// cover: the kernels then copy nothing and make contiguous outputs), an
+/// optional one, integers, flags.
+struct rule_args {
+  c10::ArrayRef<c10::IValue> args;
+  bool ok = true;
+
+  const torch::Tensor* dense(std::size_t i) {
+    if (i >= args.size() || !args[i].isTensor()) return fail();
+    const auto& t = args[i].toTensor();
+    if (!t.defined() || !t.device().is_cpu() || t.layout() != c10::kStrided || !t.is_contiguous() ||
+        (t.scalar_type() != c10::kFloat && t.scalar_type() != c10::kDouble))
+      return fail();
+    return &t;
+  }
+  /// Absent (None or undefined): nullptr and still ok.
+  const torch::Tensor* optional(std::size_t i) {
+    if (i >= args.size()) return fail();
+    if (args[i].isNone() || (args[i].isTensor() && !args[i].toTensor().defined())) return nullptr;
+    return dense(i);
+  }
+  const torch::Tensor* indices(std::size_t i) {
+    if (i >= args.size() || !args[i].isTensor()) return fail();
+    const auto& t = args[i].toTensor();
+    if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous() ||
+        (t.scalar_type() != c10::kLong && t.scalar_type() != c10::kInt))
+      return fail();
+    return &t;
+  }
+  std::vector<std::int64_t> ints(std::size_t i) {
+    if (i < args.size() && args[i].isIntList()) return args[i].toIntVector();
+    ok = false;
+    return {};
+  }
+  std::int64_t integer(std::size_t i) {
+    if (i < args.size() && args[i].isInt()) return args[i].toInt();
+    ok = false;
+    return 0;
+  }
+  bool flag(std::size_t i) {
+    if (i < args.size() && args[i].isBool()) return args[i].toBool();
+    ok = false;
+    return false;
+  }
+  std::vector<bool> mask(std::size_t i) {
+    if (i < args.size() && args[i].isBoolList()) {
+      std::vector<bool> m;
+      for (const bool b : args[i].toBoolList()) m.push_back(b);
+      return m;
+    }
+    ok = false;
+    return {};
+  }
+
+ private:
+  const torch::Tensor* fail() {
+    ok = false;
+    return nullptr;
+  }
+};
+
+/// Output shapes for operators LibTorch 1.13 has no meta kernel for, made as
+/// their CPU kernels make them (the same outputs, contiguous): layer norm,
+/// embedding and batch norm, forward and backward. nullopt where a rule does
+/// not cover the call (another type or layout): the operator then runs for
+/// real. Batch norm's update of the running statistics, like every value, is
+/// skipped. Convolution has none: its CPU kernels allocate temporaries of the
+/// output's size beside it (measured on a ResNet-style CNN: a shape-only step
+/// with a rule for it peaked two activations short of the real step), which a
+/// rule would miss. Checked against the real kernels and steps in
+/// tests/test_predict.cpp.
+inline std::optional<std::vector<output_spec>> rule_outputs(const c10::FunctionSchema& schema,
+                                                           c10::ArrayRef<c10::IValue> args) {
+  const auto& name = schema.name();
+  if (!schema.overload_name().empty()) return std::nullopt;
+  rule_args a{args};
+  std::vector<output_spec> out;
+  const auto absent = output_spec{};
+  if (name == "aten::native_layer_norm") {
+    // (input, normalized_shape, weight?, bias?, eps) -> (out, mean, rstd)
+    const auto* input = a.dense(0);
+    const auto normalized = a.ints(1);
+    (void)a.optional(2);
+    (void)a.optional(3);
+    if (!a.ok || normalized.size() > static_cast<std::size_t>(input->dim())) return std::nullopt;
+    const auto axis = static_cast<std::size_t>(input->dim()) - normalized.size();
+    std::vector<std::int64_t> stat(input->sizes().begin(), input->sizes().begin() + static_cast<std::ptrdiff_t>(axis));
+    stat.resize(static_cast<std::size_t>(input->dim()), 1);
+    out = {contiguous_spec(input->sizes().vec(), input->dtype()), contiguous_spec(stat, input->dtype()),
+           contiguous_spec(stat, input->dtype())};
+  } else if (name == "aten::native_layer_norm_backward") {
+    // (grad_out, input, normalized_shape, mean, rstd, weight?, bias?, output_mask) -> (dX, dgamma, dbeta)
+    (void)a.dense(0);
+    const auto* input = a.dense(1);
+    (void)a.ints(2);
+    const auto* weight = a.optional(5);
+    const auto* bias = a.optional(6);
+    const auto mask = a.mask(7);
+    if (!a.ok || mask.size() != 3 || (mask[1] && weight == nullptr) || (mask[2] && bias == nullptr)) return std::nullopt;
+    out = {mask[0] ? contiguous_spec(input->sizes().vec(), input->dtype()) : absent,
+           mask[1] ? contiguous_spec(weight->sizes().vec(), weight->dtype()) : absent,
+           mask[2] ? contiguous_spec(bias->sizes().vec(), bias->dtype()) : absent};
+  } else if (name == "aten::embedding") {
+    // (weight, indices, padding_idx, scale_grad_by_freq, sparse) -> out
+    const auto* weight = a.dense(0);
+    const auto* indices = a.indices(1);
+    if (!a.ok || weight->dim() != 2) return std::nullopt;
+    auto sizes = indices->sizes().vec();
+    sizes.push_back(weight->size(1));
+    out = {contiguous_spec(sizes, weight->dtype())};
+  } else if (name == "aten::embedding_dense_backward") {
+    // (grad_output, indices, num_weights, padding_idx, scale_grad_by_freq) -> grad_weight
+    const auto* grad = a.dense(0);
+    (void)a.indices(1);
+    const auto rows = a.integer(2);
+    if (!a.ok || grad->dim() < 1) return std::nullopt;
+    out = {contiguous_spec({rows, grad->size(-1)}, grad->dtype())};
+  } else if (name == "aten::native_batch_norm") {
+    // (input, weight?, bias?, running_mean?, running_var?, training, momentum, eps) -> (out, save_mean, save_invstd)
+    const auto* input = a.dense(0);
+    for (std::size_t i = 1; i <= 4; ++i) {
+      const auto* p = a.optional(i);
+      if (p != nullptr && p->scalar_type() != input->scalar_type()) return std::nullopt;  // mixed types
+    }
+    const bool training = a.flag(5);
+    if (!a.ok || input->dim() < 2) return std::nullopt;
+    const std::vector<std::int64_t> stats{training ? input->size(1) : 0};
+    out = {contiguous_spec(input->sizes().vec(), input->dtype()), contiguous_spec(stats, input->dtype()),
+           contiguous_spec(stats, input->dtype())};
+  } else if (name == "aten::native_batch_norm_backward") {
+    // (grad_out, input, weight?, running_mean?, running_var?, save_mean?, save_invstd?, train, eps, output_mask)
+    (void)a.dense(0);
+    const auto* input = a.dense(1);
+    for (std::size_t i = 2; i <= 6; ++i) {
+      const auto* p = a.optional(i);
+      if (p != nullptr && p->scalar_type() != input->scalar_type()) return std::nullopt;
+    }
+    const auto mask = a.mask(9);
+    if (!a.ok || mask.size() != 3 || input->dim() < 2) return std::nullopt;
+    const std::vector<std::int64_t> channels{input->size(1)};
+    out = {mask[0] ? contiguous_spec(input->sizes().vec(), input->dtype()) : absent,
+           mask[1] ? contiguous_spec(channels, input->dtype()) : absent,
+           mask[2] ? contiguous_spec(channels, input->dtype()) : absent};
+  } else {
+    return std::nullopt;
+  }
+  return out;
+}
+
 
 inline shape_only_rates measure_rates() {
   c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
@@ -317,8 +488,16 @@ inline shape_only_rates measure_rates() {
   return {2.0 * static_cast<double>(n * n * n) / gemm, 2.0 * static_cast<double>(source.nbytes()) / copy};
 }
 
+inline std::atomic<bool>& rates_measured() {
+  static std::atomic<bool> measured{false};
+  return measured;
+}
 inline const shape_only_rates& rates() {
-  static const shape_only_rates measured = measure_rates();
+  static const shape_only_rates measured = [] {
+    const auto r = measure_rates();
+    rates_measured() = true;
+    return r;
+  }();
   return measured;
 }
 
@@ -356,6 +535,7 @@ inline operator_work work_of(const c10::FunctionSchema& schema, c10::ArrayRef<c1
   };
   if (name == "aten::mm" || name == "aten::bmm") product(dims(0), dims(1));
   else if (name == "aten::addmm" || name == "aten::baddbmm" || name == "aten::addbmm") product(dims(1), dims(2));
+
   std::int64_t bytes = output_bytes;
   for (const auto& v : args) bytes += tensor_bytes(v);
   return {flops, static_cast<double>(bytes)};
@@ -479,6 +659,21 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
     }
     real();
   };
+  // Operators without a meta kernel that a shape rule covers.
+  if (auto specs = rule_outputs(schema, args)) {
+    if (census_call) census_run(op, keys, args);
+    std::int64_t output_bytes = 0;
+    for (const auto& spec : *specs)
+      if (spec.defined)
+        output_bytes += static_cast<std::int64_t>(at::detail::computeStorageNbytes(spec.sizes, spec.strides,
+                                                                                   spec.dtype.itemsize()));
+    add_work(work_of(schema, args, output_bytes));
+    torch::jit::drop(*stack, n);
+    for (const auto& spec : *specs)
+      stack->push_back(spec.defined ? shape_only_empty(spec.sizes, spec.strides, spec.dtype, *device) : torch::Tensor());
+    count(&shape_only_tally::shape_only);
+    return;
+  }
   if (writes || aliases) return real();
   if (known_without_meta || !op.hasComputedKernelForDispatchKey(c10::DispatchKey::Meta)) return without_meta();
 
@@ -618,13 +813,16 @@ class shape_only_scope {
     return 0.0;
 #endif
   }
-  /// The calls so far (estimated_seconds filled as by estimated_seconds()).
+  /// The calls so far, with estimated_seconds filled as by estimated_seconds()
+  /// where the rates were measured already (0 otherwise: a copy of the tally
+  /// never runs their measuring work inside a span someone watches).
   [[nodiscard]] shape_only_tally tally() const {
 #if TORCH_VERSION_MAJOR < 2
-    const auto& rates = detail::rates();
+    const bool estimate = detail::rates_measured();
+    const auto rates = estimate ? detail::rates() : shape_only_rates{};
     std::lock_guard<std::mutex> lock(detail::shape_only_state::instance().mutex);
     auto copy = tally_;
-    copy.estimated_seconds = rates.seconds(copy);
+    copy.estimated_seconds = estimate ? rates.seconds(copy) : 0.0;
     return copy;
 #else
     return tally_;
