@@ -44,7 +44,9 @@ if ((${#failures[@]} == 0)); then stage build cmake --build --preset default -j 
 if ((${#failures[@]})); then summary; fi
 
 stage ctest run_ctest
-stage headers-libtorch1 cmake/check_headers.sh /usr/include
+# Against 1.13 the headers only: the build compiled every source against it in
+# full, with the same warnings.
+stage headers-libtorch1 env MEMSCALE_CHECK_SOURCES=0 cmake/check_headers.sh /usr/include
 stage fetch-libtorch2 cmake/fetch_libtorch2_headers.sh .cache/libtorch2
 if [[ -d .cache/libtorch2/root/usr/include/torch ]]; then
   stage headers-libtorch2 cmake/check_headers.sh .cache/libtorch2/root/usr/include
