@@ -79,6 +79,17 @@ class counting_cpu_allocator final : public c10::Allocator {
   [[nodiscard]] byte_counter& counter() noexcept { return counter_; }
   /// The hard limit on live bytes, or -1 for none (memory_tracker::hard_limit_scope).
   [[nodiscard]] std::atomic<std::int64_t>& limit() noexcept { return limit_; }
+  /// Throws OutOfMemoryError where `size` bytes more would pass the hard limit:
+  /// what each allocation checks, this allocator's and those memscale counts
+  /// with it (predict's shape-only arena).
+  static void check_limit(std::int64_t size) {
+    if (const auto cap = instance().limit_.load(std::memory_order_relaxed); cap >= 0) {
+      const auto live = instance().counter_.current();
+      TORCH_CHECK_WITH(OutOfMemoryError, live + size <= cap,
+                       "CPU out of memory (memscale::memory_tracker::hard_limit_scope): tried to allocate ", size,
+                       " bytes with ", live, " bytes live; the hard limit is ", cap, " bytes");
+    }
+  }
 
   static counting_cpu_allocator& instance() {
     static auto* self = new counting_cpu_allocator();  // never destroyed, see above
@@ -102,12 +113,7 @@ class counting_cpu_allocator final : public c10::Allocator {
     const c10::Device cpu(c10::kCPU);
     if (bytes == 0) return c10::DataPtr(nullptr, nullptr, &release, cpu);
     const auto size = static_cast<std::int64_t>(bytes);
-    if (const auto cap = instance().limit_.load(std::memory_order_relaxed); cap >= 0) {
-      const auto live = instance().counter_.current();
-      TORCH_CHECK_WITH(OutOfMemoryError, live + size <= cap,
-                       "CPU out of memory (memscale::memory_tracker::hard_limit_scope): tried to allocate ", size,
-                       " bytes with ", live, " bytes live; the hard limit is ", cap, " bytes");
-    }
+    check_limit(size);
     auto* base = static_cast<char*>(c10::alloc_cpu(bytes + header_bytes));
     std::memcpy(base, &size, sizeof size);
     instance().counter_.add(size);

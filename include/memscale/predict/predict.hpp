@@ -513,8 +513,8 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
             (void)forward(x);
             done = true;
           } catch (const std::exception&) {  // the calibration below then says why, or runs for real
+            box.reset();                     // and the forward runs for real from where it began
           }
-          box.reset();
         }
         if (!done) (void)forward(x);
       }

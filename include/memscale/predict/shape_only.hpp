@@ -74,6 +74,7 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/strides.h>
 #include <torch/library.h>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -203,14 +204,7 @@ class shape_only_arena final : public c10::Allocator {
     const auto size = static_cast<std::int64_t>(bytes);
     const auto tracked = memory_tracker::installed();
     auto& counting = memscale::detail::counting_cpu_allocator::instance();
-    if (tracked) {
-      if (const auto cap = counting.limit().load(std::memory_order_relaxed); cap >= 0) {
-        const auto live = counting.counter().current();
-        TORCH_CHECK_WITH(OutOfMemoryError, live + size <= cap,
-                         "CPU out of memory (memscale::memory_tracker::hard_limit_scope): tried to allocate ", size,
-                         " bytes with ", live, " bytes live; the hard limit is ", cap, " bytes");
-      }
-    }
+    if (tracked) memscale::detail::counting_cpu_allocator::check_limit(size);
     constexpr std::size_t alignment = 64;  // LibTorch's CPU alignment
     const auto rounded = (bytes + alignment - 1) / alignment * alignment;
     char* data = nullptr;
@@ -304,10 +298,8 @@ struct output_spec {
 };
 
 inline output_spec contiguous_spec(std::vector<std::int64_t> sizes, caffe2::TypeMeta dtype) {
-  output_spec s{true, std::move(sizes), {}, dtype};
-  s.strides.assign(s.sizes.size(), 1);
-  for (std::size_t d = s.sizes.size(); d-- > 1;) s.strides[d - 1] = s.strides[d] * std::max<std::int64_t>(1, s.sizes[d]);
-  return s;
+  const auto strides = c10::contiguous_strides(sizes);
+  return {true, std::move(sizes), {strides.begin(), strides.end()}, dtype};
 }
 
 /// The arguments a rule reads, checked: the i-th argument as a defined CPU
@@ -459,7 +451,6 @@ inline std::optional<std::vector<output_spec>> rule_outputs(const c10::FunctionS
   }
   return out;
 }
-
 
 inline shape_only_rates measure_rates() {
   c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
@@ -662,15 +653,16 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
   // Operators without a meta kernel that a shape rule covers.
   if (auto specs = rule_outputs(schema, args)) {
     if (census_call) census_run(op, keys, args);
+    std::vector<torch::Tensor> outputs;
     std::int64_t output_bytes = 0;
-    for (const auto& spec : *specs)
-      if (spec.defined)
-        output_bytes += static_cast<std::int64_t>(at::detail::computeStorageNbytes(spec.sizes, spec.strides,
-                                                                                   spec.dtype.itemsize()));
+    for (const auto& spec : *specs) {
+      outputs.push_back(spec.defined ? shape_only_empty(spec.sizes, spec.strides, spec.dtype, *device)
+                                     : torch::Tensor());
+      output_bytes += tensor_bytes(outputs.back());
+    }
     add_work(work_of(schema, args, output_bytes));
     torch::jit::drop(*stack, n);
-    for (const auto& spec : *specs)
-      stack->push_back(spec.defined ? shape_only_empty(spec.sizes, spec.strides, spec.dtype, *device) : torch::Tensor());
+    for (auto& t : outputs) stack->push_back(std::move(t));
     count(&shape_only_tally::shape_only);
     return;
   }
