@@ -5,7 +5,9 @@
 //   - a flat Sequential of primitive layers: (Linear(256,1024), GELU,
 //     Linear(1024,256), LayerNorm(256), Dropout(0.1)) x 8 on input [32,128,256].
 // Rows: baseline, Conservative (no budget), Balanced (memory_budget_gb = 60% of
-// the measured baseline total peak), Aggressive. Every row trains its own
+// the measured baseline total peak), Aggressive, and on the GPT and the flat
+// chain "hand ckpt/block": no memscale guard, memscale::checkpoint around each
+// block, written into the forward as a user would by hand. Every row trains its own
 // identically seeded model on the same batches with its own copy of the RNG
 // stream, and the rows take turns step by step, so load changes on the machine
 // hit them alike and the losses must match the baseline's bit for bit. Per row:
@@ -73,541 +75,13 @@
 #include "host_info.hpp"
 #include "resnet.hpp"
 
+#include "bench_common.hpp"
+#include "bench_print.hpp"
+#include "bench_runner.hpp"
+
 namespace {
 
-using clock_type = std::chrono::steady_clock;
-constexpr double gib = 1024.0 * 1024.0 * 1024.0;
-constexpr std::uint64_t init_seed = 42;
-constexpr std::uint64_t train_seed = 1234;
-constexpr double learning_rate = 3e-4;
-constexpr double balanced_budget_fraction = 0.6;
-constexpr std::int64_t dp_buckets = 8192;  ///< live-byte resolution of the optimal-DP yardstick
-
-// --- machine information ---------------------------------------------------------
-
-template <class Fn>
-Fn* symbol(const char* name) {
-  return reinterpret_cast<Fn*>(::dlsym(RTLD_DEFAULT, name));
-}
-
-std::string blas_details() {
-  std::ostringstream os;
-  if (auto* threads = symbol<int()>("openblas_get_num_threads")) os << "OpenBLAS threads " << threads();
-  if (auto* config = symbol<char*()>("openblas_get_config")) os << ", config: " << config();
-  return os.str();
-}
-
-std::string load_average() {
-  std::ifstream in("/proc/loadavg");
-  std::string a, b, c;
-  in >> a >> b >> c;
-  return a + " " + b + " " + c;
-}
-
-std::string utc_now() {
-  const auto t = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buf[64];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S UTC", &tm);
-  return buf;
-}
-
-// --- formatting -----------------------------------------------------------------------
-
-std::string mib(double bytes) {
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(1) << bytes / (1024.0 * 1024.0) << " MiB";
-  return os.str();
-}
-
-std::string ms(double seconds, int precision = 1) {
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(precision) << seconds * 1e3 << " ms";
-  return os.str();
-}
-
-std::string ratio(double num, double den) {
-  if (!(den > 0.0)) return num > 0.0 ? "inf" : "-";
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(3) << num / den << "x";
-  return os.str();
-}
-
-template <class T>
-double median(std::vector<T> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const auto n = v.size();
-  return n % 2 == 1 ? static_cast<double>(v[n / 2])
-                    : (static_cast<double>(v[n / 2 - 1]) + static_cast<double>(v[n / 2])) / 2.0;
-}
-
-/// A plain-text table: right-aligned columns except the first.
-class Table {
- public:
-  explicit Table(std::vector<std::string> header) { rows_.push_back(std::move(header)); }
-  void add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
-  void print(std::ostream& os) const {
-    std::vector<std::size_t> width(rows_.front().size(), 0);
-    for (const auto& r : rows_)
-      for (std::size_t i = 0; i < r.size() && i < width.size(); ++i) width[i] = std::max(width[i], r[i].size());
-    for (std::size_t k = 0; k < rows_.size(); ++k) {
-      const auto& r = rows_[k];
-      for (std::size_t i = 0; i < r.size(); ++i) {
-        if (i == 0) os << std::left << std::setw(static_cast<int>(width[i])) << r[i] << std::right;
-        else os << "  " << std::setw(static_cast<int>(width[i])) << r[i];
-      }
-      os << "\n";
-      if (k == 0) {
-        std::size_t total = 0;
-        for (auto w : width) total += w + 2;
-        os << std::string(total - 2, '-') << "\n";
-      }
-    }
-  }
-
- private:
-  std::vector<std::vector<std::string>> rows_;
-};
-
-// --- measurement --------------------------------------------------------------------
-
-struct Sample {
-  torch::Tensor input, target;
-};
-
-struct RowResult {
-  std::string name;
-  bool memscale = false;
-  bool exact_expected = true;  ///< false where the row changes the arithmetic (tiling, bf16, 8-bit state)
-  std::optional<memscale::Report> report;
-  std::optional<double> budget_gb;
-  // memory, bytes
-  double growth = 0.0;              ///< median peak growth of the measured steps
-  double total_peak = 0.0;          ///< resident bytes of the row (model, gradients, AdamW) + growth
-  std::int64_t first_growth = 0;    ///< warm-up step; for memscale rows, planning included
-  std::int64_t planning_growth = 0; ///< optimize() alone
-  // time, seconds
-  double step_seconds = 0.0;
-  double first_seconds = 0.0;  ///< warm-up step (+ planning for memscale rows)
-  double planning_seconds = 0.0;
-  std::vector<float> losses;
-  bool detached = true;
-  // optimal-DP yardstick (projected seconds, summed over chains)
-  double rule_recompute = 0.0;
-  double dp_recompute = 0.0;
-  bool dp_feasible = true;
-  std::int64_t rule_peak = 0;  ///< projected chain peak of the rule plan (the DP's budget)
-  std::int64_t dp_peak = 0;    ///< projected chain peak of the DP plan
-  std::optional<memscale::offload::engine_stats> offload;  ///< the offload engine's totals over all steps
-  int steps = 0;
-};
-
-/// A DP budget rounded up to a multiple of the bucket count: optimal_segmentation
-/// indexes past its table when live bytes fall in a last, partial bucket
-/// (levels = budget / quantum + 1 truncates), so the harness never makes one.
-std::int64_t dp_budget(std::int64_t bytes) { return (bytes + dp_buckets - 1) / dp_buckets * dp_buckets; }
-
-/// Whether a row's plan uses more than checkpointing (the DP knows only that).
-bool beyond_checkpointing(const RowResult& row) {
-  return row.report && (row.report->offloaded_units() > 0 || row.report->tiled_segments() > 0);
-}
-
-/// The optimal-DP yardstick for a memscale row's plan (projected figures). The
-/// DP knows checkpointing only: plans that offload or tile get no yardstick.
-void add_yardstick(RowResult& row) {
-  if (!row.report || beyond_checkpointing(row)) return;
-  const auto& r = *row.report;
-  for (std::size_t c = 0; c < r.chains.size() && c < r.plan.units.size(); ++c) {
-    const auto& slots = r.chains[c].slots;
-    const auto& units = r.plan.units[c];
-    const auto rule_peak = memscale::core::project_chain(slots, units).peak;
-    // The DP rounds live bytes up to budget / buckets, once per unit: at a budget of
-    // exactly rule_peak it can reject the rule plan itself. Give it that rounding as
-    // slack (at most n quanta, n / buckets of the budget), so every plan within
-    // rule_peak is feasible for it; its plan's exact peak is reported beside it.
-    const auto n = static_cast<std::int64_t>(slots.size());
-    const auto budget = dp_budget((rule_peak * dp_buckets + (dp_buckets - n - 2)) / (dp_buckets - n - 1));
-    const auto dp = memscale::core::optimal_segmentation(slots, budget, static_cast<int>(dp_buckets));
-    row.rule_recompute += memscale::core::recompute_seconds(slots, units);
-    row.rule_peak += rule_peak;
-    if (dp.feasible) {
-      row.dp_recompute += dp.recompute_seconds;
-      row.dp_peak += dp.peak;
-    } else {
-      row.dp_feasible = false;
-    }
-  }
-}
-
-/// One row: a fresh model (seeded identically for every row), its AdamW, its
-/// memscale guard (unless baseline) and its own copy of the CPU RNG stream, so rows
-/// can take turns step by step and still each see the baseline's dropout masks.
-template <class Model>
-class Runner {
- public:
-  using loss_fn = std::function<torch::Tensor(Model&, const Sample&)>;
-
-  /// Builds the model, plans (memscale rows), then runs the warm-up step and one
-  /// calibration step, both unmeasured for the medians.
-  Runner(std::string name, const std::function<Model()>& make_model, loss_fn loss_of,
-         const std::vector<Sample>& data, const std::optional<memscale::Config>& config)
-      : loss_of_(std::move(loss_of)), data_(data) {
-    row.name = std::move(name);
-    row.memscale = config.has_value();
-    if (config) {
-      row.budget_gb = config->memory_budget_gb;
-      autocast_ = config->use_mixed_precision;
-    }
-    const auto live_before_model = memscale::memory_tracker::current_bytes();
-    torch::manual_seed(init_seed);
-    model_ = make_model();
-    model_->train();
-    memscale::optimizer_options adamw;
-    adamw.lr = learning_rate;
-    optimizer_ = memscale::make_optimizer(config.value_or(memscale::Config{}), model_->parameters(), adamw);
-    torch::manual_seed(train_seed);
-    rng_ = at::detail::getDefaultCPUGenerator().get_state();
-    {
-      // Warm-up step; its scope opens before planning so that it includes it.
-      memscale::memory_tracker::peak_scope first;
-      const auto start = clock_type::now();
-      if (config) {
-        // Rows take turns on one thread, so a row opens autocast around its own
-        // steps (as the guard would for its lifetime) rather than through the guard.
-        auto planned = *config;
-        planned.use_mixed_precision = false;
-        guard_.emplace(memscale::optimize(model_, data_.front().input, planned));
-        row.planning_seconds = std::chrono::duration<double>(clock_type::now() - start).count();
-        row.planning_growth = first.peak_growth();
-        row.report = guard_->report();
-        // Tiling (where the plan tiles), bf16 and 8-bit state change the arithmetic.
-        row.exact_expected = row.report->tiled_segments() == 0 && !config->use_mixed_precision &&
-                             !config->use_8bit_optimizer;
-      }
-      row.losses.push_back(step());
-      row.first_seconds = std::chrono::duration<double>(clock_type::now() - start).count();
-      row.first_growth = first.peak_growth();
-    }
-    {
-      memscale::memory_tracker::peak_scope calibration;
-      row.losses.push_back(step());
-      calibration_growth = calibration.peak_growth();
-    }
-    resident = memscale::memory_tracker::current_bytes() - live_before_model;
-  }
-
-  /// One measured step.
-  void measure() {
-    memscale::memory_tracker::peak_scope scope;
-    const auto start = clock_type::now();
-    row.losses.push_back(step());
-    seconds_.push_back(std::chrono::duration<double>(clock_type::now() - start).count());
-    growth_.push_back(scope.peak_growth());
-  }
-
-  /// Medians, detach, yardstick.
-  RowResult finish() {
-    if (guard_) row.offload = guard_->offload_stats();
-    row.steps = steps_taken_;
-    row.growth = median(growth_);
-    row.total_peak = static_cast<double>(resident) + row.growth;
-    row.step_seconds = median(seconds_);
-    guard_.reset();
-    row.detached = !memscale::is_optimized(model_);
-    add_yardstick(row);
-    return row;
-  }
-
-  RowResult row;
-  std::int64_t calibration_growth = 0;
-  std::int64_t resident = 0;  ///< live bytes the row keeps between steps (parameters, gradients, AdamW state)
-
- private:
-  float step() {
-    at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle to the global generator
-    gen.set_state(rng_);
-    const auto& sample = data_[static_cast<std::size_t>(steps_taken_++) % data_.size()];
-    optimizer_->zero_grad();
-    torch::Tensor loss;
-    {
-      std::optional<memscale::autocast_scope> bf16;
-      if (autocast_) bf16.emplace(c10::kCPU);
-      loss = loss_of_(model_, sample);
-      loss.backward();
-    }
-    optimizer_->step();
-    rng_ = gen.get_state();
-    return loss.item<float>();
-  }
-
-  loss_fn loss_of_;
-  const std::vector<Sample>& data_;
-  Model model_{nullptr};
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;
-  bool autocast_ = false;
-  std::optional<memscale::OptimizationGuard> guard_;
-  torch::Tensor rng_;
-  int steps_taken_ = 0;
-  std::vector<std::int64_t> growth_;
-  std::vector<double> seconds_;
-};
-
-struct Workload {
-  std::string title;
-  std::string description;
-  std::vector<RowResult> rows;
-  double baseline_total = 0.0;
-  double balanced_budget_gb = 0.0;
-  std::int64_t dp_min_peak = 0;  ///< lowest projected chain peak the DP reaches (single-chain workloads)
-};
-
-/// The lowest projected peak any one-level segmentation of `slots` reaches (to
-/// 0.1%), by bisection on the DP's budget; 0 when `slots` is empty.
-std::int64_t dp_min_peak(const std::vector<memscale::slot_cost>& slots) {
-  if (slots.empty()) return 0;
-  std::int64_t hi = memscale::core::project_chain(slots, memscale::core::keep_all(slots.size())).peak;
-  std::int64_t lo = 0, best = hi;
-  while (hi - lo > hi / 1000 + 1) {
-    const auto mid = dp_budget(lo + (hi - lo) / 2);
-    if (mid >= hi) break;
-    const auto dp = memscale::core::optimal_segmentation(slots, mid, static_cast<int>(dp_buckets));
-    if (dp.feasible) {
-      hi = mid;
-      best = std::min(best, dp.peak);
-    } else {
-      lo = mid;
-    }
-  }
-  return best;
-}
-
-/// Builds the baseline row, sets the Balanced budget from its measured total peak,
-/// builds the memscale rows, then measures `steps` rounds in which every row takes
-/// one step in turn (so a change in machine load hits all rows alike).
-/// The memscale rows of a workload, given the Balanced budget (GB) derived from the baseline.
-using row_configs = std::function<std::vector<std::pair<std::string, memscale::Config>>(double)>;
-
-/// A memscale row's Config: `mode`, logging off (the harness prints the plans it needs).
-memscale::Config quiet_config(memscale::OptimizationMode mode) {
-  memscale::Config cfg;
-  cfg.enable_logging = false;
-  cfg.mode = mode;
-  return cfg;
-}
-
-/// Conservative (no budget), Balanced (the 60% budget), Aggressive.
-std::vector<std::pair<std::string, memscale::Config>> mode_rows(double balanced_budget_gb) {
-  std::vector<std::pair<std::string, memscale::Config>> rows;
-  for (auto mode : {memscale::OptimizationMode::Conservative, memscale::OptimizationMode::Balanced,
-                    memscale::OptimizationMode::Aggressive}) {
-    auto cfg = quiet_config(mode);
-    if (mode == memscale::OptimizationMode::Balanced) cfg.memory_budget_gb = balanced_budget_gb;
-    rows.emplace_back(std::string(memscale::to_string(mode)), cfg);
-  }
-  return rows;
-}
-
-/// The offload rows: Aggressive with checkpointing only, offloading only
-/// (synchronous and async), and both.
-std::vector<std::pair<std::string, memscale::Config>> offload_rows(double) {
-  auto cfg = quiet_config(memscale::OptimizationMode::Aggressive);
-  std::vector<std::pair<std::string, memscale::Config>> rows;
-  auto checkpoint = cfg;
-  checkpoint.enable_offloading = false;
-  rows.emplace_back("checkpoint", checkpoint);
-  auto offload = cfg;
-  offload.enable_checkpointing = false;
-  rows.emplace_back("offload sync", offload);
-  offload.async_offload = true;
-  rows.emplace_back("offload async", offload);
-  auto both = cfg;
-  both.async_offload = true;
-  rows.emplace_back("ckpt+offload async", both);
-  return rows;
-}
-
-template <class Model>
-Workload run_workload(const std::string& title, const std::string& description,
-                      const std::function<Model()>& make_model,
-                      const std::function<torch::Tensor(Model&, const Sample&)>& loss_of,
-                      const std::vector<Sample>& data, int steps, const row_configs& rows_for = mode_rows) {
-  Workload w;
-  w.title = title;
-  w.description = description;
-  std::vector<std::unique_ptr<Runner<Model>>> runners;
-  std::cerr << "[bench] " << title << ": baseline\n";
-  runners.push_back(std::make_unique<Runner<Model>>("baseline", make_model, loss_of, data, std::nullopt));
-  w.baseline_total = static_cast<double>(runners.front()->resident + runners.front()->calibration_growth);
-  w.balanced_budget_gb = balanced_budget_fraction * w.baseline_total / gib;
-
-  for (const auto& [name, cfg] : rows_for(w.balanced_budget_gb)) {
-    std::cerr << "[bench] " << title << ": " << name << "\n";
-    runners.push_back(std::make_unique<Runner<Model>>(name, make_model, loss_of, data, cfg));
-  }
-  for (int s = 0; s < steps; ++s) {
-    std::cerr << "[bench] " << title << ": round " << s + 1 << "/" << steps << "\n";
-    for (auto& r : runners) r->measure();
-  }
-  for (auto& r : runners) w.rows.push_back(r->finish());
-  for (const auto& r : w.rows)
-    if (r.report && r.report->chains.size() == 1) w.dp_min_peak = dp_min_peak(r.report->chains.front().slots);
-  return w;
-}
-
-bool same_losses(const RowResult& a, const RowResult& b) {
-  if (a.losses.size() != b.losses.size()) return false;
-  for (std::size_t i = 0; i < a.losses.size(); ++i)
-    if (std::bit_cast<std::uint32_t>(a.losses[i]) != std::bit_cast<std::uint32_t>(b.losses[i])) return false;
-  return true;
-}
-
-/// The largest |loss - baseline loss| / |baseline loss| over the steps.
-double loss_gap(const RowResult& a, const RowResult& b) {
-  double worst = 0.0;
-  for (std::size_t i = 0; i < a.losses.size() && i < b.losses.size(); ++i)
-    if (!std::isfinite(a.losses[i])) return std::numeric_limits<double>::infinity();  // diverged
-  for (std::size_t i = 0; i < a.losses.size() && i < b.losses.size(); ++i)
-    worst = std::max(worst, std::abs(static_cast<double>(a.losses[i]) - b.losses[i]) /
-                                std::max(1e-30, std::abs(static_cast<double>(b.losses[i]))));
-  return worst;
-}
-
-/// The bit-exact column: yes/NO for rows that keep the arithmetic, else the loss gap.
-std::string exactness(const RowResult& r, const RowResult& base) {
-  if (&r == &base) return "ref";
-  if (r.exact_expected) return same_losses(r, base) ? "yes" : "NO";
-  std::ostringstream os;
-  os << "n/a, loss " << std::scientific << std::setprecision(1) << loss_gap(r, base);
-  return os.str();
-}
-
-/// The planner's projection of the un-optimized step, from a memscale row's profile.
-std::int64_t projected_baseline(const Workload& w) {
-  for (const auto& r : w.rows)
-    if (r.report && r.report->planned) return r.report->baseline_peak_bytes();
-  return 0;
-}
-
-void print_workload(const Workload& w, int steps, std::ostream& os) {
-  const auto& base = w.rows.front();
-  const auto base_projection = projected_baseline(w);
-
-  os << "\n== " << w.title << " ==\n" << w.description << "\n";
-  os << "Balanced budget: memory_budget_gb = " << std::fixed << std::setprecision(4) << w.balanced_budget_gb
-     << " (" << mib(w.balanced_budget_gb * gib) << ") = " << std::setprecision(0) << balanced_budget_fraction * 100
-     << "% of the measured baseline total peak " << mib(w.baseline_total) << "\n\n";
-
-  Table mem({"memory", "ckpt segs", "tiled", "offl units", "peak growth", "vs base", "1st step+plan", "planning", "total peak",
-             "projected", "proj/meas"});
-  for (const auto& r : w.rows) {
-    const double projected = static_cast<double>(r.report ? r.report->planned_peak_bytes() : base_projection);
-    mem.add({r.name, r.report ? std::to_string(r.report->checkpointed_segments()) : "-",
-             r.report ? std::to_string(r.report->tiled_segments()) : "-",
-             r.report ? std::to_string(r.report->offloaded_units()) : "-", mib(r.growth),
-             ratio(r.growth, base.growth), mib(static_cast<double>(r.first_growth)),
-             r.memscale ? mib(static_cast<double>(r.planning_growth)) : "-", mib(r.total_peak),
-             projected > 0.0 ? mib(projected) : "-", projected > 0.0 ? ratio(projected, r.total_peak) : "-"});
-  }
-  mem.print(os);
-  if (w.dp_min_peak > 0) {
-    os << "lowest projected chain peak any one-level segmentation reaches (optimal DP): " << mib(static_cast<double>(w.dp_min_peak));
-    for (const auto& r : w.rows) {
-      if (r.name != "Aggressive" && r.name != "checkpoint") continue;
-      if (beyond_checkpointing(r))
-        os << "; " << r.name << " also offloads or tiles (the DP knows checkpointing only)";
-      else
-        os << "; " << r.name << "'s rule plan: " << mib(static_cast<double>(r.rule_peak));
-    }
-    os << "\n";
-  }
-  os << "\n";
-
-  Table time({"time", "step", "vs base", "1st step+plan", "planning", "recompute rule", "recompute DP-opt",
-              "rule/DP", "DP peak", "bit-exact"});
-  for (const auto& r : w.rows) {
-    std::string rule = "-", dp = "-", gap = "-", dp_peak = "-";
-    if (beyond_checkpointing(r)) {
-      rule = ms(r.report->recompute_seconds(), 2);
-      dp = r.report->offloaded_units() > 0 ? "n/a (offload)" : "n/a (tiling)";
-    } else if (r.report) {
-      rule = ms(r.rule_recompute, 2);
-      dp = r.dp_feasible ? ms(r.dp_recompute, 2) : "infeasible";
-      if (r.dp_feasible) {
-        gap = r.rule_recompute == 0.0 && r.dp_recompute == 0.0 ? "1.000x" : ratio(r.rule_recompute, r.dp_recompute);
-        std::ostringstream os;
-        os << std::showpos << std::fixed << std::setprecision(2)
-           << 100.0 * static_cast<double>(r.dp_peak - r.rule_peak) / static_cast<double>(r.rule_peak) << "%";
-        dp_peak = os.str();
-      }
-    }
-    time.add({r.name, ms(r.step_seconds), ratio(r.step_seconds, base.step_seconds), ms(r.first_seconds),
-              r.memscale ? ms(r.planning_seconds) : "-", rule, dp, gap, dp_peak,
-              exactness(r, base)});
-  }
-  time.print(os);
-  os << "\n";
-  if (std::any_of(w.rows.begin(), w.rows.end(), [](const RowResult& r) { return r.offload.has_value(); })) {
-    Table off({"offload", "written/step", "read/step", "disk peak", "transfer/step", "waited/step", "hidden",
-               "prefetch hit/miss", "batches/step", "warnings"});
-    for (const auto& r : w.rows) {
-      if (!r.offload) continue;
-      const auto& o = *r.offload;
-      const double n = std::max(1, r.steps);
-      off.add({r.name, mib(static_cast<double>(o.bytes_written) / n), mib(static_cast<double>(o.bytes_read) / n),
-               mib(static_cast<double>(o.at(memscale::offload::tier::disk).peak)), ms(o.transfer_seconds / n),
-               ms(o.wait_seconds / n), ratio(o.hidden_fraction(), 1.0),
-               std::to_string(o.prefetch_hits) + "/" + std::to_string(o.prefetch_misses),
-               std::to_string(o.batches / static_cast<std::int64_t>(n)), std::to_string(o.warnings.size())});
-    }
-    off.print(os);
-    os << "offload: the engine's totals over every step of the row (warm-up included) divided by the steps taken.\n"
-          "transfer: time spent writing and reading (in I/O jobs or inline); waited: the part the step blocked on\n"
-          "(inline copies in forward, loads in backward that had to read or wait);\n"
-          "hidden = 1 - waited/transfer (the share of transfer time prefetching and async writes overlapped).\n\n";
-    for (const auto& r : w.rows)
-      if (r.offload)
-        for (const auto& warning : r.offload->warnings) os << "warning: " << r.name << ": " << warning << "\n";
-  }
-  os << "peak growth / step: medians over " << steps
-     << " measured steps per row (rows take turns step by step), after one warm-up and\n"
-        "one calibration step; planning excluded. 1st step+plan: the warm-up step (AdamW state created) plus, for\n"
-        "memscale rows, profiling + planning (also shown alone). total peak: what the row keeps between steps\n"
-        "(parameters, gradients, AdamW state) + peak growth. projected: the planner's projected step peak (static\n"
-        "bytes + the chain; the baseline row shows the un-optimized projection). recompute: the planner's projected\n"
-        "recompute per step, for the rule plan and for the least any one-level segmentation needs to reach the same\n"
-        "projected chain peak (core::optimal_segmentation, given its live-byte rounding as slack; DP peak: its plan's\n"
-        "projected chain peak vs the rule plan's). bit-exact: every loss equal to the baseline's, bit for bit;\n"
-        "rows that change the arithmetic (tiling: summation order; bf16; 8-bit optimizer state) show instead the\n"
-        "largest relative difference of their losses from the baseline's.\n";
-  for (const auto& r : w.rows) {
-    if (!r.detached) os << "ERROR: " << r.name << ": model still optimized after its guard ended\n";
-    if (r.report && !beyond_checkpointing(r) && !r.dp_feasible) os << "note: " << r.name << ": the DP found no plan within the rule plan's peak\n";
-  }
-}
-
-void print_csv(const std::vector<Workload>& all, std::ostream& os) {
-  os << std::defaultfloat << std::setprecision(6);
-  os << "\nworkload,row,checkpointed_segments,peak_growth_bytes,growth_vs_baseline,first_step_bytes,"
-        "planning_bytes,total_peak_bytes,projected_peak_bytes,step_seconds,time_vs_baseline,first_step_seconds,"
-        "planning_seconds,rule_recompute_seconds,dp_recompute_seconds,rule_chain_peak_bytes,dp_chain_peak_bytes,"
-        "budget_gb,bit_exact\n";
-  for (const auto& w : all) {
-    const auto& base = w.rows.front();
-    for (const auto& r : w.rows) {
-      os << '"' << w.title << "\"," << r.name << ',' << (r.report ? r.report->checkpointed_segments() : 0) << ','
-         << static_cast<std::int64_t>(r.growth) << ',' << r.growth / base.growth << ',' << r.first_growth << ','
-         << r.planning_growth << ',' << static_cast<std::int64_t>(r.total_peak) << ','
-         << (r.report ? r.report->planned_peak_bytes() : projected_baseline(w)) << ',' << r.step_seconds << ','
-         << r.step_seconds / base.step_seconds << ',' << r.first_seconds << ',' << r.planning_seconds << ','
-         << r.rule_recompute << ',' << (r.dp_feasible ? r.dp_recompute : -1.0) << ',' << r.rule_peak << ','
-         << (r.dp_feasible ? r.dp_peak : -1) << ','
-         << (r.budget_gb ? *r.budget_gb : 0.0) << ','
-         << (r.exact_expected ? (same_losses(r, base) ? "1" : "0") : "n/a") << "\n";
-    }
-  }
-}
+using namespace bench;
 
 // --- workloads ----------------------------------------------------------------------
 
@@ -631,10 +105,20 @@ Workload bench_gpt(int steps) {
        << " x TransformerBlock in a ModuleList, each called through memscale::forward (call-site units), d_model "
        << o.d_model
        << ", " << o.heads << " heads, context " << o.context << ", dropout " << o.dropout << "; batch " << batch
-       << "; cross-entropy, AdamW lr " << learning_rate;
+       << "; cross-entropy, AdamW lr " << learning_rate
+       << "; hand ckpt/block: no guard, memscale::checkpoint around each block in the forward";
   return run_workload<gpt::GPT>(
       "GPT", desc.str(), [o] { return gpt::GPT(o); },
-      [](gpt::GPT& m, const Sample& s) { return gpt::loss(m->forward(s.input), s.target); }, data, steps);
+      [](gpt::GPT& m, const Sample& s) { return gpt::loss(m->forward(s.input), s.target); }, data, steps,
+      mode_rows, [](gpt::GPT& m, const Sample& s) {
+        // GPT's forward with memscale::checkpoint around each block instead of memscale::forward.
+        auto x = m->token(s.input) + m->position.slice(0, 0, s.input.size(1));
+        for (const auto& block : *m->blocks) {
+          auto impl = std::dynamic_pointer_cast<gpt::TransformerBlockImpl>(block);
+          x = memscale::checkpoint(impl, x);
+        }
+        return gpt::loss(m->head(m->ln_f(x)), s.target);
+      });
 }
 
 Workload bench_cnn(int steps) {
@@ -688,8 +172,29 @@ void bench_call_overhead(std::ostream& out) {
 
 /// The flat Sequential workload: (Linear(256,1024), GELU, Linear(1024,256),
 /// LayerNorm(256), Dropout(0.1)) x 8 on data drawn from `data_seed`.
+/// The flat Sequential's forward with memscale::checkpoint around each block of
+/// `block` slots (what torch.utils.checkpoint_sequential with one segment per
+/// block does).
+torch::Tensor checkpoint_per_block(torch::nn::Sequential& seq, torch::Tensor x, std::size_t block) {
+  for (std::size_t first = 0; first < seq->size(); first += block) {
+    std::vector<torch::nn::AnyModule> slots(seq->begin() + static_cast<std::ptrdiff_t>(first),
+                                            seq->begin() + static_cast<std::ptrdiff_t>(std::min(first + block, seq->size())));
+    std::vector<torch::Tensor> params;
+    for (const auto& slot : slots)
+      for (const auto& p : slot.ptr()->parameters()) params.push_back(p);
+    x = memscale::checkpoint(
+        [slots](const torch::Tensor& in) mutable {
+          auto y = in;
+          for (auto& slot : slots) y = slot.forward(y);
+          return y;
+        },
+        x, std::move(params));
+  }
+  return x;
+}
+
 Workload flat_workload(const std::string& title, const std::string& description, std::uint64_t data_seed,
-                       int steps, const row_configs& rows_for) {
+                       int steps, const row_configs& rows_for, bool hand_placed = false) {
   static constexpr int repeats = 8;
   static constexpr std::int64_t width = 256, hidden = 1024;
   torch::manual_seed(data_seed);
@@ -709,15 +214,20 @@ Workload flat_workload(const std::string& title, const std::string& description,
   return run_workload<torch::nn::Sequential>(
       title, description, make,
       [](torch::nn::Sequential& m, const Sample& s) { return torch::mse_loss(m->forward(s.input), s.target); }, data,
-      steps, rows_for);
+      steps, rows_for,
+      hand_placed ? std::function<torch::Tensor(torch::nn::Sequential&, const Sample&)>(
+                        [](torch::nn::Sequential& m, const Sample& s) {
+                          return torch::mse_loss(checkpoint_per_block(m, s.input, 5), s.target);
+                        })
+                  : nullptr);
 }
 
 Workload bench_flat(int steps) {
   return flat_workload(
       "flat Sequential",
       "(Linear(256,1024), GELU, Linear(1024,256), LayerNorm(256), Dropout(0.1)) x 8 = 40 slots; input [32,128,256]; "
-      "MSE loss, AdamW lr 3e-4",
-      99, steps, mode_rows);
+      "MSE loss, AdamW lr 3e-4; hand ckpt/block: memscale::checkpoint around each group of 5 slots",
+      99, steps, mode_rows, /*hand_placed=*/true);
 }
 
 Workload bench_offload(int steps) {

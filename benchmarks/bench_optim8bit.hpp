@@ -24,7 +24,7 @@
 
 #include <torch/torch.h>
 
-#include <memscale/core/memory_tracker.hpp>
+#include <memscale/device/memory_tracker.hpp>
 #include <memscale/techniques/optim8bit.hpp>
 
 namespace memscale_bench_optim8bit {

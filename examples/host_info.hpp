@@ -10,7 +10,7 @@
 #include <string>
 #include <system_error>
 
-#include <memscale/core/hardware.hpp>
+#include <memscale/device/hardware.hpp>
 
 namespace host_info {
 

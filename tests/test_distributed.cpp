@@ -6,15 +6,20 @@
 // every rank with an error, not a hang.
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -23,7 +28,6 @@
 #include <regex>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "test_support.hpp"
@@ -190,10 +194,22 @@ class job {
     ranks_[rank] = {pid, -1, false, false};
   }
 
+  /// Waits for every rank to exit, at most `deadline`; kills the ones still
+  /// running then. Blocks in poll() on the ranks' pidfds (readable when the
+  /// process exits): nothing sleeps or spins.
   void wait(std::chrono::seconds deadline) {
     const auto until = clock_type::now() + deadline;
+    std::map<int, int> pidfds;  // rank -> pidfd, closed at the end
+    for (auto& [rank, p] : ranks_) {
+      if (p.done) continue;
+      const int fd = static_cast<int>(::syscall(SYS_pidfd_open, p.pid, 0));
+      INFO("pidfd_open(rank " << rank << "): " << std::strerror(errno) << " (needs Linux 5.3 or later)");
+      REQUIRE(fd >= 0);
+      pidfds[rank] = fd;
+    }
     for (;;) {
       bool running = false;
+      std::vector<pollfd> waiting;
       for (auto& [rank, p] : ranks_) {
         if (p.done) continue;
         int status = 0;
@@ -202,20 +218,25 @@ class job {
           p.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
         } else {
           running = true;
+          waiting.push_back({pidfds.at(rank), POLLIN, 0});
         }
       }
-      if (!running) return;
-      if (clock_type::now() >= until) {
+      const auto now = clock_type::now();
+      if (running && now >= until) {
         for (auto& [rank, p] : ranks_)
           if (!p.done) {
             ::kill(p.pid, SIGKILL);
             ::waitpid(p.pid, nullptr, 0);
             p.done = p.killed = true;
           }
-        return;
+        running = false;
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      if (!running) break;
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(until - now).count();
+      (void)::poll(waiting.data(), waiting.size(),
+                   static_cast<int>(std::min<long long>(left, std::numeric_limits<int>::max())));
     }
+    for (const auto& [rank, fd] : pidfds) ::close(fd);
   }
 
   [[nodiscard]] fs::path log_path(int rank) const { return dir_ / ("rank" + std::to_string(rank) + ".log"); }

@@ -47,7 +47,7 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
-#include <memscale/core/memory_tracker.hpp>
+#include <memscale/device/memory_tracker.hpp>
 #include <memscale/memscale.hpp>
 
 #include "gpt.hpp"

@@ -7,9 +7,9 @@
 #include <memscale/autotuning/autotune.hpp>
 #include <memscale/config.hpp>
 #include <memscale/core/call_sites.hpp>
-#include <memscale/core/hardware.hpp>
+#include <memscale/device/hardware.hpp>
 #include <memscale/core/layer_rules.hpp>
-#include <memscale/core/memory_tracker.hpp>
+#include <memscale/device/memory_tracker.hpp>
 #include <memscale/core/plan.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/predict/predict.hpp>

@@ -34,13 +34,13 @@
 
 #include <torch/torch.h>
 
-#include <memscale/api.hpp>
+#include <memscale/execute/attach.hpp>
 #include <memscale/autotuning/cache.hpp>
 #include <memscale/autotuning/result.hpp>
 #include <memscale/autotuning/trial.hpp>
 #include <memscale/config.hpp>
-#include <memscale/core/memory_tracker.hpp>
-#include <memscale/core/verify.hpp>
+#include <memscale/device/memory_tracker.hpp>
+#include <memscale/execute/verify.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/predict/optimizer_state.hpp>
 #include <memscale/predict/predict.hpp>
@@ -276,7 +276,7 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
     ++run_count;
     if (!signature.empty()) plans.emplace(std::make_pair(t.batch_size, signature), i);
     run_trial(t, x, context, [&model](const Config& config, const torch::Tensor& input) {
-      return memscale::optimize<S>(model, input, config);
+      return OptimizationGuard(memscale::detail::root_of(model), memscale::detail::attach<S>(model, config, &input));
     });
     box.reset();
     snapshot.restore();

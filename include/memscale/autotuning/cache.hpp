@@ -27,7 +27,7 @@
 
 #include <memscale/autotuning/result.hpp>
 #include <memscale/config.hpp>
-#include <memscale/core/hardware.hpp>
+#include <memscale/device/hardware.hpp>
 #include <memscale/predict/optimizer_state.hpp>
 #include <memscale/version.hpp>
 

@@ -16,7 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <memscale/config.hpp>
-#include <memscale/core/hardware.hpp>
+#include <memscale/device/hardware.hpp>
 #include <memscale/errors.hpp>
 
 namespace memscale {

@@ -25,7 +25,7 @@
 #include <torch/torch.h>
 
 #include <memscale/autotuning/result.hpp>
-#include <memscale/core/memory_tracker.hpp>
+#include <memscale/device/memory_tracker.hpp>
 #include <memscale/core/profiler.hpp>
 #include <memscale/predict/optimizer_state.hpp>
 #include <memscale/predict/predict.hpp>

@@ -14,7 +14,7 @@
 #include <memscale/config.hpp>
 #include <memscale/core/decision_engine.hpp>
 #include <memscale/core/graph.hpp>
-#include <memscale/core/hardware.hpp>
+#include <memscale/device/hardware.hpp>
 #include <memscale/core/memory_model.hpp>
 
 namespace memscale {

@@ -1,4 +1,4 @@
-// memscale — executor, part 1: the modules memscale puts into chain slots
+// memscale — the modules memscale puts into chain slots
 // besides technique wrappers, and the transaction that swaps slots and undoes
 // the swaps unless committed (the strong guarantee of wrap()).
 #pragma once

@@ -16,7 +16,7 @@
 #include <torch/torch.h>
 
 #include <memscale/core/decision_engine.hpp>
-#include <memscale/core/executor.hpp>
+#include <memscale/execute/executor.hpp>
 #include <memscale/core/graph.hpp>
 #include <memscale/detail/assert.hpp>
 #include <memscale/distributed/c10d.hpp>

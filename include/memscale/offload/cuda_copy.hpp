@@ -10,7 +10,7 @@
 
 #include <torch/torch.h>
 
-#include <memscale/core/memory_tracker.hpp>
+#include <memscale/device/memory_tracker.hpp>
 
 #if MEMSCALE_HAS_CUDA()
 #include <ATen/cuda/CUDAEvent.h>

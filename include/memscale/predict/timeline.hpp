@@ -20,7 +20,7 @@
 #include <c10/core/Device.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 
-#include <memscale/core/memory_tracker.hpp>
+#include <memscale/device/memory_tracker.hpp>
 #include <memscale/errors.hpp>
 
 namespace memscale::predictor {

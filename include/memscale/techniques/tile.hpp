@@ -18,7 +18,6 @@
 
 #include <torch/torch.h>
 
-#include <memscale/core/tile_rules.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/techniques/checkpoint.hpp>
 #include <memscale/techniques/concepts.hpp>

@@ -1,4 +1,4 @@
-// memscale — profiler, part 1: what the machine has. GPUs and their memory when
+// memscale — what the machine has. GPUs and their memory when
 // LibTorch has CUDA, host RAM always; a CPU-only host is a first-class target.
 #pragma once
 
@@ -14,7 +14,7 @@
 
 #include <torch/cuda.h>
 
-#include <memscale/core/memory_tracker.hpp>
+#include <memscale/device/memory_tracker.hpp>
 
 #if MEMSCALE_HAS_CUDA()
 #include <c10/cuda/CUDAFunctions.h>

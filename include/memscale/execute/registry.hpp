@@ -1,4 +1,4 @@
-// memscale — executor, part 2: the registry of models memscale manages, keyed
+// memscale — the registry of models memscale manages, keyed
 // by their root module, so detach() and is_optimized() can find an attachment.
 #pragma once
 

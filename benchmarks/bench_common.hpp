@@ -1,0 +1,120 @@
+// memscale benchmark (bench_memscale.cpp), shared pieces: the run's constants,
+// what the machine is (BLAS, load), and the formatting of figures and tables.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <ctime>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <dlfcn.h>
+
+#include <torch/torch.h>
+
+namespace bench {
+
+
+using clock_type = std::chrono::steady_clock;
+constexpr double gib = 1024.0 * 1024.0 * 1024.0;
+constexpr std::uint64_t init_seed = 42;
+constexpr std::uint64_t train_seed = 1234;
+constexpr double learning_rate = 3e-4;
+constexpr double balanced_budget_fraction = 0.6;
+constexpr std::int64_t dp_buckets = 8192;  ///< live-byte resolution of the optimal-DP yardstick
+
+// --- machine information ---------------------------------------------------------
+
+template <class Fn>
+Fn* symbol(const char* name) {
+  return reinterpret_cast<Fn*>(::dlsym(RTLD_DEFAULT, name));
+}
+
+inline std::string blas_details() {
+  std::ostringstream os;
+  if (auto* threads = symbol<int()>("openblas_get_num_threads")) os << "OpenBLAS threads " << threads();
+  if (auto* config = symbol<char*()>("openblas_get_config")) os << ", config: " << config();
+  return os.str();
+}
+
+inline std::string load_average() {
+  std::ifstream in("/proc/loadavg");
+  std::string a, b, c;
+  in >> a >> b >> c;
+  return a + " " + b + " " + c;
+}
+
+inline std::string utc_now() {
+  const auto t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return buf;
+}
+
+// --- formatting -----------------------------------------------------------------------
+
+inline std::string mib(double bytes) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(1) << bytes / (1024.0 * 1024.0) << " MiB";
+  return os.str();
+}
+
+inline std::string ms(double seconds, int precision = 1) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(precision) << seconds * 1e3 << " ms";
+  return os.str();
+}
+
+inline std::string ratio(double num, double den) {
+  if (!(den > 0.0)) return num > 0.0 ? "inf" : "-";
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(3) << num / den << "x";
+  return os.str();
+}
+
+template <class T>
+double median(std::vector<T> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const auto n = v.size();
+  return n % 2 == 1 ? static_cast<double>(v[n / 2])
+                    : (static_cast<double>(v[n / 2 - 1]) + static_cast<double>(v[n / 2])) / 2.0;
+}
+
+/// A plain-text table: right-aligned columns except the first.
+class Table {
+ public:
+  explicit Table(std::vector<std::string> header) { rows_.push_back(std::move(header)); }
+  void add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  void print(std::ostream& os) const {
+    std::vector<std::size_t> width(rows_.front().size(), 0);
+    for (const auto& r : rows_)
+      for (std::size_t i = 0; i < r.size() && i < width.size(); ++i) width[i] = std::max(width[i], r[i].size());
+    for (std::size_t k = 0; k < rows_.size(); ++k) {
+      const auto& r = rows_[k];
+      for (std::size_t i = 0; i < r.size(); ++i) {
+        if (i == 0) os << std::left << std::setw(static_cast<int>(width[i])) << r[i] << std::right;
+        else os << "  " << std::setw(static_cast<int>(width[i])) << r[i];
+      }
+      os << "\n";
+      if (k == 0) {
+        std::size_t total = 0;
+        for (auto w : width) total += w + 2;
+        os << std::string(total - 2, '-') << "\n";
+      }
+    }
+  }
+
+ private:
+  std::vector<std::vector<std::string>> rows_;
+};
+
+}  // namespace bench

@@ -1,0 +1,146 @@
+// memscale benchmark (bench_memscale.cpp), the output: per workload a table of
+// its rows (memory, time, exactness, plan, projected vs measured, the optimal-DP
+// yardstick) with the ratios to the baseline, and the same as CSV.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/memscale.hpp>
+
+#include "bench_common.hpp"
+#include "bench_runner.hpp"
+
+namespace bench {
+
+inline void print_workload(const Workload& w, int steps, std::ostream& os) {
+  const auto& base = w.rows.front();
+  const auto base_projection = projected_baseline(w);
+
+  os << "\n== " << w.title << " ==\n" << w.description << "\n";
+  os << "Balanced budget: memory_budget_gb = " << std::fixed << std::setprecision(4) << w.balanced_budget_gb
+     << " (" << mib(w.balanced_budget_gb * gib) << ") = " << std::setprecision(0) << balanced_budget_fraction * 100
+     << "% of the measured baseline total peak " << mib(w.baseline_total) << "\n\n";
+
+  Table mem({"memory", "ckpt segs", "tiled", "offl units", "peak growth", "vs base", "1st step+plan", "planning", "total peak",
+             "projected", "proj/meas"});
+  for (const auto& r : w.rows) {
+    // The baseline row shows the un-optimized projection; a hand-placed row has none.
+    const double projected =
+        static_cast<double>(r.report ? r.report->planned_peak_bytes() : &r == &base ? base_projection : 0);
+    mem.add({r.name, r.report ? std::to_string(r.report->checkpointed_segments()) : "-",
+             r.report ? std::to_string(r.report->tiled_segments()) : "-",
+             r.report ? std::to_string(r.report->offloaded_units()) : "-", mib(r.growth),
+             ratio(r.growth, base.growth), mib(static_cast<double>(r.first_growth)),
+             r.memscale ? mib(static_cast<double>(r.planning_growth)) : "-", mib(r.total_peak),
+             projected > 0.0 ? mib(projected) : "-", projected > 0.0 ? ratio(projected, r.total_peak) : "-"});
+  }
+  mem.print(os);
+  if (w.dp_min_peak > 0) {
+    os << "lowest projected chain peak any one-level segmentation reaches (optimal DP): " << mib(static_cast<double>(w.dp_min_peak));
+    for (const auto& r : w.rows) {
+      if (r.name != "Aggressive" && r.name != "checkpoint") continue;
+      if (beyond_checkpointing(r))
+        os << "; " << r.name << " also offloads or tiles (the DP knows checkpointing only)";
+      else
+        os << "; " << r.name << "'s rule plan: " << mib(static_cast<double>(r.rule_peak));
+    }
+    os << "\n";
+  }
+  os << "\n";
+
+  Table time({"time", "step", "vs base", "1st step+plan", "planning", "recompute rule", "recompute DP-opt",
+              "rule/DP", "DP peak", "bit-exact"});
+  for (const auto& r : w.rows) {
+    std::string rule = "-", dp = "-", gap = "-", dp_peak = "-";
+    if (beyond_checkpointing(r)) {
+      rule = ms(r.report->recompute_seconds(), 2);
+      dp = r.report->offloaded_units() > 0 ? "n/a (offload)" : "n/a (tiling)";
+    } else if (r.report) {
+      rule = ms(r.rule_recompute, 2);
+      dp = r.dp_feasible ? ms(r.dp_recompute, 2) : "infeasible";
+      if (r.dp_feasible) {
+        gap = r.rule_recompute == 0.0 && r.dp_recompute == 0.0 ? "1.000x" : ratio(r.rule_recompute, r.dp_recompute);
+        std::ostringstream os;
+        os << std::showpos << std::fixed << std::setprecision(2)
+           << 100.0 * static_cast<double>(r.dp_peak - r.rule_peak) / static_cast<double>(r.rule_peak) << "%";
+        dp_peak = os.str();
+      }
+    }
+    time.add({r.name, ms(r.step_seconds), ratio(r.step_seconds, base.step_seconds), ms(r.first_seconds),
+              r.memscale ? ms(r.planning_seconds) : "-", rule, dp, gap, dp_peak,
+              exactness(r, base)});
+  }
+  time.print(os);
+  os << "\n";
+  if (std::any_of(w.rows.begin(), w.rows.end(), [](const RowResult& r) { return r.offload.has_value(); })) {
+    Table off({"offload", "written/step", "read/step", "disk peak", "transfer/step", "waited/step", "hidden",
+               "prefetch hit/miss", "batches/step", "warnings"});
+    for (const auto& r : w.rows) {
+      if (!r.offload) continue;
+      const auto& o = *r.offload;
+      const double n = std::max(1, r.steps);
+      off.add({r.name, mib(static_cast<double>(o.bytes_written) / n), mib(static_cast<double>(o.bytes_read) / n),
+               mib(static_cast<double>(o.at(memscale::offload::tier::disk).peak)), ms(o.transfer_seconds / n),
+               ms(o.wait_seconds / n), ratio(o.hidden_fraction(), 1.0),
+               std::to_string(o.prefetch_hits) + "/" + std::to_string(o.prefetch_misses),
+               std::to_string(o.batches / static_cast<std::int64_t>(n)), std::to_string(o.warnings.size())});
+    }
+    off.print(os);
+    os << "offload: the engine's totals over every step of the row (warm-up included) divided by the steps taken.\n"
+          "transfer: time spent writing and reading (in I/O jobs or inline); waited: the part the step blocked on\n"
+          "(inline copies in forward, loads in backward that had to read or wait);\n"
+          "hidden = 1 - waited/transfer (the share of transfer time prefetching and async writes overlapped).\n\n";
+    for (const auto& r : w.rows)
+      if (r.offload)
+        for (const auto& warning : r.offload->warnings) os << "warning: " << r.name << ": " << warning << "\n";
+  }
+  os << "peak growth / step: medians over " << steps
+     << " measured steps per row (rows take turns step by step), after one warm-up and\n"
+        "one calibration step; planning excluded. 1st step+plan: the warm-up step (AdamW state created) plus, for\n"
+        "memscale rows, profiling + planning (also shown alone). total peak: what the row keeps between steps\n"
+        "(parameters, gradients, AdamW state) + peak growth. projected: the planner's projected step peak (static\n"
+        "bytes + the chain; the baseline row shows the un-optimized projection). recompute: the planner's projected\n"
+        "recompute per step, for the rule plan and for the least any one-level segmentation needs to reach the same\n"
+        "projected chain peak (core::optimal_segmentation, given its live-byte rounding as slack; DP peak: its plan's\n"
+        "projected chain peak vs the rule plan's). bit-exact: every loss equal to the baseline's, bit for bit;\n"
+        "rows that change the arithmetic (tiling: summation order; bf16; 8-bit optimizer state) show instead the\n"
+        "largest relative difference of their losses from the baseline's.\n";
+  for (const auto& r : w.rows) {
+    if (!r.detached) os << "ERROR: " << r.name << ": model still optimized after its guard ended\n";
+    if (r.report && !beyond_checkpointing(r) && !r.dp_feasible) os << "note: " << r.name << ": the DP found no plan within the rule plan's peak\n";
+  }
+}
+
+inline void print_csv(const std::vector<Workload>& all, std::ostream& os) {
+  os << std::defaultfloat << std::setprecision(6);
+  os << "\nworkload,row,checkpointed_segments,peak_growth_bytes,growth_vs_baseline,first_step_bytes,"
+        "planning_bytes,total_peak_bytes,projected_peak_bytes,step_seconds,time_vs_baseline,first_step_seconds,"
+        "planning_seconds,rule_recompute_seconds,dp_recompute_seconds,rule_chain_peak_bytes,dp_chain_peak_bytes,"
+        "budget_gb,bit_exact\n";
+  for (const auto& w : all) {
+    const auto& base = w.rows.front();
+    for (const auto& r : w.rows) {
+      os << '"' << w.title << "\"," << r.name << ',' << (r.report ? r.report->checkpointed_segments() : 0) << ','
+         << static_cast<std::int64_t>(r.growth) << ',' << r.growth / base.growth << ',' << r.first_growth << ','
+         << r.planning_growth << ',' << static_cast<std::int64_t>(r.total_peak) << ','
+         << (r.report ? r.report->planned_peak_bytes() : &r == &base ? projected_baseline(w) : 0) << ','
+         << r.step_seconds << ','
+         << r.step_seconds / base.step_seconds << ',' << r.first_seconds << ',' << r.planning_seconds << ','
+         << r.rule_recompute << ',' << (r.dp_feasible ? r.dp_recompute : -1.0) << ',' << r.rule_peak << ','
+         << (r.dp_feasible ? r.dp_peak : -1) << ','
+         << (r.budget_gb ? *r.budget_gb : 0.0) << ','
+         << (r.exact_expected ? (same_losses(r, base) ? "1" : "0") : "n/a") << "\n";
+    }
+  }
+}
+
+}  // namespace bench

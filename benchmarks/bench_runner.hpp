@@ -1,0 +1,364 @@
+// memscale benchmark (bench_memscale.cpp), the measurement: one Runner per row
+// trains its own identically seeded model on the same batches, the rows taking
+// turns step by step; each step's peak growth (tracker and process), time and
+// loss are kept, and the optimal-DP yardstick set beside a memscale row's plan.
+// Also the rows each workload runs (mode_rows, offload_rows, and a row that
+// checkpoints each block by hand where the workload gives one) and run_workload.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <memscale/core/memory_model.hpp>
+#include <memscale/core/optimal_chain.hpp>
+#include <memscale/memscale.hpp>
+
+#include "bench_common.hpp"
+
+namespace bench {
+
+// --- measurement --------------------------------------------------------------------
+
+struct Sample {
+  torch::Tensor input, target;
+};
+
+struct RowResult {
+  std::string name;
+  bool memscale = false;
+  bool exact_expected = true;  ///< false where the row changes the arithmetic (tiling, bf16, 8-bit state)
+  std::optional<memscale::Report> report;
+  std::optional<double> budget_gb;
+  // memory, bytes
+  double growth = 0.0;              ///< median peak growth of the measured steps
+  double total_peak = 0.0;          ///< resident bytes of the row (model, gradients, AdamW) + growth
+  std::int64_t first_growth = 0;    ///< warm-up step; for memscale rows, planning included
+  std::int64_t planning_growth = 0; ///< optimize() alone
+  // time, seconds
+  double step_seconds = 0.0;
+  double first_seconds = 0.0;  ///< warm-up step (+ planning for memscale rows)
+  double planning_seconds = 0.0;
+  std::vector<float> losses;
+  bool detached = true;
+  // optimal-DP yardstick (projected seconds, summed over chains)
+  double rule_recompute = 0.0;
+  double dp_recompute = 0.0;
+  bool dp_feasible = true;
+  std::int64_t rule_peak = 0;  ///< projected chain peak of the rule plan (the DP's budget)
+  std::int64_t dp_peak = 0;    ///< projected chain peak of the DP plan
+  std::optional<memscale::offload::engine_stats> offload;  ///< the offload engine's totals over all steps
+  int steps = 0;
+};
+
+/// A DP budget rounded up to a multiple of the bucket count: optimal_segmentation
+/// indexes past its table when live bytes fall in a last, partial bucket
+/// (levels = budget / quantum + 1 truncates), so the harness never makes one.
+inline std::int64_t dp_budget(std::int64_t bytes) { return (bytes + dp_buckets - 1) / dp_buckets * dp_buckets; }
+
+/// Whether a row's plan uses more than checkpointing (the DP knows only that).
+inline bool beyond_checkpointing(const RowResult& row) {
+  return row.report && (row.report->offloaded_units() > 0 || row.report->tiled_segments() > 0);
+}
+
+/// The optimal-DP yardstick for a memscale row's plan (projected figures). The
+/// DP knows checkpointing only: plans that offload or tile get no yardstick.
+inline void add_yardstick(RowResult& row) {
+  if (!row.report || beyond_checkpointing(row)) return;
+  const auto& r = *row.report;
+  for (std::size_t c = 0; c < r.chains.size() && c < r.plan.units.size(); ++c) {
+    const auto& slots = r.chains[c].slots;
+    const auto& units = r.plan.units[c];
+    const auto rule_peak = memscale::core::project_chain(slots, units).peak;
+    // The DP rounds live bytes up to budget / buckets, once per unit: at a budget of
+    // exactly rule_peak it can reject the rule plan itself. Give it that rounding as
+    // slack (at most n quanta, n / buckets of the budget), so every plan within
+    // rule_peak is feasible for it; its plan's exact peak is reported beside it.
+    const auto n = static_cast<std::int64_t>(slots.size());
+    const auto budget = dp_budget((rule_peak * dp_buckets + (dp_buckets - n - 2)) / (dp_buckets - n - 1));
+    const auto dp = memscale::core::optimal_segmentation(slots, budget, static_cast<int>(dp_buckets));
+    row.rule_recompute += memscale::core::recompute_seconds(slots, units);
+    row.rule_peak += rule_peak;
+    if (dp.feasible) {
+      row.dp_recompute += dp.recompute_seconds;
+      row.dp_peak += dp.peak;
+    } else {
+      row.dp_feasible = false;
+    }
+  }
+}
+
+/// One row: a fresh model (seeded identically for every row), its AdamW, its
+/// memscale guard (unless baseline) and its own copy of the CPU RNG stream, so rows
+/// can take turns step by step and still each see the baseline's dropout masks.
+template <class Model>
+class Runner {
+ public:
+  using loss_fn = std::function<torch::Tensor(Model&, const Sample&)>;
+
+  /// Builds the model, plans (memscale rows), then runs the warm-up step and one
+  /// calibration step, both unmeasured for the medians.
+  Runner(std::string name, const std::function<Model()>& make_model, loss_fn loss_of,
+         const std::vector<Sample>& data, const std::optional<memscale::Config>& config)
+      : loss_of_(std::move(loss_of)), data_(data) {
+    row.name = std::move(name);
+    row.memscale = config.has_value();
+    if (config) {
+      row.budget_gb = config->memory_budget_gb;
+      autocast_ = config->use_mixed_precision;
+    }
+    const auto live_before_model = memscale::memory_tracker::current_bytes();
+    torch::manual_seed(init_seed);
+    model_ = make_model();
+    model_->train();
+    memscale::optimizer_options adamw;
+    adamw.lr = learning_rate;
+    optimizer_ = memscale::make_optimizer(config.value_or(memscale::Config{}), model_->parameters(), adamw);
+    torch::manual_seed(train_seed);
+    rng_ = at::detail::getDefaultCPUGenerator().get_state();
+    {
+      // Warm-up step; its scope opens before planning so that it includes it.
+      memscale::memory_tracker::peak_scope first;
+      const auto start = clock_type::now();
+      if (config) {
+        // Rows take turns on one thread, so a row opens autocast around its own
+        // steps (as the guard would for its lifetime) rather than through the guard.
+        auto planned = *config;
+        planned.use_mixed_precision = false;
+        guard_.emplace(memscale::optimize(model_, data_.front().input, planned));
+        row.planning_seconds = std::chrono::duration<double>(clock_type::now() - start).count();
+        row.planning_growth = first.peak_growth();
+        row.report = guard_->report();
+        // Tiling (where the plan tiles), bf16 and 8-bit state change the arithmetic.
+        row.exact_expected = row.report->tiled_segments() == 0 && !config->use_mixed_precision &&
+                             !config->use_8bit_optimizer;
+      }
+      row.losses.push_back(step());
+      row.first_seconds = std::chrono::duration<double>(clock_type::now() - start).count();
+      row.first_growth = first.peak_growth();
+    }
+    {
+      memscale::memory_tracker::peak_scope calibration;
+      row.losses.push_back(step());
+      calibration_growth = calibration.peak_growth();
+    }
+    resident = memscale::memory_tracker::current_bytes() - live_before_model;
+  }
+
+  /// One measured step.
+  void measure() {
+    memscale::memory_tracker::peak_scope scope;
+    const auto start = clock_type::now();
+    row.losses.push_back(step());
+    seconds_.push_back(std::chrono::duration<double>(clock_type::now() - start).count());
+    growth_.push_back(scope.peak_growth());
+  }
+
+  /// Medians, detach, yardstick.
+  RowResult finish() {
+    if (guard_) row.offload = guard_->offload_stats();
+    row.steps = steps_taken_;
+    row.growth = median(growth_);
+    row.total_peak = static_cast<double>(resident) + row.growth;
+    row.step_seconds = median(seconds_);
+    guard_.reset();
+    row.detached = !memscale::is_optimized(model_);
+    add_yardstick(row);
+    return row;
+  }
+
+  RowResult row;
+  std::int64_t calibration_growth = 0;
+  std::int64_t resident = 0;  ///< live bytes the row keeps between steps (parameters, gradients, AdamW state)
+
+ private:
+  float step() {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle to the global generator
+    gen.set_state(rng_);
+    const auto& sample = data_[static_cast<std::size_t>(steps_taken_++) % data_.size()];
+    optimizer_->zero_grad();
+    torch::Tensor loss;
+    {
+      std::optional<memscale::autocast_scope> bf16;
+      if (autocast_) bf16.emplace(c10::kCPU);
+      loss = loss_of_(model_, sample);
+      loss.backward();
+    }
+    optimizer_->step();
+    rng_ = gen.get_state();
+    return loss.item<float>();
+  }
+
+  loss_fn loss_of_;
+  const std::vector<Sample>& data_;
+  Model model_{nullptr};
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  bool autocast_ = false;
+  std::optional<memscale::OptimizationGuard> guard_;
+  torch::Tensor rng_;
+  int steps_taken_ = 0;
+  std::vector<std::int64_t> growth_;
+  std::vector<double> seconds_;
+};
+
+struct Workload {
+  std::string title;
+  std::string description;
+  std::vector<RowResult> rows;
+  double baseline_total = 0.0;
+  double balanced_budget_gb = 0.0;
+  std::int64_t dp_min_peak = 0;  ///< lowest projected chain peak the DP reaches (single-chain workloads)
+};
+
+/// The lowest projected peak any one-level segmentation of `slots` reaches (to
+/// 0.1%), by bisection on the DP's budget; 0 when `slots` is empty.
+inline std::int64_t dp_min_peak(const std::vector<memscale::slot_cost>& slots) {
+  if (slots.empty()) return 0;
+  std::int64_t hi = memscale::core::project_chain(slots, memscale::core::keep_all(slots.size())).peak;
+  std::int64_t lo = 0, best = hi;
+  while (hi - lo > hi / 1000 + 1) {
+    const auto mid = dp_budget(lo + (hi - lo) / 2);
+    if (mid >= hi) break;
+    const auto dp = memscale::core::optimal_segmentation(slots, mid, static_cast<int>(dp_buckets));
+    if (dp.feasible) {
+      hi = mid;
+      best = std::min(best, dp.peak);
+    } else {
+      lo = mid;
+    }
+  }
+  return best;
+}
+
+/// Builds the baseline row, sets the Balanced budget from its measured total peak,
+/// builds the memscale rows, then measures `steps` rounds in which every row takes
+/// one step in turn (so a change in machine load hits all rows alike).
+/// The memscale rows of a workload, given the Balanced budget (GB) derived from the baseline.
+using row_configs = std::function<std::vector<std::pair<std::string, memscale::Config>>(double)>;
+
+/// A memscale row's Config: `mode`, logging off (the harness prints the plans it needs).
+inline memscale::Config quiet_config(memscale::OptimizationMode mode) {
+  memscale::Config cfg;
+  cfg.enable_logging = false;
+  cfg.mode = mode;
+  return cfg;
+}
+
+/// Conservative (no budget), Balanced (the 60% budget), Aggressive.
+inline std::vector<std::pair<std::string, memscale::Config>> mode_rows(double balanced_budget_gb) {
+  std::vector<std::pair<std::string, memscale::Config>> rows;
+  for (auto mode : {memscale::OptimizationMode::Conservative, memscale::OptimizationMode::Balanced,
+                    memscale::OptimizationMode::Aggressive}) {
+    auto cfg = quiet_config(mode);
+    if (mode == memscale::OptimizationMode::Balanced) cfg.memory_budget_gb = balanced_budget_gb;
+    rows.emplace_back(std::string(memscale::to_string(mode)), cfg);
+  }
+  return rows;
+}
+
+/// The offload rows: Aggressive with checkpointing only, offloading only
+/// (synchronous and async), and both.
+inline std::vector<std::pair<std::string, memscale::Config>> offload_rows(double) {
+  auto cfg = quiet_config(memscale::OptimizationMode::Aggressive);
+  std::vector<std::pair<std::string, memscale::Config>> rows;
+  auto checkpoint = cfg;
+  checkpoint.enable_offloading = false;
+  rows.emplace_back("checkpoint", checkpoint);
+  auto offload = cfg;
+  offload.enable_checkpointing = false;
+  rows.emplace_back("offload sync", offload);
+  offload.async_offload = true;
+  rows.emplace_back("offload async", offload);
+  auto both = cfg;
+  both.async_offload = true;
+  rows.emplace_back("ckpt+offload async", both);
+  return rows;
+}
+
+template <class Model>
+Workload run_workload(const std::string& title, const std::string& description,
+                      const std::function<Model()>& make_model,
+                      const std::function<torch::Tensor(Model&, const Sample&)>& loss_of,
+                      const std::vector<Sample>& data, int steps, const row_configs& rows_for = mode_rows,
+                      const std::function<torch::Tensor(Model&, const Sample&)>& hand_placed = {}) {
+  Workload w;
+  w.title = title;
+  w.description = description;
+  std::vector<std::unique_ptr<Runner<Model>>> runners;
+  std::cerr << "[bench] " << title << ": baseline\n";
+  runners.push_back(std::make_unique<Runner<Model>>("baseline", make_model, loss_of, data, std::nullopt));
+  w.baseline_total = static_cast<double>(runners.front()->resident + runners.front()->calibration_growth);
+  w.balanced_budget_gb = balanced_budget_fraction * w.baseline_total / gib;
+
+  for (const auto& [name, cfg] : rows_for(w.balanced_budget_gb)) {
+    std::cerr << "[bench] " << title << ": " << name << "\n";
+    runners.push_back(std::make_unique<Runner<Model>>(name, make_model, loss_of, data, cfg));
+  }
+  if (hand_placed) {
+    // No memscale guard: the loss's own forward checkpoints each block with
+    // memscale::checkpoint, as a user would by hand (torch.utils.checkpoint per block).
+    std::cerr << "[bench] " << title << ": hand-placed checkpoint per block\n";
+    runners.push_back(
+        std::make_unique<Runner<Model>>("hand ckpt/block", make_model, hand_placed, data, std::nullopt));
+  }
+  for (int s = 0; s < steps; ++s) {
+    std::cerr << "[bench] " << title << ": round " << s + 1 << "/" << steps << "\n";
+    // Each round starts at the next row, so whatever a position in the round
+    // costs or saves (the previous row's frees, caches) falls on every row alike.
+    for (std::size_t i = 0; i < runners.size(); ++i)
+      runners[(i + static_cast<std::size_t>(s)) % runners.size()]->measure();
+  }
+  for (auto& r : runners) w.rows.push_back(r->finish());
+  for (const auto& r : w.rows)
+    if (r.report && r.report->chains.size() == 1) w.dp_min_peak = dp_min_peak(r.report->chains.front().slots);
+  return w;
+}
+
+inline bool same_losses(const RowResult& a, const RowResult& b) {
+  if (a.losses.size() != b.losses.size()) return false;
+  for (std::size_t i = 0; i < a.losses.size(); ++i)
+    if (std::bit_cast<std::uint32_t>(a.losses[i]) != std::bit_cast<std::uint32_t>(b.losses[i])) return false;
+  return true;
+}
+
+/// The largest |loss - baseline loss| / |baseline loss| over the steps.
+inline double loss_gap(const RowResult& a, const RowResult& b) {
+  double worst = 0.0;
+  for (std::size_t i = 0; i < a.losses.size() && i < b.losses.size(); ++i)
+    if (!std::isfinite(a.losses[i])) return std::numeric_limits<double>::infinity();  // diverged
+  for (std::size_t i = 0; i < a.losses.size() && i < b.losses.size(); ++i)
+    worst = std::max(worst, std::abs(static_cast<double>(a.losses[i]) - b.losses[i]) /
+                                std::max(1e-30, std::abs(static_cast<double>(b.losses[i]))));
+  return worst;
+}
+
+/// The bit-exact column: yes/NO for rows that keep the arithmetic, else the loss gap.
+inline std::string exactness(const RowResult& r, const RowResult& base) {
+  if (&r == &base) return "ref";
+  if (r.exact_expected) return same_losses(r, base) ? "yes" : "NO";
+  std::ostringstream os;
+  os << "n/a, loss " << std::scientific << std::setprecision(1) << loss_gap(r, base);
+  return os.str();
+}
+
+/// The planner's projection of the un-optimized step, from a memscale row's profile.
+inline std::int64_t projected_baseline(const Workload& w) {
+  for (const auto& r : w.rows)
+    if (r.report && r.report->planned) return r.report->baseline_peak_bytes();
+  return 0;
+}
+
+}  // namespace bench

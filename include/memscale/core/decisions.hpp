@@ -1,0 +1,110 @@
+// memscale — what the rule engine (core/decision_engine.hpp) reads and writes:
+// the rule behind each decision, the mode's policy, the engine's input, and the
+// plan it returns (units per chain, one decision per run of slots, in order).
+// Plain data: tests build and read them in static_assert.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include <memscale/config.hpp>
+#include <memscale/core/graph.hpp>
+#include <memscale/core/memory_model.hpp>
+
+namespace memscale::core {
+
+/// Why a run of slots got the treatment it got; printed beside every plan entry.
+enum class rule_id : std::uint8_t {
+  low_pressure_skip,       ///< pressure below the mode's threshold; nothing applied
+  checkpointing_disabled,  ///< Config or Strategy excludes checkpointing
+  unsupported_chain,       ///< a slot is not Tensor -> Tensor; chain left alone
+  checkpoint_segment,      ///< checkpointed: it lowers the projected peak
+  keep_fits,               ///< kept: the projected peak already fits the target
+  keep_no_gain,            ///< kept: checkpointing it would not lower the projected peak
+  refine_segment,          ///< checkpointed part of a kept run: the uniform segments were not enough
+  offload_segment,         ///< offloaded: cheapest transfer per compute second, lowers the projected peak
+  offload_no_room,         ///< would lower the peak, but the offload tiers' budget is spent
+  tile_segment,            ///< a checkpointed run of row-independent slots runs over chunks
+};
+
+[[nodiscard]] constexpr std::string_view to_string(rule_id r) noexcept {
+  switch (r) {
+    case rule_id::low_pressure_skip: return "R1 low-pressure-skip";
+    case rule_id::checkpointing_disabled: return "R2 checkpointing-disabled";
+    case rule_id::unsupported_chain: return "R3 unsupported-chain";
+    case rule_id::checkpoint_segment: return "R4 checkpoint-segment";
+    case rule_id::keep_fits: return "R5 keep-fits";
+    case rule_id::keep_no_gain: return "R6 keep-no-gain";
+    case rule_id::refine_segment: return "R7 refine-segment";
+    case rule_id::offload_segment: return "R8 offload-segment";
+    case rule_id::offload_no_room: return "R9 offload-no-room";
+    case rule_id::tile_segment: return "R10 tile-segment";
+  }
+  return "?";
+}
+
+/// How hard a mode pushes: act when pressure >= act_at_pressure (unless
+/// force_optimize), and expand until the projected peak <= target_fraction x usable.
+struct mode_policy {
+  double act_at_pressure;
+  double target_fraction;
+};
+
+[[nodiscard]] constexpr mode_policy policy_for(OptimizationMode mode) noexcept {
+  switch (mode) {
+    case OptimizationMode::Conservative: return {1.0, 1.0};  // only when it would not fit
+    case OptimizationMode::Balanced: return {0.7, 0.9};      // earlier, with a 10% margin
+    case OptimizationMode::Aggressive: return {0.0, 0.0};    // always; minimize the peak
+  }
+  return {1.0, 1.0};
+}
+
+struct engine_input {
+  OptimizationMode mode = OptimizationMode::Balanced;
+  bool checkpointing_allowed = true;  ///< Config::enable_checkpointing and the Strategy
+  bool force_optimize = false;
+  std::int64_t usable_bytes = 0;      ///< budget (or device memory) x target_gpu_utilization
+  std::int64_t static_bytes = 0;      ///< parameters, gradients, optimizer state, buffers
+  bool offload_allowed = false;       ///< Config::enable_offloading, the Strategy, and a tier to go to
+  std::int64_t offload_budget_bytes = 0;    ///< room in the offload tiers (host cap + disk)
+  double offload_bytes_per_second = 1e9;    ///< one-way transfer rate to the offload tier
+  std::int64_t offload_min_bytes = 0;       ///< the engine keeps smaller saved tensors where they are
+  bool tiling_allowed = false;              ///< Config::enable_tiling and the Strategy
+  /// Per chain: the most slots one segment may span (0: any). A chain of call
+  /// sites has 1: user code runs between its units, so none can share a segment.
+  std::vector<int> segment_limit{};
+  /// One chain of one slot that is the whole model (no unit boundaries): its
+  /// saved tensors stream to the tiers in prefetch groups of about this many bytes.
+  std::int64_t whole_model_group_bytes = 0;
+};
+
+/// One decision about one run of slots, in the order the engine made it.
+struct segment_decision {
+  int chain = 0;
+  int first = 0;
+  int last = 0;
+  bool checkpointed = false;
+  rule_id rule = rule_id::keep_fits;
+  std::int64_t freed_bytes = 0;       ///< forward bytes the run would no longer keep (offload: moves)
+  double recompute_seconds = 0.0;     ///< offload: transfer seconds (out and back)
+  std::int64_t peak_before = 0;       ///< projected step peak before this decision
+  std::int64_t peak_after = 0;        ///< ... and after it
+  bool offloaded = false;
+  double compute_seconds = 0.0;       ///< offload: the run's forward + backward time the transfer overlaps
+  int tiles = 1;                      ///< tile: chunks, along input dimension tile_dim
+  int tile_dim = 0;
+};
+
+struct engine_plan {
+  double pressure = 0.0;
+  std::int64_t baseline_peak = 0;
+  std::int64_t planned_peak = 0;
+  std::int64_t target_bytes = 0;
+  rule_id overall = rule_id::keep_fits;
+  std::vector<std::vector<unit>> units;   ///< per chain, covering every slot
+  std::vector<int> segment_length;        ///< per chain: the candidate segment length
+  std::vector<segment_decision> decisions;
+};
+
+}  // namespace memscale::core

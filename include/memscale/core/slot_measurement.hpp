@@ -1,0 +1,274 @@
+// memscale — profiler, the measuring half: a slot no rule covers is run alone on
+// a synthetic input of its propagated shape, and what it keeps for backward
+// (through the saved-tensor hooks), its output, its workspace and its forward and
+// backward time are measured (measure_slot); a slot a rule covers gets its cost
+// from the rule's estimate (static_cost). core/profiler.hpp puts them together.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <memscale/core/graph.hpp>
+#include <memscale/core/layer_rules.hpp>
+#include <memscale/detail/buffers.hpp>
+#include <memscale/detail/rng.hpp>
+#include <memscale/device/memory_tracker.hpp>
+#include <memscale/errors.hpp>
+#include <memscale/offload/hooks.hpp>
+
+namespace memscale::detail {
+
+inline void synchronize(const c10::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/// Where the profiler's times come from on this thread while it is open: a
+/// count of seconds that is not the wall clock's (memscale::predict's
+/// shape-only execution, whose operators compute nothing, counts what they
+/// would take). Outside one, measure_slot times with the wall clock.
+class profile_clock_scope {
+ public:
+  explicit profile_clock_scope(std::function<double()> seconds) : seconds_(std::move(seconds)), outer_(open()) {
+    open() = this;
+  }
+  profile_clock_scope(const profile_clock_scope&) = delete;
+  profile_clock_scope& operator=(const profile_clock_scope&) = delete;
+  ~profile_clock_scope() { open() = outer_; }
+  /// Seconds on this thread's clock: the open scope's count, else the wall clock's.
+  [[nodiscard]] static double now() {
+    if (const auto* scope = open()) return scope->seconds_();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+
+ private:
+  static profile_clock_scope*& open() {
+    thread_local profile_clock_scope* scope = nullptr;
+    return scope;
+  }
+  std::function<double()> seconds_;
+  profile_clock_scope* outer_;
+};
+
+inline torch::Tensor synthetic_input(const layer_input& in, const c10::Device& device) {
+  auto options = torch::TensorOptions().dtype(in.dtype).device(device);
+  return c10::isFloatingType(in.dtype) ? torch::randn(in.shape, options) : torch::zeros(in.shape, options);
+}
+
+/// Where measure_slot's byte figures came from.
+enum class byte_source : std::uint8_t {
+  allocations,     ///< the memory tracker: reported or counted allocations, or CUDA statistics
+  saved_tensors,   ///< allocations go unseen: storages autograd saved (workspace unmeasured)
+  none,            ///< neither: saved bytes unknown, input and output assumed kept
+};
+
+struct measured_slot {
+  slot_cost cost;
+  torch::Tensor output;  ///< detached, for the next slot
+  bool tensor_output = true;
+  byte_source bytes = byte_source::allocations;
+};
+
+/// The storages autograd saves while it is open (on this thread), through
+/// memscale's saved-tensor hooks; the tensors themselves are saved as usual.
+class saved_storage_log {
+ public:
+  struct entry {
+    const void* storage;
+    std::int64_t bytes;
+  };
+
+  [[nodiscard]] std::vector<entry> entries() const {
+    std::lock_guard<std::mutex> lock(record_->mutex);
+    return record_->entries;
+  }
+
+ private:
+  struct record {
+    std::mutex mutex;
+    std::vector<entry> entries;
+  };
+  struct pack {
+    std::shared_ptr<record> log;
+    at::Tensor operator()(const at::Tensor& t) const {
+      if (t.defined() && t.has_storage()) {
+        std::lock_guard<std::mutex> lock(log->mutex);
+        log->entries.push_back({t.storage().unsafeGetStorageImpl(), static_cast<std::int64_t>(t.storage().nbytes())});
+      }
+      return t;
+    }
+  };
+  struct unpack {
+    at::Tensor operator()(at::Tensor& t) const { return t; }
+  };
+
+  std::shared_ptr<record> record_ = std::make_shared<record>();
+  offload::saved_tensors_hooks<pack, unpack> hooks_{pack{record_}, unpack{}};
+};
+
+inline const void* storage_of(const torch::Tensor& t) {
+  return t.defined() && t.has_storage() ? static_cast<const void*>(t.storage().unsafeGetStorageImpl()) : nullptr;
+}
+
+/// Runs one slot alone and measures what its forward keeps for backward. On CPU
+/// with `reporting` (a scope the caller opened), bytes are what it reports, if it
+/// reports the input's copy; else what `byte_source` says.
+inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tensor& input, int passes,
+                                  const memory_tracker::reporting_scope* reporting = nullptr) {
+  measured_slot result;
+  const auto device = input.device();
+  double fastest_forward = 1e300, fastest_backward = 1e300;
+  for (int pass = 0; pass < std::max(1, passes); ++pass) {
+    slot_cost cost;
+    const auto reported_before = reporting != nullptr ? reporting->allocated_bytes() : 0;
+    // An owned, non-leaf copy (as inside a chain, where the input comes out of the
+    // previous slot): dropping our reference then shows whether the slot keeps it.
+    // A leaf would be kept alive by its gradient accumulator, whatever the slot saves.
+    torch::Tensor leaf, x;
+    if (c10::isFloatingType(input.scalar_type())) {
+      leaf = input.detach().clone().requires_grad_(true);
+      x = leaf.clone();
+    } else {
+      x = input.detach().clone();
+    }
+    cost.input_bytes = static_cast<std::int64_t>(x.nbytes());
+    // The copy is a CPU allocation of known size: a scope that missed it misses them all.
+    auto source = byte_source::allocations;
+    if (reporting != nullptr &&
+        (!reporting->active() || reporting->allocated_bytes() - reported_before < cost.input_bytes)) {
+      source = offload::hooks_engine_active() ? byte_source::saved_tensors : byte_source::none;
+    }
+    const bool by_allocations = source == byte_source::allocations;
+    const auto version = x._version();
+    synchronize(device);
+    torch::Tensor y;
+    std::int64_t live_before = 0, live_after = 0, peak = 0;
+    std::vector<saved_storage_log::entry> saved;
+    {
+      std::optional<memory_tracker::peak_scope> scope;
+      std::optional<saved_storage_log> log;
+      if (by_allocations) {
+        scope.emplace(device);
+        live_before = memory_tracker::current_bytes(device);
+      } else if (source == byte_source::saved_tensors) {
+        log.emplace();
+      }
+      const auto start = profile_clock_scope::now();
+      auto out = slot.any_forward(x);
+      auto* tensor = out.try_get<torch::Tensor>();
+      if (tensor == nullptr) {
+        result.tensor_output = false;
+        return result;
+      }
+      y = *tensor;
+      synchronize(device);
+      cost.forward_seconds = profile_clock_scope::now() - start;
+      if (by_allocations) {
+        live_after = memory_tracker::current_bytes(device);
+        peak = scope->peak();
+      }
+      if (log) saved = log->entries();
+    }
+    cost.mutates_input = x._version() != version;
+    cost.output_bytes = static_cast<std::int64_t>(y.nbytes());
+    cost.output_is_view = y.storage().is_alias_of(x.storage());
+    if (by_allocations) {
+      cost.workspace_bytes = std::max<std::int64_t>(0, peak - live_after);
+      const auto kept = live_after - live_before;
+      cost.saved_bytes = std::max<std::int64_t>(0, kept - (cost.output_is_view ? 0 : cost.output_bytes));
+    } else if (source == byte_source::saved_tensors) {
+      // New storages autograd keeps, beyond the input, the output and the slot's own tensors.
+      std::unordered_set<const void*> counted{storage_of(x), storage_of(y)};
+      for (const auto& p : slot.ptr()->parameters()) counted.insert(storage_of(p));
+      for (const auto& b : slot.ptr()->buffers()) counted.insert(storage_of(b));
+      for (const auto& e : saved) {
+        if (!cost.output_is_view) {
+          cost.saves_input = cost.saves_input || e.storage == storage_of(x);
+          cost.saves_output = cost.saves_output || e.storage == storage_of(y);
+        }
+        if (counted.insert(e.storage).second) cost.saved_bytes += e.bytes;
+      }
+    } else {
+      cost.saves_input = cost.saves_output = !cost.output_is_view;  // unknown: assume both kept
+    }
+
+    if (y.requires_grad()) {
+      std::vector<torch::Tensor> targets;
+      if (x.requires_grad()) targets.push_back(x);
+      for (const auto& p : slot.ptr()->parameters())
+        if (p.requires_grad()) targets.push_back(p);
+      const auto start = profile_clock_scope::now();
+      if (!targets.empty()) {
+        auto grads = torch::autograd::grad({y}, targets, {torch::ones_like(y)}, /*retain_graph=*/true,
+                                           /*create_graph=*/false, /*allow_unused=*/true);
+        synchronize(device);
+      }
+      cost.backward_seconds = profile_clock_scope::now() - start;
+    }
+    auto next = y.detach().clone();
+    if (by_allocations) {
+      // Which of input and output does the graph keep alive?
+      const auto live_with_input = memory_tracker::current_bytes(device);
+      x = torch::Tensor();
+      const auto live_without_input = memory_tracker::current_bytes(device);
+      cost.saves_input = !cost.output_is_view && y.grad_fn() != nullptr &&
+                         live_with_input - live_without_input < cost.input_bytes / 2;
+      auto graph = y.grad_fn();
+      y = torch::Tensor();
+      const auto live_without_output = memory_tracker::current_bytes(device);
+      cost.saves_output = !cost.output_is_view && graph != nullptr &&
+                          live_without_input - live_without_output < cost.output_bytes / 2;
+      graph.reset();
+    } else if (y.grad_fn() == nullptr) {
+      cost.saves_input = cost.saves_output = false;  // no graph: nothing is kept for backward
+      cost.saved_bytes = 0;
+    }
+    // Memory from the last pass (one-time allocations are gone); the fastest times.
+    fastest_forward = std::min(fastest_forward, cost.forward_seconds);
+    fastest_backward = std::min(fastest_backward, cost.backward_seconds);
+    result.cost = cost;
+    result.cost.forward_seconds = fastest_forward;
+    result.cost.backward_seconds = fastest_backward;
+    result.output = std::move(next);
+    result.bytes = source;
+  }
+  return result;
+}
+
+/// Nominal rates that turn a static estimate's flops into seconds (used only to
+/// rank recompute costs against each other; measured profiles use measured time).
+inline double nominal_seconds(const layer_estimate& e, const c10::Device& device) {
+  const double flops_per_second = device.is_cuda() ? 5e13 : 5e10;
+  return e.flops / flops_per_second;
+}
+
+/// A slot's costs from a static estimate (times nominal, from its flops).
+inline slot_cost static_cost(const layer_estimate& e, std::int64_t input_bytes, const c10::Device& device) {
+  slot_cost cost;
+  cost.input_bytes = input_bytes;
+  cost.output_bytes = e.output_bytes();
+  cost.output_is_view = e.output_is_view;
+  cost.saved_bytes = e.saved_bytes;
+  cost.saves_input = e.saves_input;
+  cost.saves_output = e.saves_output;
+  cost.workspace_bytes = e.workspace_bytes;
+  cost.forward_seconds = nominal_seconds(e, device);
+  cost.backward_seconds = 2.0 * cost.forward_seconds;
+  return cost;
+}
+
+}  // namespace memscale::detail

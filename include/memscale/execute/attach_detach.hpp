@@ -1,0 +1,137 @@
+// memscale — core::attach and core::detach, the pipeline behind wrap() and its
+// undoing: validate, find chains, listen to call sites, (capture), profile,
+// plan, apply, verify, register; and attachment::restore, which puts every
+// original slot back. Includes every part of the attachment it runs.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/config.hpp>
+#include <memscale/core/profiler.hpp>
+#include <memscale/errors.hpp>
+#include <memscale/execute/attachment.hpp>
+#include <memscale/execute/attachment_apply.hpp>
+#include <memscale/execute/attachment_call_sites.hpp>
+#include <memscale/execute/attachment_planning.hpp>
+#include <memscale/execute/attachment_report.hpp>
+#include <memscale/execute/managed_chain.hpp>
+#include <memscale/execute/planning_scope.hpp>
+#include <memscale/execute/registry.hpp>
+#include <memscale/execute/verify.hpp>
+
+namespace memscale::core {
+
+inline void attachment::restore() noexcept {
+  std::lock_guard<std::mutex> planning(plan_mutex_);
+  sites_ = sites_state::off;
+  stop_listening();
+  sequence_.clear();
+  whole_scope_.reset();
+  for (auto& chain : chains_) {
+    if (chain.source != chain_source::sequential) continue;
+    auto it = chain.ref.sequential->begin();
+    for (std::size_t k = 0; k < chain.originals.size(); ++k, ++it) *it = chain.originals[k];
+  }
+}
+
+/// The pipeline behind wrap(): validate, find chains, listen to call sites,
+/// (capture), profile, plan, apply, register. `forward`: runs the example input
+/// through the model, or empty. `whole_forward`: the model's Tensor -> Tensor
+/// forward, when it has one (a model with no unit boundaries is planned as one).
+inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Module>& root, const Config& config,
+                                          technique_set techniques, const std::function<void()>& forward,
+                                          plan_agreement agree = {},
+                                          std::function<torch::Tensor(const torch::Tensor&)> whole_forward = {},
+                                          const torch::Tensor* example = nullptr) {
+  config.validate();
+  if (!root) throw UnsupportedModelError("memscale: the model is empty (a null module holder)");
+  if (config.verify_correctness && example == nullptr)
+    throw ConfigError("verify_correctness",
+                      "needs an example input to run one step with and without the plan: use wrap(model, "
+                      "example_input, config) or optimize(model, example_input, config) (a model planned at its "
+                      "first forward is not verified)");
+  if (config.verify_correctness && !whole_forward)
+    throw ConfigError("verify_correctness",
+                      "needs a model whose forward takes one Tensor and returns one Tensor, to take a loss from "
+                      "its output; this model's forward does not (" + root->name() + ")");
+  if (registry::global().find(root.get()))
+    throw AlreadyOptimizedError("memscale: this model is already optimized; call memscale::detach(model) "
+                                "before wrapping it again");
+  auto chains = find_chains(root);
+  for (const auto& chain : chains)
+    for (const auto& slot : *chain.sequential)
+      if (is_memscale_slot(slot))
+        throw AlreadyOptimizedError("memscale: Sequential '" + (chain.path.empty() ? root->name() : chain.path) +
+                                    "' is already managed by memscale (through another model that contains "
+                                    "it); detach that model first");
+  auto attached = std::make_shared<attachment>(root, std::move(chains), config, techniques, std::move(agree),
+                                               std::move(whole_forward));
+  try {
+    attached->listen_to_call_sites();
+    // CPU: what the process comes to hold beyond the allocator, from the first
+    // full-batch operation on (verify's step or the example forward) to the end
+    // of profiling. Declared before the sandbox, so it closes after it.
+    std::optional<outside_allocator_probe> outside;
+    if (forward && profile_outside_allocator_bytes() < 0) {
+      const auto parameters = root->parameters();
+      const bool cpu = example != nullptr ? example->device().is_cpu()
+                                          : parameters.empty() || parameters.front().device().is_cpu();
+      if (cpu) outside.emplace();
+    }
+    const outside_probe_binding bound(*attached, outside ? &*outside : nullptr);
+    // With a CPU budget and no verification step (which runs a whole step of
+    // its own first), a training step at two rows lets the probe see what
+    // backward and autograd make outside the allocator too, which the no-grad
+    // example forward and the profiling do not reach.
+    if (outside && example != nullptr && config.memory_budget_gb && !config.verify_correctness)
+      attached->run_native_warmup(*example);
+    // verify_correctness: the unoptimized step first, on the model as it is.
+    std::optional<verify::sandbox> box;
+    std::optional<verify::step_outcome> unoptimized;
+    if (config.verify_correctness) {
+      box.emplace(*root);
+      unoptimized = attached->verification_step(*box, *example, /*as_before_wrap=*/true);
+      box->reset();
+    }
+    std::vector<torch::Tensor> inputs;
+    if (forward) {
+      if (example != nullptr) attached->set_whole_input(*example);
+      inputs = attached->capture_inputs(forward);
+    }
+    attached->plan_and_apply(std::move(inputs));
+    if (unoptimized) {
+      const auto optimized = attached->verification_step(*box, *example, /*as_before_wrap=*/false);
+      attached->judge_verification(*box, *unoptimized, optimized, example->device());
+    }
+    box.reset();  // gradients, buffers and the RNG as they were
+    registry::global().add(root, attached);
+  } catch (...) {
+    attached->restore();
+    throw;
+  }
+  return attached;
+}
+
+/// Undoes attach(); false when memscale does not manage `root` (or, with
+/// `only`, when what manages it is another attachment). Never throws.
+inline bool detach(const torch::nn::Module* root, const attachment* only = nullptr) noexcept {
+  std::shared_ptr<attachment> found;
+  try {
+    found = registry::global().remove(root, only);
+  } catch (...) {
+    return false;
+  }
+  if (!found) return false;
+  found->restore();
+  return true;
+}
+
+}  // namespace memscale::core

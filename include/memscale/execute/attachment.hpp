@@ -1,0 +1,345 @@
+// memscale — the executor's attachment: the
+// class that profiles, plans, applies and runs a model's chains and call sites;
+// its members and short functions. The longer member functions are defined in
+// attachment_planning.hpp (capture, profile, plan), attachment_apply.hpp (commit a
+// plan, swap slots), attachment_call_sites.hpp (record and run memscale::forward
+// calls), attachment_report.hpp (report notes, verify_correctness) and
+// attach_detach.hpp (restore); include execute/executor.hpp to get them all.
+//
+// It swaps forward slots of each torch::nn::Sequential chain
+// for technique wrappers and puts the originals back on detach. The chain's
+// registered children never change, so parameters(), named_parameters(), state
+// dicts and optimizers see the same tensors under the same names. An attachment
+// is registered against the model's root module so detach() can find it. Every
+// step either completes or is rolled back: a throwing wrap leaves the model as it was.
+// Threads: wrap/detach/is_optimized may be called from any thread, but not while
+// the model runs a forward elsewhere; without an example input, the first
+// training forward plans and swaps slots, so make it from one thread.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/config.hpp>
+#include <memscale/core/call_sites.hpp>
+#include <memscale/core/memory_model.hpp>
+#include <memscale/core/plan.hpp>
+#include <memscale/core/profiler.hpp>
+#include <memscale/core/slots.hpp>
+#include <memscale/detail/assert.hpp>
+#include <memscale/detail/fault_injection.hpp>
+#include <memscale/device/hardware.hpp>
+#include <memscale/execute/managed_chain.hpp>
+#include <memscale/execute/planning_scope.hpp>
+#include <memscale/execute/verify.hpp>
+#include <memscale/offload/engine.hpp>
+#include <memscale/offload/hooks.hpp>
+#include <memscale/techniques/offload.hpp>
+
+namespace memscale::core {
+
+class attachment;
+
+/// Lends attach()'s outside_allocator_probe to an attachment's planning for the
+/// binding's lifetime.
+class outside_probe_binding {
+ public:
+  outside_probe_binding(attachment& attached, outside_allocator_probe* probe);
+  outside_probe_binding(const outside_probe_binding&) = delete;
+  outside_probe_binding& operator=(const outside_probe_binding&) = delete;
+  ~outside_probe_binding();
+
+ private:
+  attachment& attached_;
+};
+
+class attachment : public std::enable_shared_from_this<attachment>, public call_site_host {
+  friend class outside_probe_binding;
+
+ public:
+  attachment(const std::shared_ptr<torch::nn::Module>& root, std::vector<chain_ref> chains, Config config,
+             technique_set techniques, plan_agreement agree = {},
+             std::function<torch::Tensor(const torch::Tensor&)> whole_forward = {})
+      : root_(root),
+        config_(std::move(config)),
+        techniques_(techniques),
+        agree_(std::move(agree)),
+        whole_forward_(std::move(whole_forward)) {
+    for (auto& ref : chains) {
+      managed_chain chain;
+      chain.ref = std::move(ref);
+      for (const auto& slot : *chain.ref.sequential) chain.originals.push_back(slot);
+      chains_.push_back(std::move(chain));
+    }
+    for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/true))
+      paths_.emplace(item.value().get(), item.key());
+    report_.mode = config_.mode;
+    report_.hardware = detect_hardware();
+    add_technique_notes();
+  }
+
+  attachment(const attachment&) = delete;
+  attachment& operator=(const attachment&) = delete;
+  /// A model dropped without detach() takes its attachment with it: its call
+  /// sites stop reaching it.
+  ~attachment() override { stop_listening(); }
+
+  [[nodiscard]] Report report() const {
+    Report r;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      r = report_;
+    }
+    const auto diverged = diverged_forwards_.load();
+    const auto short_ones = short_forwards_.load();
+    if (diverged != 0 || short_ones != 0)
+      r.notes.push_back("call sites: " + std::to_string(diverged) +
+                        " forward(s) left the recorded call sequence (each ran unoptimized from there on), " +
+                        std::to_string(short_ones) + " ended before its last recorded call");
+    return r;
+  }
+
+  /// Makes memscale::forward calls on the model's modules reach this attachment
+  /// (undone by restore()).
+  void listen_to_call_sites() {
+    auto self = shared_from_this();
+    for (const auto& [module, path] : paths_) call_sites::index::global().add(module, self);
+    if (!listening_.exchange(true)) call_sites::active_hosts().fetch_add(1);
+  }
+
+  void stop_listening() noexcept {
+    if (!listening_.exchange(false)) return;
+    call_sites::index::global().remove_host(this);
+    call_sites::active_hosts().fetch_sub(1);
+  }
+
+  /// memscale::forward: records, plans (lazily) or runs a call (call_sites.hpp).
+  call_ticket begin_call(torch::nn::Module& module, int depth, const std::function<torch::nn::AnyModule()>* make_slot,
+                         const torch::Tensor* input, const char* why_not) override;
+
+  /// The offload engine, once a plan offloaded something (else null).
+  [[nodiscard]] std::shared_ptr<offload::engine> offload_engine() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return engine_;
+  }
+
+  /// Runs `forward` once (no grad, no visible RNG draws, buffers restored) to learn
+  /// what each chain receives. Chains the forward never reaches get no input.
+  std::vector<torch::Tensor> capture_inputs(const std::function<void()>& forward);
+
+  /// Profiles, plans and applies the chains with a defined input; the others get
+  /// a planning probe. Nothing changes in the model unless all of it succeeds.
+  void plan_and_apply(std::vector<torch::Tensor> inputs);
+
+  /// The example input, for a model planned as one whole-forward unit.
+  void set_whole_input(const torch::Tensor& x) { whole_input_ = x.detach(); }
+
+  /// Called by a chain's planning probe on its first training input. The probe
+  /// runs inside slot 0's AnyModule holder, which planning replaces: the holder
+  /// moves to `displaced` and lives until this call (and the probe's) returns.
+  torch::Tensor plan_on_first_call(std::size_t c, const torch::Tensor& x, torch::nn::AnyModule& displaced);
+
+  /// One training step (forward, a mean-square loss, backward) of the example's
+  /// first two rows in verify's sandbox (gradients, buffers and the RNG put
+  /// back), run directly, so that outside_allocator_probe sees what the worker
+  /// threads and autograd make outside the allocator. Nothing for a forward
+  /// that is not Tensor -> Tensor. A failure is a note: the reserve then comes
+  /// from the example forward and the profiling only.
+  void run_native_warmup(const torch::Tensor& example);
+
+  /// verify_correctness: one step of `example` in `box`, through the model as
+  /// it is now; `as_before_wrap`: memscale::forward calls run directly (the
+  /// unoptimized step, taken before the plan is applied).
+  verify::step_outcome verification_step(verify::sandbox& box, const torch::Tensor& example, bool as_before_wrap) {
+    MEMSCALE_ASSERT(whole_forward_, "verify_correctness needs the model's Tensor -> Tensor forward");
+    planning_scope direct_calls(as_before_wrap);
+    return box.run(whole_forward_, example);
+  }
+
+  /// Compares the two verification steps, puts the outcome in the report and
+  /// logs it; throws CorrectnessError when they differ beyond what the plan's
+  /// techniques allow (the caller then restores the model).
+  void judge_verification(const verify::sandbox& box, const verify::step_outcome& unoptimized,
+                          const verify::step_outcome& optimized, c10::Device device);
+
+  /// Whether the model is in training mode (planning waits for a training call).
+  [[nodiscard]] bool training_call() const {
+    auto root = root_.lock();
+    return root && root->is_training();
+  }
+
+  /// Puts every original slot back, stops listening to call sites and closes a
+  /// whole-model offload scope. Never throws.
+  void restore() noexcept;
+
+ private:
+  // verify_correctness's relative L2 tolerances where bit-identity cannot hold
+  // (measured on the example GPT and the tests' models: see the README).
+  static constexpr double verify_mixed_precision_tolerance = 5e-2;
+  static constexpr double verify_tiling_tolerance = 1e-4;
+  static constexpr double verify_nondeterministic_tolerance = 1e-4;
+
+  void add_technique_notes();
+
+  /// What a plan changes besides Sequential slots, made before it commits and
+  /// moved into place after (noexcept).
+  struct pending_changes {
+    slot_transaction swaps;
+    std::vector<std::pair<std::size_t, torch::nn::AnyModule>> runners;  // call sequence position -> runner
+    std::unique_ptr<offload_scope> whole_scope;
+  };
+
+  /// Plans chains `ready`, applies the plan (and probes on the other chains when
+  /// asked) in one transaction, then publishes the report.
+  void commit_plan(const std::vector<std::size_t>& ready, const std::vector<torch::Tensor>& inputs,
+                   bool probe_the_others, torch::nn::AnyModule* displaced = nullptr);
+
+  void after_first_change(bool& first_change) {
+    if (first_change) {
+      first_change = false;
+      detail::fault_point(detail::pipeline_stage::apply);  // a failure mid-way, after one slot changed
+    }
+  }
+
+  /// Profiles chains `which` (inputs indexed by chain) and runs the engine; fills `out`.
+  std::vector<std::vector<unit>> plan(const std::vector<std::size_t>& which,
+                                      const std::vector<torch::Tensor>& inputs, Report& out);
+
+  /// Room in the offload tiers for tensors on `device` (the engine's caps, see
+  /// offload::options_from), and the transfer rate to the tier they reach first:
+  /// host tiers then disk for CUDA, disk only for CPU tensors.
+  static std::pair<std::int64_t, double> offload_room(const c10::Device& device, const offload::engine_options& o) {
+    const std::int64_t disk = o.disk_bytes.value_or(0);
+    if (!device.is_cuda()) return {disk, nominal_disk_bytes_per_second};
+    const std::int64_t host = o.host_bytes.value_or(0);
+    return {host + disk, host > 0 ? nominal_host_link_bytes_per_second : nominal_disk_bytes_per_second};
+  }
+
+  /// The engine offloaded units share; created at the first plan that offloads.
+  std::shared_ptr<offload::engine> engine_for_plan() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!engine_) engine_ = std::make_shared<offload::engine>(offload::options_from(config_));
+    return engine_;
+  }
+
+  /// Replaces chain c's slots as `units` say (originals where a unit is kept):
+  /// a Sequential's slots are swapped, call sites get runners, and a whole
+  /// model that offloads gets its offload scope.
+  void apply_units(std::size_t c, const std::vector<unit>& units, bool supported, pending_changes& changes,
+                   bool& first_change);
+
+  // --- call sites ------------------------------------------------------------
+
+  /// Prefetch groups of a whole-model offload scope (it has no layer boundaries).
+  static constexpr std::int64_t whole_group_bytes = std::int64_t{32} << 20;
+  /// A lazy recording longer than this ends (a training forward never followed by a backward).
+  static constexpr std::size_t max_recorded_calls = 1 << 16;
+
+  enum class sites_state : std::uint8_t { waiting, recording, recording_lazily, active, off };
+
+  [[nodiscard]] std::string root_name() const {
+    auto root = root_.lock();
+    return root ? root->name() : std::string("model");
+  }
+
+  /// "TransformerBlock" for gpt::TransformerBlockImpl: the name users write.
+  static std::string type_name(const torch::nn::Module& module) {
+    auto name = module.name();
+    if (const auto colon = name.rfind("::"); colon != std::string::npos) name = name.substr(colon + 2);
+    if (name.size() > 4 && name.compare(name.size() - 4, 4, "Impl") == 0) name.resize(name.size() - 4);
+    return name;
+  }
+
+  [[nodiscard]] std::string path_of(const torch::nn::Module* module) const {
+    const auto it = paths_.find(module);
+    if (it == paths_.end()) return "<not registered in the model>";
+    return it->second.empty() ? "<root>" : it->second;
+  }
+
+  [[nodiscard]] bool allows_whole_model_offload() const {
+    return whole_forward_ && static_cast<bool>(techniques_.offload) && offload::hooks_engine_active();
+  }
+
+  void record(torch::nn::Module& module, int depth, const std::function<torch::nn::AnyModule()>* make_slot,
+              const torch::Tensor* input, const char* why_not);
+
+  /// Whether a lazy recording holds a whole training forward: a backward ran
+  /// since it began (memscale's engine counts them), or, without that engine,
+  /// the first recorded module is called again at its depth.
+  [[nodiscard]] bool recording_complete(const torch::nn::Module& module, int depth) const;
+
+  /// Several forwards before the first backward (gradient accumulation): the
+  /// shortest period of the recorded sequence is one forward.
+  static std::vector<call_record> one_forward(std::vector<call_record> records);
+
+  /// Lazy planning of the recorded calls, at the first call after the recording
+  /// ended (the next forward). On failure call sites run directly from then on.
+  void plan_recorded_calls();
+
+  /// Turns the recorded calls into chains of call-site units (appended to
+  /// chains_; their indices are returned), the call sequence and report notes.
+  std::vector<std::size_t> add_call_chains(bool lazy);
+
+  /// A model with no Sequential and no call site: its whole forward, one unit.
+  void add_whole_model_chain();
+
+  /// The planned call for a memscale::forward call at `depth`, following the
+  /// recorded sequence (call_sites.hpp has the rules).
+  call_ticket next_call(const torch::nn::Module& module, int depth);
+
+  void end_forward() {
+    if (cursor_ != 0 && cursor_ < sequence_.size() && !diverged_) ++short_forwards_;
+    cursor_ = 0;
+    diverged_ = false;
+  }
+
+  std::weak_ptr<torch::nn::Module> root_;
+  Config config_;
+  technique_set techniques_;
+  plan_agreement agree_;
+  std::function<torch::Tensor(const torch::Tensor&)> whole_forward_;  // empty: forward is not Tensor -> Tensor
+  torch::Tensor whole_input_;
+  std::unique_ptr<offload_scope> whole_scope_;
+  std::vector<managed_chain> chains_;
+  std::unordered_map<const torch::nn::Module*, std::string> paths_;  // every module of the model
+  // Call sites. The recording and the sequence change under plan_mutex_; the
+  // cursor belongs to the thread that runs the forward (one at a time).
+  std::atomic<sites_state> sites_{sites_state::waiting};
+  std::atomic<bool> listening_{false};
+  std::vector<call_record> records_;
+  std::uint64_t recording_epoch_ = 0;
+  std::vector<planned_call> pending_sequence_;
+  std::vector<std::string> pending_notes_;
+  std::vector<planned_call> sequence_;
+  std::unordered_set<const torch::nn::Module*> excluded_;
+  int level_ = 0;
+  std::size_t cursor_ = 0;
+  bool diverged_ = false;
+  std::uint64_t cursor_epoch_ = 0;
+  std::atomic<std::int64_t> diverged_forwards_{0};
+  std::atomic<std::int64_t> short_forwards_{0};
+  std::shared_ptr<offload::engine> engine_;  // guarded by mutex_
+  outside_allocator_probe* outside_probe_ = nullptr;  // attach()'s, while it runs (outside_probe_binding)
+  mutable std::mutex mutex_;  // guards report_ and engine_
+  std::mutex plan_mutex_;     // serializes lazy planning and restore
+  Report report_;
+};
+
+inline outside_probe_binding::outside_probe_binding(attachment& attached, outside_allocator_probe* probe)
+    : attached_(attached) {
+  attached_.outside_probe_ = probe;
+}
+inline outside_probe_binding::~outside_probe_binding() { attached_.outside_probe_ = nullptr; }
+
+}  // namespace memscale::core

@@ -1,0 +1,217 @@
+// memscale — attachment, applying a plan (execute/attachment.hpp has the class):
+// plan_and_apply and plan_on_first_call (the planning probe's lazy path) run
+// commit_plan, which plans, builds every change in one transaction and commits
+// it; apply_units turns a chain's units into technique wrappers in Sequential
+// slots, call-site runners or a whole-model offload scope. Also the planning
+// probe's forward.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/core/call_sites.hpp>
+#include <memscale/core/memory_model.hpp>
+#include <memscale/core/plan.hpp>
+#include <memscale/core/slots.hpp>
+#include <memscale/detail/assert.hpp>
+#include <memscale/detail/fault_injection.hpp>
+#include <memscale/errors.hpp>
+#include <memscale/execute/attachment.hpp>
+#include <memscale/execute/attachment_planning.hpp>
+#include <memscale/execute/managed_chain.hpp>
+#include <memscale/execute/plan_log.hpp>
+#include <memscale/execute/planning_scope.hpp>
+#include <memscale/offload/hooks.hpp>
+#include <memscale/techniques/checkpoint.hpp>
+#include <memscale/techniques/concepts.hpp>
+#include <memscale/techniques/mixed_precision.hpp>
+#include <memscale/techniques/offload.hpp>
+
+namespace memscale::core {
+
+inline void attachment::plan_and_apply(std::vector<torch::Tensor> inputs) {
+  inputs.resize(chains_.size());
+  std::vector<std::size_t> ready;
+  for (std::size_t c = 0; c < chains_.size(); ++c)
+    if (inputs[c].defined()) ready.push_back(c);
+  const bool captured = sites_.load() == sites_state::recording;
+  if (captured) {
+    for (auto c : add_call_chains(/*lazy=*/false)) {
+      ready.push_back(c);
+      inputs.push_back(chains_[c].unit_inputs.front());
+    }
+  }
+  // No Sequential and no call site: what needs no unit boundaries, from the example.
+  if (captured && chains_.empty() && allows_whole_model_offload() && whole_input_.defined()) {
+    add_whole_model_chain();
+    ready.push_back(0);
+    inputs.push_back(whole_input_);
+  }
+  if (!captured && chains_.empty())
+    report_.notes.emplace_back(
+        "no torch::nn::Sequential: the units will be the memscale::forward calls of the first training forward "
+        "(recorded then, planned at the next forward). A model with neither gets whole-model offload only when "
+        "wrapped with an example input");
+  if (captured && chains_.empty())
+    throw UnsupportedModelError(
+        "memscale: the model (" + root_name() + ") has no unit boundaries (no torch::nn::Sequential, and its "
+        "example forward made no memscale::forward call), and what needs none cannot apply: " +
+        (whole_forward_ ? std::string("offload is disabled (Config::enable_offloading, the Strategy, or "
+                                      "memscale's autograd engine is not the default one)")
+                        : std::string("its forward does not take and return one Tensor, so it cannot be profiled")) +
+        ". Mark the blocks your forward loops over with `x = memscale::forward(*blocks[i], x);` (or keep them "
+        "in a torch::nn::Sequential) to get checkpointing, tiling and per-unit offload");
+  commit_plan(ready, inputs, /*probe_the_others=*/true);
+  if (captured && sites_.load() == sites_state::recording) sites_ = sites_state::off;  // no call sites
+}
+
+inline torch::Tensor attachment::plan_on_first_call(std::size_t c, const torch::Tensor& x,
+                                                    torch::nn::AnyModule& displaced) {
+  std::lock_guard<std::mutex> planning(plan_mutex_);
+  if (!chains_[c].planned) {
+    std::vector<torch::Tensor> inputs(chains_.size());
+    inputs[c] = x.detach();
+    try {
+      commit_plan({c}, inputs, /*probe_the_others=*/false, &displaced);
+    } catch (...) {
+      // Leave the chain as it was before wrap(), then report the failure.
+      auto slot0 = chains_[c].ref.sequential->begin();
+      if (slot0->ptr().get() != chains_[c].originals.front().ptr().get()) {
+        if (displaced.is_empty()) displaced = std::move(*slot0);
+        *slot0 = chains_[c].originals.front();
+      }
+      chains_[c].planned = true;
+      throw;
+    }
+  }
+  return chains_[c].ref.sequential->begin()->forward<torch::Tensor>(x);
+}
+
+inline void attachment::commit_plan(const std::vector<std::size_t>& ready, const std::vector<torch::Tensor>& inputs,
+                                    bool probe_the_others, torch::nn::AnyModule* displaced) {
+  planning_scope planning;
+  Report next = report_;
+  std::vector<std::vector<unit>> units;
+  if (!ready.empty()) units = plan(ready, inputs, next);
+  pending_changes changes;
+  bool first_change = true;
+  for (std::size_t i = 0; i < ready.size(); ++i) {
+    // plan() appended the profiles of `ready` last, in order.
+    const auto& profile = next.chains[next.chains.size() - ready.size() + i];
+    apply_units(ready[i], units[i], profile.supported, changes, first_change);
+  }
+  for (std::size_t c = 0; probe_the_others && c < chains_.size(); ++c) {
+    if (chains_[c].source != chain_source::sequential || chains_[c].planned) continue;
+    if (std::find(ready.begin(), ready.end(), c) != ready.end()) continue;
+    changes.swaps.replace(*chains_[c].ref.sequential, 0,
+                          torch::nn::AnyModule(std::make_shared<PlanningProbeImpl>(weak_from_this(), c,
+                                                                                    chains_[c].originals.front())));
+    after_first_change(first_change);
+  }
+  auto sequence = pending_sequence_;  // copies AnyModule handles only
+  for (auto& [position, runner] : changes.runners) sequence[position].runner = std::move(runner);
+  next.notes.insert(next.notes.end(), pending_notes_.begin(), pending_notes_.end());
+  detail::fault_point(detail::pipeline_stage::commit);
+  // Nothing below may throw: the slots are swapped, and a caller that saw an
+  // exception would restore only some of them.
+  changes.swaps.commit(displaced);
+  for (auto c : ready) {
+    chains_[c].planned = true;
+    chains_[c].unit_inputs.clear();  // the recorded activations are not needed any more
+  }
+  if (!pending_sequence_.empty()) {
+    sequence_ = std::move(sequence);
+    cursor_ = 0;
+    diverged_ = false;
+    cursor_epoch_ = offload::backwards_started();
+    sites_ = sites_state::active;
+  }
+  pending_sequence_.clear();
+  pending_notes_.clear();
+  if (changes.whole_scope) whole_scope_ = std::move(changes.whole_scope);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::swap(report_, next);
+    observability::log_report(config_, report_);  // noexcept
+  }
+}
+
+inline void attachment::apply_units(std::size_t c, const std::vector<unit>& units, bool supported,
+                                    pending_changes& changes, bool& first_change) {
+  auto& chain = chains_[c];
+  if (chain.source == chain_source::whole_model) {
+    if (units.empty() || !units.front().offloaded) return;
+    // The WholeModel slot registers the model: its parameters and buffers stay.
+    changes.whole_scope = std::make_unique<offload_scope>(engine_for_plan(), detail::storages_of(chain.originals),
+                                                          whole_group_bytes, root_name());
+    after_first_change(first_change);
+    return;
+  }
+  std::vector<torch::nn::AnyModule> target = chain.originals;
+  for (const auto& u : units) {
+    if (!u.checkpointed && !u.offloaded) continue;
+    std::vector<torch::nn::AnyModule> segment(chain.originals.begin() + u.first,
+                                              chain.originals.begin() + u.last + 1);
+    wrap_context context;
+    if (u.checkpointed && u.tiles > 1) {
+      MEMSCALE_ASSERT(techniques_.tile, "a plan tiles although the Strategy or Config excludes it");
+      context.tiles = u.tiles;
+      context.tile_dim = u.tile_dim;
+      segment = {techniques_.tile(std::move(segment), context)};
+    } else if (u.checkpointed) {
+      MEMSCALE_ASSERT(techniques_.checkpoint, "a plan checkpoints although the Strategy excludes it");
+      segment = {techniques_.checkpoint(std::move(segment), context)};
+    }
+    if (u.offloaded) {
+      MEMSCALE_ASSERT(techniques_.offload, "a plan offloads although the Strategy or Config excludes it");
+      context.offload_engine = engine_for_plan();
+      segment = {techniques_.offload(std::move(segment), context)};
+    }
+    target[static_cast<std::size_t>(u.first)] = std::move(segment.front());
+    for (int k = u.first + 1; k <= u.last; ++k)
+      target[static_cast<std::size_t>(k)] = torch::nn::AnyModule(std::make_shared<PassThroughImpl>());
+  }
+  // A chain whose slots are not all Tensor -> Tensor runs as it is: the
+  // autocast wrapper has one Tensor forward.
+  if (config_.use_mixed_precision && supported)
+    for (auto& slot : target)
+      if (!std::dynamic_pointer_cast<PassThroughImpl>(slot.ptr()))
+        slot = torch::nn::AnyModule(std::make_shared<AutocastSlotImpl>(std::move(slot)));
+  if (chain.source == chain_source::call_sites) {
+    for (std::size_t k = 0; k < target.size(); ++k)
+      if (target[k].ptr() != chain.originals[k].ptr()) changes.runners.emplace_back(chain.positions[k], target[k]);
+    return;
+  }
+  auto& seq = *chain.ref.sequential;
+  auto it = seq.begin();
+  for (std::size_t k = 0; k < target.size(); ++k, ++it) {
+    if (it->ptr() == target[k].ptr()) continue;
+    changes.swaps.replace(seq, k, std::move(target[k]));
+    after_first_change(first_change);
+  }
+}
+
+inline torch::Tensor PlanningProbeImpl::forward(torch::Tensor x) {
+  // Planning replaces this very slot: the module and the AnyModule holder that
+  // called us stay alive (in `displaced`) until we have returned to it.
+  auto keep_alive = shared_from_this();
+  torch::nn::AnyModule displaced;
+  // Plan from a training call: an evaluation or no-grad first call would measure
+  // nothing that backward keeps. Until then, the chain runs as it is.
+  // Inside a memscale::forward call, a recompute or planning, the chain is part
+  // of something being run or measured: it runs as it is.
+  if (call_sites::depth() > 0 || detail::recompute_scope::current() != nullptr || planning_on_this_thread())
+    return original_.forward<torch::Tensor>(std::move(x));
+  auto owner = owner_.lock();
+  if (owner && owner->training_call() && torch::GradMode::is_enabled() && !c10::InferenceMode::is_enabled())
+    return owner->plan_on_first_call(chain_, x, displaced);
+  return original_.forward<torch::Tensor>(std::move(x));
+}
+
+}  // namespace memscale::core

@@ -1,0 +1,275 @@
+// memscale — attachment, call-site units (execute/attachment.hpp has the class;
+// core/call_sites.hpp the rules): begin_call, which memscale::forward reaches;
+// recording the calls of the example or the first training forward; turning
+// them into chains of call-site units and the planned call sequence (planned
+// lazily at the next forward); a whole-model chain where there are no unit
+// boundaries; and following the planned sequence call by call.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/core/call_sites.hpp>
+#include <memscale/core/slots.hpp>
+#include <memscale/detail/assert.hpp>
+#include <memscale/execute/attachment.hpp>
+#include <memscale/execute/attachment_apply.hpp>
+#include <memscale/execute/managed_chain.hpp>
+#include <memscale/execute/planning_scope.hpp>
+#include <memscale/offload/hooks.hpp>
+#include <memscale/techniques/checkpoint.hpp>
+
+namespace memscale::core {
+
+inline call_ticket attachment::begin_call(torch::nn::Module& module, int depth,
+                                          const std::function<torch::nn::AnyModule()>* make_slot,
+                                          const torch::Tensor* input, const char* why_not) {
+  if (detail::recompute_scope::current() != nullptr || planning_on_this_thread()) return {};
+  switch (sites_.load()) {
+    case sites_state::waiting: {
+      // Without an example input, record the first training forward.
+      if (!training_call() || !torch::GradMode::is_enabled() || c10::InferenceMode::is_enabled()) return {};
+      std::lock_guard<std::mutex> planning(plan_mutex_);
+      if (sites_.load() == sites_state::waiting) {
+        recording_epoch_ = offload::backwards_started();
+        sites_ = sites_state::recording_lazily;
+      }
+      [[fallthrough]];
+    }
+    case sites_state::recording_lazily:
+      if (recording_complete(module, depth)) {
+        plan_recorded_calls();
+        return sites_.load() == sites_state::active ? next_call(module, depth) : call_ticket{};
+      }
+      [[fallthrough]];
+    case sites_state::recording:
+      record(module, depth, make_slot, input, why_not);
+      return {};
+    case sites_state::active: return next_call(module, depth);
+    case sites_state::off: return {};
+  }
+  return {};
+}
+
+inline void attachment::record(torch::nn::Module& module, int depth,
+                               const std::function<torch::nn::AnyModule()>* make_slot, const torch::Tensor* input,
+                               const char* why_not) {
+  if (records_.size() >= max_recorded_calls) return;
+  call_record r;
+  r.module = &module;
+  r.depth = depth;
+  if (make_slot != nullptr) {
+    try {
+      r.slot = (*make_slot)();
+    } catch (const std::bad_weak_ptr&) {
+      r.why_not = "the module is not owned by a std::shared_ptr (build it through its ModuleHolder, "
+                  "std::make_shared or register_module)";
+    }
+  } else if (why_not != nullptr) {
+    r.why_not = why_not;
+  }
+  if (input != nullptr && !r.slot.is_empty()) r.input = input->detach();
+  records_.push_back(std::move(r));
+}
+
+inline bool attachment::recording_complete(const torch::nn::Module& module, int depth) const {
+  if (records_.empty()) return false;
+  if (records_.size() >= max_recorded_calls) return true;
+  if (offload::hooks_engine_active()) return offload::backwards_started() != recording_epoch_;
+  return depth == records_.front().depth && &module == records_.front().module;
+}
+
+inline std::vector<call_record> attachment::one_forward(std::vector<call_record> records) {
+  const auto n = records.size();
+  for (std::size_t p = 1; p < n; ++p) {
+    if (n % p != 0) continue;
+    bool periodic = true;
+    for (std::size_t i = p; i < n && periodic; ++i)
+      periodic = records[i].module == records[i % p].module && records[i].depth == records[i % p].depth;
+    if (periodic) {
+      records.resize(p);
+      break;
+    }
+  }
+  return records;
+}
+
+inline void attachment::plan_recorded_calls() {
+  std::lock_guard<std::mutex> planning(plan_mutex_);
+  if (sites_.load() != sites_state::recording_lazily) return;
+  try {
+    const auto added = add_call_chains(/*lazy=*/true);
+    if (added.empty()) {
+      sites_ = sites_state::off;
+      pending_notes_.clear();
+      return;
+    }
+    std::vector<torch::Tensor> inputs(chains_.size());
+    for (auto c : added) inputs[c] = chains_[c].unit_inputs.front();
+    commit_plan(added, inputs, /*probe_the_others=*/false);
+  } catch (...) {
+    sites_ = sites_state::off;
+    pending_sequence_.clear();
+    pending_notes_.clear();
+    throw;
+  }
+}
+
+inline std::vector<std::size_t> attachment::add_call_chains(bool lazy) {
+  auto records = std::move(records_);
+  records_.clear();
+  if (lazy) records = one_forward(std::move(records));
+  // Calls inside a Sequential memscale manages run in its slots, its units.
+  std::vector<std::string> managed;
+  for (const auto& chain : chains_)
+    if (chain.source == chain_source::sequential && !chain.inside_call_site) managed.push_back(chain.ref.path);
+  const auto in_managed = [&](const torch::nn::Module* m) {
+    const auto it = paths_.find(m);
+    if (it == paths_.end()) return false;
+    return std::any_of(managed.begin(), managed.end(), [&](const std::string& p) {
+      return p.empty() || it->second == p || it->second.rfind(p + ".", 0) == 0;
+    });
+  };
+  excluded_.clear();
+  std::vector<const call_record*> eligible;
+  for (const auto& r : records) {
+    if (in_managed(r.module)) excluded_.insert(r.module);
+    else eligible.push_back(&r);
+  }
+  // The outermost depth with at least two calls (else the outermost).
+  std::map<int, int> per_depth;
+  for (const auto* r : eligible) ++per_depth[r->depth];
+  level_ = per_depth.empty() ? 0 : per_depth.begin()->first;
+  for (const auto& [d, n] : per_depth)
+    if (n >= 2) {
+      level_ = d;
+      break;
+    }
+  pending_sequence_.clear();
+  pending_notes_.clear();
+  std::vector<std::size_t> added;
+  std::unordered_map<const torch::nn::Module*, int> calls_of;
+  std::size_t open = 0;
+  bool is_open = false;
+  int nested = 0;
+  std::vector<std::string> direct;
+  for (const auto* r : eligible) {
+    if (r->depth != level_) {
+      nested += r->depth > level_ ? 1 : 0;
+      continue;
+    }
+    const auto position = pending_sequence_.size();
+    pending_sequence_.push_back({r->module, {}});
+    if (r->slot.is_empty()) {
+      is_open = false;
+      const auto line = "call site '" + path_of(r->module) + "' (" + type_name(*r->module) + ") runs as it is: " +
+                        r->why_not;
+      if (std::find(direct.begin(), direct.end(), line) == direct.end()) direct.push_back(line);
+      continue;
+    }
+    if (!is_open) {
+      managed_chain chain;
+      chain.source = chain_source::call_sites;
+      chains_.push_back(std::move(chain));
+      open = chains_.size() - 1;
+      is_open = true;
+      added.push_back(open);
+    }
+    auto& chain = chains_[open];
+    auto name = path_of(r->module) + " (" + type_name(*r->module) + ")";
+    if (const int k = ++calls_of[r->module]; k > 1) name += " call " + std::to_string(k);
+    chain.originals.push_back(r->slot);
+    chain.unit_inputs.push_back(r->input);
+    chain.positions.push_back(position);
+    chain.unit_names.push_back(std::move(name));
+  }
+  for (std::size_t i = 0; i < added.size(); ++i) {
+    auto& chain = chains_[added[i]];
+    chain.ref.path = "memscale::forward call sites " + chain.unit_names.front().substr(0, chain.unit_names.front().find(' ')) +
+                     " .. " + chain.unit_names.back().substr(0, chain.unit_names.back().find(' '));
+  }
+  if (!pending_sequence_.empty()) {
+    int units = 0;
+    for (auto c : added) units += static_cast<int>(chains_[c].originals.size());
+    std::string line = "call sites: " + std::to_string(pending_sequence_.size()) + " memscale::forward call(s) per " +
+                       "forward at depth " + std::to_string(level_) + ", " + std::to_string(units) +
+                       " of them planned as units";
+    if (level_ > per_depth.begin()->first)
+      line += "; the outermost depth has a single call, so the plan goes one level finer";
+    if (nested > 0)
+      line += "; " + std::to_string(nested) + " nested call(s) inside them run directly (the plan uses the "
+              "outermost depth with at least two calls: whole blocks are the boundaries where a checkpoint "
+              "keeps least, and a unit's recompute re-runs its nested calls anyway)";
+    line += lazy ? "; recorded over the first training forward" : "; recorded from the example forward";
+    pending_notes_.push_back(std::move(line));
+  }
+  for (auto& line : direct) pending_notes_.push_back(std::move(line));
+  if (!excluded_.empty())
+    pending_notes_.push_back(std::to_string(excluded_.size()) + " module(s) called through memscale::forward inside "
+                             "a managed Sequential run directly: that Sequential's slots are the units there");
+  for (const auto& chain : chains_)
+    if (chain.source == chain_source::sequential && chain.inside_call_site)
+      pending_notes_.push_back("Sequential '" + chain.ref.path + "' runs inside a memscale::forward call: it is "
+                               "part of that unit, not planned on its own");
+  return added;
+}
+
+inline void attachment::add_whole_model_chain() {
+  managed_chain chain;
+  chain.source = chain_source::whole_model;
+  chain.ref.path = "<whole model> " + root_name();
+  auto root = root_.lock();
+  MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
+  chain.originals.push_back(torch::nn::AnyModule(std::make_shared<WholeModelImpl>(root, whole_forward_)));
+  chains_.push_back(std::move(chain));
+  pending_notes_.push_back(
+      "no unit boundaries: the model has no torch::nn::Sequential and its forward makes no memscale::forward "
+      "call, so checkpointing and tiling cannot apply. Write `x = memscale::forward(*blocks[i], x);` where "
+      "your forward calls its blocks to get them. What needs no boundaries applies: offload of every tensor "
+      "autograd saves on the thread that called wrap/optimize while the model is wrapped (the forward and "
+      "the loss), the 8-bit optimizer (memscale::make_optimizer), and mixed precision through "
+      "memscale::autocast_scope around your forward");
+}
+
+inline call_ticket attachment::next_call(const torch::nn::Module& module, int depth) {
+  if (depth != level_ || sequence_.empty() || excluded_.count(&module) != 0) return {};
+  if (!torch::GradMode::is_enabled() || c10::InferenceMode::is_enabled()) return {};  // nothing is saved
+  const auto epoch = offload::backwards_started();
+  if (epoch != cursor_epoch_) {
+    end_forward();
+    cursor_epoch_ = epoch;
+  }
+  if (diverged_) return {};
+  const auto* first = sequence_.front().module;
+  if (cursor_ == sequence_.size() && &module == first) {
+    cursor_ = 0;  // the sequence completed: a new forward
+  } else if (cursor_ > 0 && cursor_ < sequence_.size() && sequence_[cursor_].module != &module && &module == first) {
+    end_forward();  // a shorter forward ended; this call starts the next
+  }
+  if (cursor_ >= sequence_.size() || sequence_[cursor_].module != &module) {
+    diverged_ = true;
+    const auto n = ++diverged_forwards_;
+    if (config_.enable_logging && n <= 5)
+      std::clog << "[memscale] warning: memscale::forward call " << cursor_ << " of this forward is '"
+                << path_of(&module) << "', but the plan recorded "
+                << (cursor_ < sequence_.size() ? "'" + path_of(sequence_[cursor_].module) + "'"
+                                               : std::to_string(sequence_.size()) + " calls")
+                << "; the rest of this forward runs unoptimized"
+                << (n == 5 ? " (further occurrences are only counted in the report)" : "") << "\n";
+    return {};
+  }
+  return {sequence_[cursor_++].runner};
+}
+
+}  // namespace memscale::core

@@ -1,0 +1,225 @@
+// memscale — attachment, profiling and planning (execute/attachment.hpp has the
+// class): capture_inputs runs the example forward once to learn what each chain
+// receives; plan() profiles the chains that have an input, measures the static
+// bytes and what the process holds outside the allocator, runs the decision
+// engine (and the plan agreement) and merges the result into the Report.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/config.hpp>
+#include <memscale/core/decision_engine.hpp>
+#include <memscale/core/graph.hpp>
+#include <memscale/core/memory_model.hpp>
+#include <memscale/core/plan.hpp>
+#include <memscale/core/profiler.hpp>
+#include <memscale/core/slots.hpp>
+#include <memscale/detail/assert.hpp>
+#include <memscale/detail/buffers.hpp>
+#include <memscale/detail/fault_injection.hpp>
+#include <memscale/detail/rng.hpp>
+#include <memscale/device/hardware.hpp>
+#include <memscale/device/process_memory.hpp>
+#include <memscale/errors.hpp>
+#include <memscale/execute/attachment.hpp>
+#include <memscale/execute/planning_scope.hpp>
+#include <memscale/offload/engine.hpp>
+#include <memscale/offload/hooks.hpp>
+#include <memscale/techniques/optim8bit.hpp>
+
+namespace memscale::core {
+
+inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function<void()>& forward) {
+  detail::fault_point(detail::pipeline_stage::capture);
+  sites_ = sites_state::recording;  // memscale::forward calls of the example forward are recorded
+  std::vector<std::shared_ptr<InputCaptureImpl>> probes;
+  slot_transaction probes_in_place;  // always rolled back: capture changes nothing
+  for (auto& chain : chains_) {
+    probes.push_back(std::make_shared<InputCaptureImpl>(chain.originals.front()));
+    probes_in_place.replace(*chain.ref.sequential, 0, torch::nn::AnyModule(probes.back()));
+  }
+  {
+    auto root = root_.lock();
+    MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
+    torch::NoGradGuard no_grad;
+    detail::rng_fork no_visible_draws(detail::devices_of(root->parameters()));
+    detail::buffer_restore keep_buffers(*root);
+    try {
+      forward();
+    } catch (const c10::Error& e) {
+      throw UnsupportedModelError(
+          "memscale: running the example input through the model failed: " +
+          std::string(e.what_without_backtrace()) +
+          ". memscale needs each Sequential's first slot to take one Tensor; if the error is about the "
+          "number or type of arguments, that Sequential cannot be optimized");
+    }
+  }
+  std::vector<torch::Tensor> inputs;
+  for (std::size_t c = 0; c < probes.size(); ++c) {
+    // A Sequential first reached inside a memscale::forward call is part of that unit.
+    if (probes[c]->inside_call_site()) {
+      chains_[c].planned = true;
+      chains_[c].inside_call_site = true;
+      inputs.emplace_back();
+      continue;
+    }
+    inputs.push_back(probes[c]->captured());
+  }
+  return inputs;
+}
+
+inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::size_t>& which,
+                                                       const std::vector<torch::Tensor>& inputs, Report& out) {
+  const auto device = inputs[which.front()].device();
+  bool training = true;
+  if (auto root = root_.lock()) training = root->is_training();
+  const auto options = profile_options_from(config_, training);
+  detail::fault_point(detail::pipeline_stage::profile);
+  // CPU: what the process holds beyond the allocator, measured over the
+  // profiling here unless attach() measures from before the example forward.
+  const bool measure_outside = device.is_cpu() && !out.planned && profile_outside_allocator_bytes() < 0;
+  std::optional<outside_allocator_probe> own_probe;
+  if (measure_outside && outside_probe_ == nullptr) own_probe.emplace();
+  std::vector<chain_profile> profiles;
+  {
+    torch::AutoGradMode grad_on(true);  // profiling measures what backward keeps
+    for (auto c : which) {
+      const auto& chain = chains_[c];
+      profiles.push_back(chain.source == chain_source::call_sites
+                             ? profile_chain(chain.ref.path, chain.originals, inputs[c], options,
+                                             &chain.unit_inputs, chain.unit_names)
+                             : profile_chain(chain.ref.path, chain.originals, inputs[c], options));
+    }
+  }
+  if (const double scale = profile_batch_scale(); scale != 1.0)
+    for (auto& p : profiles) scale_profile(p, scale);
+  detail::fault_point(detail::pipeline_stage::plan);
+
+  out.device = device.str();
+  out.budget_bytes = memory_budget_bytes(config_.memory_budget_gb, out.hardware, device);
+  out.usable_bytes = static_cast<std::int64_t>(static_cast<double>(out.budget_bytes) *
+                                               config_.target_gpu_utilization);
+  if (!out.planned) {
+    out.parameter_bytes = out.gradient_bytes = out.buffer_bytes = out.optimizer_reserve_bytes = 0;
+    out.outside_allocator_bytes = 0;
+    if (device.is_cpu()) {
+      std::int64_t outside = profile_outside_allocator_bytes();
+      if (measure_outside) outside = (own_probe ? *own_probe : *outside_probe_).bytes();
+      if (outside >= 0) {
+        out.outside_allocator_bytes = outside;
+      } else {
+        out.notes.push_back("the process's resident peak could not be read (/proc/self, or a LibTorch profiler "
+                            "holds the memory-reporting slot): what it holds outside LibTorch's allocator is "
+                            "not reserved in the budget");
+      }
+      if (config_.memory_budget_gb && !fixed_malloc_mmap_threshold())
+        out.notes.push_back("glibc's mmap threshold is not fixed: freed tensor memory may stay resident in "
+                            "malloc's heaps, so the process can hold well above the planned peak; call "
+                            "memscale::fix_malloc_mmap_threshold() (or set MALLOC_MMAP_THRESHOLD_=131072) "
+                            "before training for a CPU budget that holds");
+    }
+    if (auto root = root_.lock()) {
+      for (const auto& p : root->parameters()) {
+        if (p.device() != device) continue;
+        out.parameter_bytes += static_cast<std::int64_t>(p.nbytes());
+        if (!p.requires_grad()) continue;
+        out.gradient_bytes += static_cast<std::int64_t>(p.nbytes());
+        // AdamW keeps two moments of the parameter's size; AdamW8bit one byte each
+        // plus a float per block (small tensors stay 32-bit).
+        out.optimizer_reserve_bytes += config_.use_8bit_optimizer
+                                           ? optim::optimizer_state_bytes(p.numel(), true)
+                                           : 2 * static_cast<std::int64_t>(p.nbytes());
+      }
+      for (const auto& b : root->buffers())
+        if (b.device() == device) out.buffer_bytes += static_cast<std::int64_t>(b.nbytes());
+    }
+  } else {
+    // Chains planned earlier keep their forward bytes while this one runs.
+    out.earlier_chains_bytes = 0;
+    for (std::size_t c = 0; c < out.chains.size(); ++c)
+      out.earlier_chains_bytes += project_chain(out.chains[c].slots, out.plan.units[c]).forward_end;
+  }
+
+  std::vector<std::vector<slot_cost>> costs;
+  std::vector<bool> supported;
+  for (const auto& p : profiles) {
+    costs.push_back(p.slots);
+    supported.push_back(p.supported && p.slots.size() == chains_[which[costs.size() - 1]].originals.size());
+  }
+  engine_input in;
+  in.mode = config_.mode;
+  in.checkpointing_allowed = config_.enable_checkpointing && static_cast<bool>(techniques_.checkpoint);
+  in.force_optimize = config_.force_optimize;
+  in.usable_bytes = out.usable_bytes;
+  in.static_bytes = out.static_bytes();
+  in.tiling_allowed = in.checkpointing_allowed && static_cast<bool>(techniques_.tile);
+  in.offload_allowed = static_cast<bool>(techniques_.offload);
+  for (auto c : which) in.segment_limit.push_back(chains_[c].source == chain_source::sequential ? 0 : 1);
+  if (chains_[which.front()].source == chain_source::whole_model) {  // the only chain then
+    in.checkpointing_allowed = in.tiling_allowed = false;
+    in.whole_model_group_bytes = whole_group_bytes;
+  }
+  // On CUDA this also finds out whether memscale's engine can run the
+  // process's CUDA backwards at all (and hands them back to LibTorch's if not).
+  if (in.offload_allowed || device.is_cuda()) {
+    // Offload lives on saved-tensor hooks: without them it would save nothing.
+    if (const auto why = offload::hooks_unavailable_reason(device); !why.empty() && in.offload_allowed) {
+      in.offload_allowed = false;
+      const auto note = "offload disabled: " + why + "; the plan uses the other techniques only";
+      if (std::find(out.notes.begin(), out.notes.end(), note) == out.notes.end()) out.notes.push_back(note);
+      if (config_.enable_logging) std::clog << "[memscale] warning: " << note << "\n";
+    }
+  }
+  if (in.offload_allowed) {
+    const auto engine_options = offload::options_from(config_);
+    const auto tiers = offload_room(device, engine_options);
+    // Chains planned earlier (lazy planning) already use part of the room.
+    std::int64_t used = 0;
+    for (std::size_t c = 0; c < out.chains.size() && c < out.plan.units.size(); ++c)
+      used += project_chain(out.chains[c].slots, out.plan.units[c]).offloaded_bytes;
+    in.offload_budget_bytes = std::max<std::int64_t>(0, tiers.first - used);
+    in.offload_bytes_per_second = tiers.second;
+    in.offload_min_bytes = engine_options.min_bytes;
+  }
+  auto decided = decide(costs, supported, in);
+  if (agree_) decided = agree_(profiles, std::move(decided));
+
+  // Merge into the report: chains planned earlier stay; indices shift.
+  const int offset = static_cast<int>(out.chains.size());
+  for (auto& d : decided.decisions) d.chain += offset;
+  if (!out.planned) {
+    out.plan = decided;
+  } else {
+    out.plan.pressure = decided.pressure;
+    out.plan.baseline_peak = decided.baseline_peak;
+    out.plan.planned_peak = decided.planned_peak;
+    out.plan.target_bytes = decided.target_bytes;
+    out.plan.overall = decided.overall;
+    out.plan.units.insert(out.plan.units.end(), decided.units.begin(), decided.units.end());
+    out.plan.segment_length.insert(out.plan.segment_length.end(), decided.segment_length.begin(),
+                                   decided.segment_length.end());
+    out.plan.decisions.insert(out.plan.decisions.end(), decided.decisions.begin(), decided.decisions.end());
+  }
+  out.chains.insert(out.chains.end(), profiles.begin(), profiles.end());
+  out.planned = true;
+  if ((decided.overall == rule_id::checkpoint_segment || decided.overall == rule_id::tile_segment) &&
+      decided.planned_peak > decided.target_bytes && config_.mode != OptimizationMode::Aggressive)
+    out.notes.push_back("the projected peak " + detail::format_bytes(decided.planned_peak) +
+                        " stays above the target " + detail::format_bytes(decided.target_bytes) + ": " +
+                        (decided.overall == rule_id::tile_segment ? "checkpointing and tiling" : "checkpointing") +
+                        " alone cannot meet this budget; this is the lowest peak the rules found");
+  return decided.units;
+}
+
+}  // namespace memscale::core

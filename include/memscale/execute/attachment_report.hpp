@@ -1,0 +1,112 @@
+// memscale — attachment, what the Report says besides the plan, and
+// verify_correctness (execute/attachment.hpp has the class): the notes on the
+// techniques the Config asks for, the two-row training step that lets the
+// outside-allocator probe see a whole step, and the judgement of the
+// unoptimized against the optimized verification step.
+#pragma once
+
+#include <exception>
+#include <iomanip>
+#include <iostream>
+#include <mutex>
+#include <sstream>
+#include <string>
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <memscale/config.hpp>
+#include <memscale/core/plan.hpp>
+#include <memscale/detail/assert.hpp>
+#include <memscale/errors.hpp>
+#include <memscale/execute/attachment.hpp>
+#include <memscale/execute/verify.hpp>
+
+namespace memscale::core {
+
+inline void attachment::add_technique_notes() {
+  if (techniques_.tile && !config_.enable_checkpointing)
+    report_.notes.emplace_back("enable_tiling: tiling chunks checkpointed runs, and enable_checkpointing is off, "
+                               "so nothing is tiled");
+  else if (techniques_.tile)
+    report_.notes.emplace_back("enable_tiling (experimental): checkpointed runs of row-independent layers may run "
+                               "over chunks (rule R10); gradients then equal the untiled ones up to summation "
+                               "order");
+  if (config_.use_mixed_precision)
+    report_.notes.emplace_back(
+        "use_mixed_precision: the layers of the optimized chains run their forward under autocast (bfloat16 "
+        "on CPU, float16 on CUDA; scale float16 losses with memscale::amp::loss_scaler); backward, the "
+        "optimizer step and code outside the chains do not. To autocast the rest of the forward and the "
+        "loss too, open a memscale::autocast_scope around them. The plan was profiled in full precision" +
+        std::string(TORCH_VERSION_MAJOR < 2 ? ". LibTorch 1.13: CPU LayerNorm refuses a bfloat16 input with "
+                                              "float32 weights under autocast (fixed in 2.x)"
+                                            : ""));
+  if (config_.use_8bit_optimizer)
+    report_.notes.emplace_back("use_8bit_optimizer: build the optimizer with memscale::make_optimizer(config, "
+                               "params, options) to get memscale::optim::AdamW8bit (about 2.03 bytes of state per "
+                               "parameter instead of AdamW's 8); the plan budgets that state");
+  if (config_.auto_policy)
+    report_.notes.emplace_back("auto_policy: the Stage 1 policy is not implemented in this release; the "
+                               "Config is used as given");
+  if (config_.observability_port)
+    report_.notes.emplace_back("observability_port: the metrics endpoint is not implemented in this release");
+}
+
+inline void attachment::run_native_warmup(const torch::Tensor& example) {
+  if (!whole_forward_) return;
+  auto root = root_.lock();
+  MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
+  try {
+    verify::sandbox box(*root);
+    (void)verification_step(box, example.narrow(0, 0, std::min<std::int64_t>(2, example.size(0))),
+                            /*as_before_wrap=*/true);
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    report_.notes.push_back("the training step at two rows that measures what the process holds outside the "
+                            "allocator failed (" + memscale::detail::message_of(e) +
+                            "); the reserve covers the example forward and the profiling only");
+  }
+}
+
+inline void attachment::judge_verification(const verify::sandbox& box, const verify::step_outcome& unoptimized,
+                                           const verify::step_outcome& optimized, c10::Device device) {
+  double tolerance = 0.0;
+  std::string reason = "checkpoint and offload leave the arithmetic unchanged";
+  if (config_.use_mixed_precision) {
+    tolerance = verify_mixed_precision_tolerance;
+    reason = "mixed precision: the optimized chains run in reduced precision";
+  } else if (report_.tiled_segments() > 0) {
+    tolerance = verify_tiling_tolerance;
+    reason = "tiling adds the chunks' weight gradients in another order";
+  } else if (device.is_cuda() && !at::globalContext().deterministicAlgorithms()) {
+    tolerance = verify_nondeterministic_tolerance;
+    reason = "CUDA without torch's deterministic algorithms: some kernels add in another order on each run";
+  }
+  auto outcome = verify::judge(box, unoptimized, optimized, tolerance, reason);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    report_.verification = outcome.check;
+  }
+  if (config_.enable_logging) {
+    try {
+      std::clog << "[memscale] " << outcome.check.str() << "\n";
+    } catch (...) {
+    }
+  }
+  if (!outcome.first_mismatch) return;
+  const auto& [what, how] = *outcome.first_mismatch;
+  std::ostringstream message;
+  message << "memscale: verify_correctness: one step of the example input gives a different " << what
+          << " with the plan applied than without it: " << how << " (";
+  if (tolerance == 0.0) message << "bit-identity required: " << reason;
+  else message << "allowed: " << std::scientific << std::setprecision(2) << tolerance << ", " << reason;
+  message << std::defaultfloat << "; loss " << std::setprecision(9) << outcome.check.loss_baseline << " unoptimized, "
+          << outcome.check.loss_optimized << " optimized). The plan (" << report_.checkpointed_segments()
+          << " checkpointed segment(s), " << report_.offloaded_units()
+          << " offloaded unit(s)) is not applied: the model is left unoptimized and unchanged. Please report "
+             "this with the model; meanwhile exclude the technique (Config::enable_checkpointing, "
+             "enable_offloading, enable_tiling, use_mixed_precision) that the parameter's unit uses";
+  throw CorrectnessError(what, message.str());
+}
+
+}  // namespace memscale::core

@@ -1,0 +1,109 @@
+// memscale — what an attachment (execute/attachment.hpp) keeps per chain and per
+// call: the technique set a Strategy and Config allow, the plan-agreement hook,
+// the planning probe that waits in slot 0 for a chain's first input, where a
+// chain's units come from, and the records of memscale::forward calls.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/core/decisions.hpp>
+#include <memscale/core/graph.hpp>
+#include <memscale/core/profiler.hpp>
+#include <memscale/core/slots.hpp>
+#include <memscale/techniques/checkpoint.hpp>
+#include <memscale/techniques/concepts.hpp>
+#include <memscale/techniques/mixed_precision.hpp>
+#include <memscale/techniques/offload.hpp>
+#include <memscale/techniques/tile.hpp>
+
+namespace memscale::core {
+
+/// What the Strategy and the Config allow: the Strategy's way to wrap a run of
+/// slots per technique (empty when the Strategy or the Config excludes it).
+struct technique_set {
+  using wrap_fn = std::function<torch::nn::AnyModule(std::vector<torch::nn::AnyModule>, const wrap_context&)>;
+  wrap_fn checkpoint;
+  wrap_fn offload;
+  wrap_fn tile;
+};
+
+/// Nominal one-way rates the planner assumes for an offload transfer (the
+/// engine's statistics report what a step really took).
+inline constexpr double nominal_host_link_bytes_per_second = 16e9;  // pinned PCIe copies
+inline constexpr double nominal_disk_bytes_per_second = 1e9;        // a local SSD
+
+class attachment;
+
+/// Runs after this process decided a plan and before anything is applied: gets
+/// the chains just profiled and the local plan, returns the plan to apply.
+/// Data parallel training sets it so every rank applies rank 0's plan
+/// (memscale/distributed.hpp); it may throw (nothing has changed yet).
+using plan_agreement = std::function<engine_plan(const std::vector<chain_profile>& profiles, engine_plan local)>;
+
+/// Slot 0 of a chain whose plan waits for its first input (wrap without an example).
+class PlanningProbeImpl : public torch::nn::Module {
+ public:
+  PlanningProbeImpl(std::weak_ptr<attachment> owner, std::size_t chain, torch::nn::AnyModule original)
+      : torch::nn::Module("memscale::PlanningProbe"),
+        owner_(std::move(owner)),
+        chain_(chain),
+        original_(std::move(original)) {}
+  torch::Tensor forward(torch::Tensor x);
+
+ private:
+  std::weak_ptr<attachment> owner_;
+  std::size_t chain_;
+  torch::nn::AnyModule original_;
+};
+
+/// Whether a slot holds one of memscale's wrappers.
+inline bool is_memscale_slot(const torch::nn::AnyModule& slot) {
+  const auto& p = slot.ptr();
+  return std::dynamic_pointer_cast<CheckpointSegmentImpl>(p) || std::dynamic_pointer_cast<OffloadSegmentImpl>(p) ||
+         std::dynamic_pointer_cast<TileSegmentImpl>(p) ||
+         std::dynamic_pointer_cast<PassThroughImpl>(p) || std::dynamic_pointer_cast<AutocastSlotImpl>(p) ||
+         std::dynamic_pointer_cast<PlanningProbeImpl>(p) || std::dynamic_pointer_cast<InputCaptureImpl>(p);
+}
+
+/// Where a chain's units come from.
+enum class chain_source : std::uint8_t {
+  sequential,   ///< the slots of a torch::nn::Sequential (swapped in place)
+  call_sites,   ///< recorded memscale::forward calls (run through the call sequence)
+  whole_model,  ///< no unit boundaries: the whole forward, one unit (offload only)
+};
+
+struct managed_chain {
+  chain_ref ref;  ///< ref.sequential is null unless source is sequential
+  std::vector<torch::nn::AnyModule> originals;
+  bool planned = false;
+  chain_source source = chain_source::sequential;
+  std::vector<std::string> unit_names;     ///< call sites: "blocks.3 (Block)"
+  std::vector<torch::Tensor> unit_inputs;  ///< call sites: what each call received (until planned)
+  std::vector<std::size_t> positions;      ///< call sites: each unit's place in the call sequence
+  bool inside_call_site = false;           ///< a Sequential first run inside a memscale::forward call
+};
+
+/// One memscale::forward call seen while recording.
+struct call_record {
+  const torch::nn::Module* module = nullptr;
+  torch::nn::AnyModule slot;  ///< empty: the call cannot be a unit (why_not says why)
+  std::string why_not;
+  torch::Tensor input;        ///< detached
+  int depth = 0;
+};
+
+/// A call of the planned sequence and what runs for it (empty: the module itself).
+struct planned_call {
+  const torch::nn::Module* module = nullptr;
+  torch::nn::AnyModule runner;
+};
+
+}  // namespace memscale::core

@@ -1,0 +1,163 @@
+// memscale — predict()'s calibration: the step (forward, loss, backward) run at
+// a small batch, for real or shape-only, while a timeline_scope records its
+// allocations (calibration), and two aligned timelines at consecutive batches
+// found and fitted (fit_timelines; fit_shape_only_or_real prefers shape-only
+// steps and says why when it ran them for real). predict/run.hpp drives them;
+// predict/predict.hpp's header says how the prediction works.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <memscale/errors.hpp>
+#include <memscale/execute/verify.hpp>
+#include <memscale/predict/shape_only_scope.hpp>
+#include <memscale/predict/timeline.hpp>
+
+namespace memscale::predictor::detail {
+
+/// The example's rows 0, 1, ... repeated to `batch` rows (row i is row i % N):
+/// how predict() and autotune() make a batch of another size.
+[[nodiscard]] inline torch::Tensor rows_of(const torch::Tensor& example, std::int64_t batch) {
+  const auto rows = example.size(0);
+  if (batch == rows) return example;
+  torch::NoGradGuard no_grad;
+  const auto index = torch::arange(batch, torch::TensorOptions().dtype(torch::kLong).device(example.device())) % rows;
+  return example.index_select(0, index).contiguous();
+}
+
+/// One calibration step (forward, loss, backward; no optimizer step) at batch
+/// `batch`, recorded. The sandbox puts gradients, buffers and the RNG back first.
+struct calibration {
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::function<torch::Tensor(const torch::Tensor&)> loss;
+  torch::Tensor example;
+  c10::Device device = c10::kCPU;
+  bool gradients_kept = TORCH_VERSION_MAJOR < 2;  // what Optimizer::zero_grad() does by default
+  std::vector<torch::Tensor> trainable;
+  core::verify::sandbox* box = nullptr;
+
+  [[nodiscard]] torch::Tensor batch_of(std::int64_t batch) const { return rows_of(example, batch); }
+
+  /// How the step runs: for real, or shape-only (predict/shape_only.hpp), with
+  /// each operator's first call real (census) or none.
+  enum class execution : std::uint8_t { real, shape_only, census };
+  execution how = execution::real;
+
+  timeline run(std::int64_t batch) {
+    box->reset();
+    if (gradients_kept) {
+      // Shape-only steps never read them: no need to write (and fault in) zeros.
+      torch::NoGradGuard no_grad;
+      for (auto& p : trainable) p.mutable_grad() = how == execution::real ? torch::zeros_like(p) : torch::empty_like(p);
+    }
+    const auto x = batch_of(batch);
+    timeline_scope recorder(device);
+    {
+      std::optional<shape_only_scope> shapes_only;
+      if (how != execution::real) shapes_only.emplace(how == execution::census);
+      torch::AutoGradMode grad_on(true);
+      auto output = forward(x);
+      recorder.mark();
+      auto value = loss(output);
+      if (!value.defined() || value.numel() != 1)
+        throw Error("memscale::predict(): loss_fn must return a scalar tensor, got " +
+                    (value.defined() ? std::string("one of shape ") + c10::str(value.sizes()) : "an undefined one"));
+      recorder.mark();
+      value.backward();
+      if (shapes_only && shapes_only->values_read() > 0)
+        throw Error("the step reads tensor values (item(), a data-dependent shape), which shape-only execution "
+                    "leaves uninitialised");
+    }
+    auto recorded = recorder.finish();
+    // Operators without a meta kernel (batch norm) ran for real on uninitialised
+    // values: their buffers are put back now, not only before the next step.
+    if (how != execution::real) box->reset();
+    return recorded;
+  }
+};
+
+/// The smallest calibration batch. Batch 1 is avoided: there operators take
+/// other paths than at larger batches (matrix products of one row, oneDNN
+/// convolutions from batch 2; measured in benchmarks/studies/README.md).
+inline constexpr std::int64_t first_calibration_batch = 2;
+
+/// Two aligned calibration timelines: batches (2, 3), else (3, 4), else (4, 5).
+/// Sets `note` when none align (the fit is then of the last two, phase by phase).
+inline timeline_fit fit_timelines(calibration& c, std::vector<std::int64_t>& batches, std::string& note,
+                                  std::int64_t& allocator_growth) {
+  std::vector<timeline> runs;
+  for (std::int64_t b = first_calibration_batch; b <= first_calibration_batch + 3; ++b) {
+    runs.push_back(c.run(b));
+    // A census once: its real first calls made what they make; the next steps
+    // only need the timeline.
+    if (c.how == calibration::execution::census) c.how = calibration::execution::shape_only;
+    allocator_growth = std::max(allocator_growth, runs.back().peak());
+    batches.push_back(b);
+    const auto n = runs.size();
+    if (n >= 2 && aligned(runs[n - 2], runs[n - 1])) return {runs[n - 2], b - 1, runs[n - 1], b};
+  }
+  note = "the step's allocations differ between each two consecutive batches from " +
+         std::to_string(first_calibration_batch) + " to " + std::to_string(first_calibration_batch + 3) +
+         " (an operator takes another path at some batch size): the peak is extrapolated from the last two as a "
+         "whole, not event by event";
+  // Reduce each run to its peak, its forward end and its end: a three-event timeline.
+  const auto reduce = [](const timeline& t) {
+    timeline r;
+    r.live = {t.at_mark(0), t.peak(), t.end()};
+    r.allocation = {true, true, false};
+    r.marks = {1, 2};
+    r.reserved_peak = t.reserved_peak;
+    return r;
+  };
+  return {reduce(runs[2]), first_calibration_batch + 2, reduce(runs[3]), first_calibration_batch + 3};
+}
+
+/// fit_timelines with the step run shape-only (`how`: census or not) where that
+/// can be done, else for real: LibTorch 2.x, a model off the CPU (unverified on
+/// CUDA), an operator that threw on uninitialised values, or shape-only
+/// timelines that align at no two batches. Returns an empty string when it ran
+/// shape-only, else why not. On a fallback, `batches` and `allocator_growth`
+/// are the real run's.
+inline std::string fit_shape_only_or_real(calibration& c, calibration::execution how, timeline_fit& fit,
+                                          std::vector<std::int64_t>& batches, std::string& note,
+                                          std::int64_t& allocator_growth) {
+  std::string why;
+  if (!c.device.is_cpu()) {
+    why = "the model is on " + c.device.str() + " (shape-only calibration is used on CPU only)";
+  } else if (!shape_only_available()) {
+    why = TORCH_VERSION_MAJOR < 2 ? "shape-only execution is unavailable (another library registered a fallback "
+                                    "for DispatchKey::Fake)"
+                                  : "shape-only execution needs LibTorch 1.x";
+  } else {
+    std::vector<std::int64_t> tried;
+    std::string misaligned;
+    std::int64_t growth = allocator_growth;
+    c.how = how;
+    try {
+      fit = fit_timelines(c, tried, misaligned, growth);
+      if (misaligned.empty()) {
+        c.how = calibration::execution::real;
+        batches.insert(batches.end(), tried.begin(), tried.end());
+        allocator_growth = growth;
+        return {};
+      }
+      why = "shape-only timelines did not align at any two batches from 2 to 5";
+    } catch (const std::exception& e) {
+      why = "a shape-only step failed (" + memscale::detail::message_of(e) + ")";
+    }
+    c.how = calibration::execution::real;
+  }
+  fit = fit_timelines(c, batches, note, allocator_growth);
+  return why;
+}
+
+}  // namespace memscale::predictor::detail

@@ -1,0 +1,376 @@
+// memscale — the prediction run, predictor::run(): the checks predict() and
+// autotune() share (training_inputs, model_device), the static bytes, the
+// optimizer sized, the calibration without and with the plan
+// (predict/calibration.hpp), the memory outside the allocator, and the
+// Prediction (predict/prediction.hpp) extrapolated to the full batch. The
+// public memscale::predict() overloads call it (predict/predict.hpp, whose
+// header says how the prediction works).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <memscale/config.hpp>
+#include <memscale/errors.hpp>
+#include <memscale/device/hardware.hpp>
+#include <memscale/device/memory_tracker.hpp>
+#include <memscale/device/process_memory.hpp>
+#include <memscale/core/plan.hpp>
+#include <memscale/execute/attach.hpp>
+#include <memscale/execute/verify.hpp>
+#include <memscale/predict/calibration.hpp>
+#include <memscale/predict/optimizer_state.hpp>
+#include <memscale/predict/prediction.hpp>
+#include <memscale/predict/shape_only_scope.hpp>
+#include <memscale/predict/timeline.hpp>
+
+namespace memscale::predictor {
+namespace detail {
+
+/// The model's root and its forward as a function, after the checks predict()
+/// and autotune() share: a model memscale does not manage now, an example with
+/// a batch dimension, a forward of one Tensor to one Tensor. Throws naming `caller`.
+template <Model M>
+std::pair<std::shared_ptr<torch::nn::Module>, std::function<torch::Tensor(const torch::Tensor&)>> training_inputs(
+    M& model, const torch::Tensor& example_input, const std::string& caller, const std::string& if_optimized) {
+  auto root = memscale::detail::root_of(model);
+  if (!root) throw UnsupportedModelError(caller + ": the model is empty (a null module holder)");
+  if (core::registry::global().find(root.get()))
+    throw AlreadyOptimizedError(caller + ": this model is optimized by memscale now; " + if_optimized);
+  if (!example_input.defined() || example_input.dim() < 1 || example_input.size(0) < 1)
+    throw Error(caller + ": example_input must be a tensor with a batch dimension first (at least one row), got " +
+                (example_input.defined() ? "shape " + c10::str(example_input.sizes())
+                                         : std::string("an undefined tensor")));
+  auto forward = memscale::detail::whole_forward(model);
+  if (!forward)
+    throw UnsupportedModelError(caller + ": the model's forward must take one Tensor and return one Tensor (" +
+                                root->name() + "'s does not)");
+  return {std::move(root), std::move(forward)};
+}
+
+/// The device the model trains on: its parameters' (all on one), else the example's.
+inline c10::Device model_device(const std::vector<torch::Tensor>& parameters, const torch::Tensor& example) {
+  std::optional<c10::Device> device;
+  for (const auto& p : parameters) {
+    if (!device) device = p.device();
+    else if (*device != p.device())
+      throw Error("memscale::predict(): the model's parameters are on several devices (" + device->str() + " and " +
+                  p.device().str() + "); predict() sizes a model on one device");
+  }
+  return device.value_or(example.device());
+}
+
+/// The largest n >= 1 with peak(n) <= budget (0 when none).
+inline std::int64_t largest_fitting(const std::function<std::int64_t(std::int64_t)>& peak, std::int64_t budget) {
+  if (peak(1) > budget) return 0;
+  std::int64_t low = 1, high = 2;
+  while (high < (std::int64_t{1} << 40) && peak(high) <= budget) {
+    low = high;
+    high *= 2;
+  }
+  while (high - low > 1) {
+    const auto mid = low + (high - low) / 2;
+    (peak(mid) <= budget ? low : high) = mid;
+  }
+  return low;
+}
+
+/// AdamWOptions as AdamW8bitOptions (Config::use_8bit_optimizer's optimizer).
+inline optim::AdamW8bitOptions as_eight_bit(const torch::optim::OptimizerOptions& options) {
+  const auto& o = static_cast<const torch::optim::AdamWOptions&>(options);
+  return optim::AdamW8bitOptions(o.lr()).betas(o.betas()).eps(o.eps()).weight_decay(o.weight_decay());
+}
+
+}  // namespace detail
+
+/// predict() with the model's forward and the loss as functions (what the
+/// public overloads call).
+template <StrategyType S, Model M>
+Prediction run(M& model, const torch::Tensor& example_input, const torch::optim::Optimizer& optimizer,
+               std::function<torch::Tensor(const torch::Tensor&)> loss_fn, bool loss_given, const Config& config) {
+  const auto started = std::chrono::steady_clock::now();
+  config.validate();
+  const auto inputs = detail::training_inputs(model, example_input, "memscale::predict()",
+                                              "predict() sizes a model as it is without memscale and with a plan: "
+                                              "detach it first");
+  const auto& root = inputs.first;
+  const auto& forward = inputs.second;
+
+  Prediction out;
+  out.batch_size = example_input.size(0);
+  const auto parameters = root->parameters();
+  const auto device = detail::model_device(parameters, example_input);
+  out.device = device.str();
+
+  // The static part: parameters, buffers, gradients, optimizer state.
+  MemoryBreakdown fixed;
+  std::vector<torch::Tensor> trainable;
+  for (const auto& p : parameters) {
+    fixed.parameter_bytes += static_cast<std::int64_t>(p.nbytes());
+    if (p.requires_grad()) {
+      fixed.gradient_bytes += static_cast<std::int64_t>(p.nbytes());
+      trainable.push_back(p);
+    }
+  }
+  for (const auto& b : root->buffers())
+    if (b.defined() && b.device() == device) fixed.buffer_bytes += static_cast<std::int64_t>(b.nbytes());
+
+  // CPU, shape-only: the resident size from before the optimizer's shadow step
+  // (see below); without the counting allocator, the sandbox and the shadow put
+  // back what they made, taken as no change.
+  std::optional<memscale::detail::process_memory> resident_before;
+  std::int64_t allocator_before = 0;
+  if (device.is_cpu()) {
+    (void)shape_only_available();  // its one-time set-up (a fallback) before the measuring
+    resident_before = memscale::detail::read_process_memory();
+    if (memory_tracker::installed()) allocator_before = memory_tracker::current_bytes();
+  }
+
+  const auto own = size_optimizer(optimizer, device);  // throws for a type it cannot size, before any calibration
+  out.optimizer = own.name;
+  auto planned_optimizer = own;
+  if (config.use_8bit_optimizer && own.name == "torch::optim::AdamW" && !optimizer.param_groups().empty()) {
+    const auto eight_bit = adamw8bit_sizing();
+    const auto options = detail::as_eight_bit(optimizer.param_groups().front().options());
+    planned_optimizer = size_optimizer(optimizer, device, &eight_bit, &options);
+    out.notes.push_back("use_8bit_optimizer: the plan's optimizer state is sized as memscale::optim::AdamW8bit with "
+                        "the AdamW's hyperparameters (what memscale::make_optimizer builds)");
+  } else if (config.use_8bit_optimizer && own.name != "memscale::optim::AdamW8bit") {
+    out.notes.push_back("use_8bit_optimizer: only an AdamW is replaced by AdamW8bit; the " + own.name +
+                        " is sized as it is");
+  }
+
+  // Calibration: the model as it is, then with the plan.
+  core::verify::sandbox box(*root);  // gradients, buffers and RNG back at the end
+  detail::calibration c{forward, loss_fn, example_input, device, TORCH_VERSION_MAJOR < 2, trainable, &box};
+  std::string misaligned;
+  // What the process holds outside the allocator (libtorch's code read in at
+  // first use, oneDNN and BLAS buffers, malloc's retention), measured over the
+  // calibration without the plan. Real steps: the resident high-water mark's
+  // growth beyond the allocator's largest step. Shape-only steps write none of
+  // their uncomputed outputs (whose pages are then not resident), so there it is
+  // the resident size's growth beyond the allocator's from before the optimizer's
+  // shadow step (whose kernels' code and threads a training step's optimizer
+  // step makes too: 2.3-4.5 MiB on the benchmark models, measured) to after the
+  // calibration: what the shadow step and the census's real first calls left
+  // resident (the code, the kernels' threads and buffers; predict's own meta
+  // kernels' code is counted).
+  std::int64_t process_growth = -1, allocator_growth = 0;
+  std::optional<memory_tracker::process_peak_scope> process;
+  if (device.is_cpu()) process.emplace();
+  timeline_fit base_fit;
+  const auto base_real_why = detail::fit_shape_only_or_real(c, detail::calibration::execution::census, base_fit,
+                                                            out.calibration_batches, misaligned, allocator_growth);
+  const bool base_shape_only = base_real_why.empty();
+  out.shape_only = base_shape_only;
+  if (!base_shape_only) out.notes.push_back("calibration ran for real: " + base_real_why);
+  if (base_shape_only) {
+    const auto resident_after = resident_before ? memscale::detail::read_process_memory() : std::nullopt;
+    if (resident_after)
+      process_growth = allocator_growth + resident_after->resident_bytes - resident_before->resident_bytes -
+                       (memory_tracker::installed() ? memory_tracker::current_bytes() - allocator_before : 0);
+  } else if (process && process->active()) {
+    process_growth = process->peak_growth();
+  }
+  process.reset();
+  // CPU: what the process holds beyond the allocator (-1: not measured).
+  const std::int64_t outside_cpu =
+      device.is_cpu() && process_growth >= 0 ? std::max<std::int64_t>(0, process_growth - allocator_growth) : -1;
+  if (!misaligned.empty()) out.notes.push_back("baseline: " + misaligned);
+
+  timeline_fit plan_fit = base_fit;
+  {
+    Config planning = config;
+    planning.verify_correctness = false;
+    planning.enable_logging = false;
+    // One profiling pass per measured layer, not warmup_steps + 1: the bytes
+    // (what the plan turns on) are the same in each pass; only the times are noisier.
+    planning.warmup_steps = 0;
+    const std::int64_t profile_batch = std::min(detail::first_calibration_batch, out.batch_size);
+    const auto example_small = c.batch_of(profile_batch);
+    std::shared_ptr<core::attachment> attached;
+    {
+      // The plan reserves, in a CPU budget, what the process holds beyond the
+      // allocator: the figure the calibration measured (profiling at batch 2
+      // would see little of it).
+      core::profile_scale_scope scale(static_cast<double>(out.batch_size) / static_cast<double>(profile_batch),
+                                      outside_cpu);
+      if (out.shape_only) {
+        // Profiled shape-only too: the bytes each unit keeps are what a real
+        // run allocates; its times are estimated (matrix products' arithmetic
+        // and bytes moved at rates measured once, operators that run for real
+        // timed), so the plan ranks recomputation by those.
+        try {
+          (void)measured_shape_only_rates();  // before the span: the profile would see their allocations
+          shape_only_scope shapes_only;
+          memscale::detail::profile_clock_scope clock([&shapes_only] { return shapes_only.estimated_seconds(); });
+          attached = memscale::detail::attach<S>(model, planning, &example_small);
+          if (shapes_only.values_read() > 0) {
+            core::detach(root.get(), attached.get());
+            attached.reset();
+            throw Error("the forward reads tensor values (item(), a data-dependent shape), which shape-only "
+                        "execution leaves uninitialised");
+          }
+          out.plan_profile_shape_only = true;
+        } catch (const std::exception& e) {
+          out.notes.push_back("the plan was profiled for real: profiling shape-only failed (" +
+                              memscale::detail::message_of(e) + ")");
+        }
+        box.reset();  // operators without a meta kernel wrote buffers from uninitialised values
+      }
+      if (!attached) attached = memscale::detail::attach<S>(model, planning, &example_small);
+    }
+    struct detach_at_exit {
+      std::shared_ptr<torch::nn::Module> root;
+      core::attachment* attached;
+      ~detach_at_exit() { core::detach(root.get(), attached); }
+    } detach_guard{root, attached.get()};
+    out.plan = attached->report();
+    out.plan_applies = out.plan.checkpointed_segments() + out.plan.offloaded_units() + out.plan.tiled_segments() > 0 ||
+                       config.use_mixed_precision;
+    if (out.plan_applies) {
+      // The plan's first training forward does one-time work (each checkpointed
+      // segment's probe for the tensors it reads): done here, unrecorded (and
+      // shape-only where the calibration is), so that both calibration steps
+      // are steady-state ones and align (the first had a block's forward more,
+      // and a third step was needed).
+      {
+        torch::AutoGradMode grad_on(true);
+        const auto x = c.batch_of(detail::first_calibration_batch);
+        bool done = false;
+        if (out.shape_only) {
+          try {
+            shape_only_scope shapes_only;
+            (void)forward(x);
+            done = true;
+          } catch (const std::exception&) {  // the calibration below then says why, or runs for real
+            box.reset();                     // and the forward runs for real from where it began
+          }
+        }
+        if (!done) (void)forward(x);
+      }
+      box.reset();
+      std::vector<std::int64_t> batches;
+      std::string plan_misaligned;
+      std::int64_t unused = 0;
+      if (!out.shape_only) {
+        plan_fit = detail::fit_timelines(c, batches, plan_misaligned, unused);
+      } else if (const auto why = detail::fit_shape_only_or_real(c, detail::calibration::execution::shape_only,
+                                                                 plan_fit, batches, plan_misaligned, unused);
+                 !why.empty()) {
+        out.shape_only = false;
+        out.notes.push_back("calibration with the plan ran for real: " + why);
+      }
+      if (!plan_misaligned.empty()) out.notes.push_back("with the plan: " + plan_misaligned);
+    }
+  }
+
+  // Outside the allocator.
+  std::int64_t outside = 0;
+  if (device.is_cpu()) {
+    if (outside_cpu >= 0) {
+      outside = outside_cpu;
+      if (!fixed_malloc_mmap_threshold())
+        out.notes.push_back(
+            "glibc's mmap threshold is not fixed: freed tensor memory may stay resident in malloc's heaps, and a "
+            "fresh process's step then holds up to 2x the allocator's peak, varying run to run (measured 1.4-2.0x "
+            "on the example GPT and a ResNet-style CNN). Call memscale::fix_malloc_mmap_threshold() (or set "
+            "MALLOC_MMAP_THRESHOLD_=131072) before training for process figures that hold");
+    } else {
+      out.notes.push_back("the process's resident high-water mark could not be reset or read (/proc/self): memory "
+                          "outside LibTorch's allocator is not included");
+    }
+  } else if (device.is_cuda()) {
+    outside = plan_fit.reserved_overhead();
+#if MEMSCALE_HAS_CUDA()
+    const auto hw = detect_hardware();
+    for (const auto& g : hw.gpus)
+      if (g.index == (device.has_index() ? device.index() : 0) && g.free_bytes >= 0) {
+        const auto reserved = static_cast<std::int64_t>(
+            c10::cuda::CUDACachingAllocator::getDeviceStats(g.index).reserved_bytes[0].current);
+        outside += std::max<std::int64_t>(0, g.total_bytes - g.free_bytes - reserved);  // context (+ other processes)
+      }
+#endif
+    out.notes.push_back("CUDA: outside the allocator = the caching allocator's reserve above its allocations at "
+                        "batch 2, plus the device memory in use outside it now (the CUDA context, and other "
+                        "processes' memory)");
+  }
+
+  const bool kept = c.gradients_kept;
+  const auto breakdown = [&](const timeline_fit& fit, const optimizer_footprint& opt, std::int64_t batch) {
+    MemoryBreakdown b = fixed;
+    b.optimizer_state_bytes = opt.state_bytes;
+    const auto dynamic = std::max(fit.peak(batch), fit.end(batch) + opt.transient_bytes);
+    const auto allocator = fixed.parameter_bytes + fixed.buffer_bytes + opt.state_bytes +
+                           (kept ? fixed.gradient_bytes : 0) + dynamic;
+    b.activation_bytes = std::max<std::int64_t>(0, fit.at_mark(0, batch));
+    b.transient_bytes = std::max<std::int64_t>(0, allocator - b.parameter_bytes - b.buffer_bytes -
+                                                      b.gradient_bytes - b.optimizer_state_bytes - b.activation_bytes);
+    b.outside_allocator_bytes = outside;
+    return b;
+  };
+  out.baseline = breakdown(base_fit, own, out.batch_size);
+  out.planned = breakdown(plan_fit, planned_optimizer, out.batch_size);
+  out.baseline_peak_bytes = out.baseline.total_bytes();
+  out.peak_bytes = out.planned.total_bytes();
+
+  out.budget_bytes = out.plan.budget_bytes;
+  out.baseline_headroom_bytes = out.budget_bytes - out.baseline_peak_bytes;
+  out.headroom_bytes = out.budget_bytes - out.peak_bytes;
+  out.baseline_fits = out.baseline_headroom_bytes >= 0;
+  out.fits = out.headroom_bytes >= 0;
+  out.baseline_max_batch_size = detail::largest_fitting(
+      [&](std::int64_t n) { return breakdown(base_fit, own, n).total_bytes(); }, out.budget_bytes);
+  out.max_batch_size = detail::largest_fitting(
+      [&](std::int64_t n) { return breakdown(plan_fit, planned_optimizer, n).total_bytes(); }, out.budget_bytes);
+
+  std::ostringstream method;
+  method << "the step (forward, loss, backward) ran at batches";
+  for (auto b : out.calibration_batches) method << " " << b;
+  method << (out.shape_only ? " shape-only (every operator's outputs allocated as the real step allocates them, "
+                              "nothing computed; without the plan each operator's first call ran for real)"
+                            : " for real")
+         << " with every allocation on " << out.device << " recorded; two aligned timelines extrapolated event by "
+         << "event to batch " << out.batch_size << "; the optimizer's state from its type and options, its step's "
+         << "temporaries measured on a shadow copy; gradients "
+         << (kept ? "kept between steps (LibTorch 1.13's zero_grad() zeroes them)"
+                  : "freed between steps (LibTorch 2.x's zero_grad() sets them to None)")
+         << "; the plan made as wrap() makes it at batch " << out.batch_size << " (profiled at batch "
+         << std::min(detail::first_calibration_batch, out.batch_size) << ", scaled"
+         << (out.plan_profile_shape_only
+                 ? "; shape-only: each unit's bytes as allocated, its times estimated from its matrix products' "
+                   "arithmetic and the bytes its operators move, at rates measured once per process"
+                 : "")
+         << ")";
+  if (device.is_cpu())
+    method << "; outside the allocator: "
+           << (base_shape_only ? "the resident size's growth over the calibration without the plan, beyond the "
+                                "allocator's (what its real first calls left: code read in, kernels' buffers)"
+                              : "the resident high-water mark's growth over the calibration without the plan, "
+                                "beyond the allocator's largest step");
+  out.method = method.str();
+  if (!loss_given)
+    out.notes.push_back("no loss_fn: the loss is taken as output.sum(), whose memory is negligible; pass the "
+                        "training loss for its own share");
+  if (!root->is_training())
+    out.notes.push_back("the model is in eval mode: the step was sized as it runs in that mode");
+  out.notes.push_back("the input batch itself (" + memscale::detail::format_bytes(static_cast<std::int64_t>(
+                          example_input.nbytes())) + " at batch " + std::to_string(out.batch_size) +
+                      ") is not counted: it is the data pipeline's");
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  return out;
+}
+
+}  // namespace memscale::predictor

@@ -1,0 +1,304 @@
+// memscale — the shape-only dispatcher fallback: what every operator does in a
+// shape-only span (shape_only_fallback), its process-wide state and its
+// registration. Outputs come from predict/shape_only_arena.hpp or a shape rule
+// (predict/shape_only_rules.hpp); predict/shape_only_scope.hpp turns it on.
+//
+// LibTorch 1.13 has DispatchKey::Fake (between ADInplaceOrView and the
+// backends) and registers nothing for it. A boxed fallback registered for it
+// here, and turned on for a span by shape_only_scope (a thread-local
+// IncludeDispatchKeyGuard, which autograd's threads inherit), handles every
+// operator that reaches it:
+//   - an in-place operator returns its written argument and computes nothing;
+//   - views, out= and other aliasing operators, operators without a tensor
+//     argument (factories), operators with integer or bool results (indices
+//     stay right) and operators with no meta kernel (no shape function in this
+//     LibTorch; remembered after the first failure) run for real;
+//   - every other operator runs on meta tensors for its outputs' shapes and
+//     strides, and real, uninitialised outputs of those are allocated on the
+//     device: LibTorch's allocator sees the allocations of the real step.
+// Autograd records and runs backward through the same fallback. What this
+// misses: workspace a real kernel allocates inside itself and frees before it
+// returns (measured: none on the example GPT, 1.2% of an MLP's step peak;
+// benchmarks/studies/README.md), and values (uninitialised: a forward whose
+// control flow reads them may take another path, a data-dependent shape may
+// differ). The tally counts the calls that read values (values_read): a user
+// of it must check that count, and what it gets (e.g. that timelines at two
+// batches align), and run real steps otherwise.
+//
+// In census mode an operator's first call in the process (among census spans)
+// also runs for real, on its real arguments, its results dropped and its
+// allocations unreported (the span's timeline is then a shape-only step's):
+// the code, threads and buffers the step's kernels need are made, as a real
+// step at that batch makes them, at a fraction of its cost where operators
+// repeat (a model's blocks), and once per process. Outputs made shape-only are
+// never written, so their pages are not resident: the process's resident peak
+// over the span is not the real step's (what stays resident after it is: the
+// code read in, the kernels' threads and buffers).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <memscale/device/memory_tracker.hpp>
+#include <memscale/predict/shape_only_arena.hpp>
+#include <memscale/predict/shape_only_rules.hpp>
+#include <memscale/predict/shape_only_tally.hpp>
+
+#if TORCH_VERSION_MAJOR < 2
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+#endif
+
+namespace memscale::predictor::detail {
+
+#if TORCH_VERSION_MAJOR < 2
+
+/// Operators whose meta path throws in LibTorch 1.13 although the dispatcher
+/// has a Meta entry for them (a composite kernel that reaches one without a
+/// meta kernel), as measured on training models' common layers and losses.
+/// Known from the start, they run for real without the attempt: each failing
+/// attempt costs a c10::Error with its symbolised backtrace, about 3 ms, which
+/// was a third of the first shape-only step of the example GPT.
+inline constexpr const char* operators_without_meta[] = {
+    "aten::embedding",          "aten::embedding_dense_backward",
+    "aten::_embedding_bag",     "aten::index_select",
+    "aten::native_layer_norm",  "aten::native_layer_norm_backward",
+    "aten::native_group_norm",  "aten::native_group_norm_backward",
+    "aten::native_batch_norm",  "aten::native_batch_norm_backward",
+    "aten::convolution",        "aten::convolution_backward",
+    "aten::_adaptive_avg_pool2d", "aten::_adaptive_avg_pool2d_backward",
+    "aten::native_dropout",     "aten::mse_loss_backward",
+    "aten::l1_loss",            "aten::smooth_l1_loss_backward",
+    "aten::huber_loss_backward", "aten::binary_cross_entropy",
+    "aten::binary_cross_entropy_backward", "aten::_thnn_fused_lstm_cell"};
+
+/// The fallback's process-wide state: the operators known to have no meta
+/// kernel, the active span's tally and census.
+struct shape_only_state {
+  std::mutex mutex;
+  std::unordered_set<const c10::FunctionSchema*> without_meta;
+  shape_only_tally* tally = nullptr;  // the open scope's, or null
+  bool census = false;
+  std::unordered_set<const c10::FunctionSchema*> censused;  // operators a census ran for real in this process
+  static shape_only_state& instance() {
+    static shape_only_state state;
+    return state;
+  }
+
+ private:
+  shape_only_state() {
+    for (const char* name : operators_without_meta)
+      if (const auto op = c10::Dispatcher::singleton().findSchema({name, ""})) without_meta.insert(&op->schema());
+  }
+};
+
+inline torch::Tensor meta_like(const torch::Tensor& t) {
+  c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+  return at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kMeta));
+}
+
+/// Operators whose results (a host value, or an output's shape) depend on their
+/// input's values.
+inline bool reads_values(const std::string& name) {
+  static const std::unordered_set<std::string> names{
+      "aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal",        "aten::nonzero",
+      "aten::masked_select",       "aten::_unique",    "aten::_unique2",     "aten::unique_dim",
+      "aten::unique_consecutive",  "aten::argwhere",   "aten::nonzero_numpy"};
+  return names.count(name) > 0;
+}
+
+/// A memory reporter that asks for no reports: what census_run() puts in the
+/// thread's PROFILER_STATE slot.
+class unreported final : public c10::MemoryReportingInfoBase {
+ public:
+  void reportMemoryUsage(void*, std::int64_t, memscale::detail::report_total_t, memscale::detail::report_total_t,
+                         c10::Device) override {}
+  void reportOutOfMemory(std::int64_t, memscale::detail::oom_total_t, memscale::detail::oom_total_t,
+                         c10::Device) override {}
+  [[nodiscard]] bool memoryProfilingEnabled() const override { return false; }
+};
+
+/// A census's real call of an operator that otherwise runs shape-only: it runs
+/// for real on the arguments (its code, threads and buffers are made as a real
+/// step makes them) with its results dropped and its allocations unreported
+/// (where no LibTorch profiler holds the reporting slot), so that the span's
+/// timeline holds the events a shape-only step's holds and aligns with it.
+inline void census_run(const c10::OperatorHandle& op, c10::DispatchKeySet keys, c10::ArrayRef<c10::IValue> args) {
+  static const auto silent = std::make_shared<unreported>();
+  std::optional<c10::DebugInfoGuard> unseen;
+  if (memscale::detail::inspect_profiler_slot().refusal.empty())
+    unseen.emplace(c10::DebugInfoKind::PROFILER_STATE, silent);
+  c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+  torch::jit::Stack copy(args.begin(), args.end());
+  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Fake), &copy);
+  copy.clear();  // the results freed unseen
+}
+
+inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  auto& state = shape_only_state::instance();
+  const auto& schema = op.schema();
+  const auto n = schema.arguments().size();
+  if (reads_values(schema.name())) {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    if (state.tally != nullptr) ++state.tally->values_read;
+  }
+  const auto args = torch::jit::last(*stack, n);
+  const auto count = [&](std::int64_t shape_only_tally::*field) {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    if (state.tally != nullptr) ++(state.tally->*field);
+  };
+  const auto add_work = [&](operator_work work) {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    if (state.tally == nullptr) return;
+    state.tally->flops += work.flops;
+    state.tally->bytes_moved += work.bytes;
+  };
+  const auto real = [&] {
+    count(&shape_only_tally::real);
+    c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+    const auto start = std::chrono::steady_clock::now();
+    op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Fake), stack);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::lock_guard<std::mutex> lock(state.mutex);
+    if (state.tally != nullptr) state.tally->real_seconds += seconds;
+  };
+
+  // The device outputs go to: the first tensor argument's on another device than
+  // the CPU (a CPU scalar may come with CUDA tensors), else the CPU.
+  std::optional<c10::Device> device;
+  for (const auto& v : args) {
+    if (!v.isTensor() || !v.toTensor().defined()) continue;
+    const auto& t = v.toTensor();
+    if (!device || (device->is_cpu() && !t.is_cpu())) device = t.device();
+  }
+  if (!device) return real();  // a factory: runs as it is
+  bool census_call = false;  // the operator's first call in a census: also run for real, unseen
+  bool known_without_meta = false;
+  {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    census_call = state.census && state.censused.insert(&schema).second;
+    if (census_call && state.tally != nullptr) ++state.tally->census;
+    known_without_meta = state.without_meta.count(&schema) > 0;
+  }
+  bool writes = false;
+  for (const auto& a : schema.arguments())
+    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) writes = true;
+  bool aliases = false;
+  for (const auto& r : schema.returns())
+    if (r.alias_info() != nullptr) aliases = true;
+  // In place (one result, the written argument): nothing to compute, nothing allocated.
+  if (writes && schema.overload_name().find("out") == std::string::npos && schema.returns().size() == 1 &&
+      schema.returns()[0].alias_info() != nullptr && schema.returns()[0].alias_info()->isWrite()) {
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto* alias = schema.arguments()[i].alias_info();
+      if (alias != nullptr && alias->isWrite() && args[i].isTensor()) {
+        auto self = args[i];
+        if (census_call) census_run(op, keys, args);
+        add_work(work_of(schema, args, tensor_bytes(self)));
+        torch::jit::drop(*stack, n);
+        stack->push_back(std::move(self));
+        count(&shape_only_tally::skipped);
+        return;
+      }
+    }
+  }
+  const auto without_meta = [&] {
+    {
+      std::lock_guard<std::mutex> lock(state.mutex);
+      state.without_meta.insert(&schema);
+      if (state.tally != nullptr) ++state.tally->without_meta[schema.name()];
+    }
+    real();
+  };
+  // Operators without a meta kernel that a shape rule covers.
+  if (auto specs = rule_outputs(schema, args)) {
+    if (census_call) census_run(op, keys, args);
+    std::vector<torch::Tensor> outputs;
+    std::int64_t output_bytes = 0;
+    for (const auto& spec : *specs) {
+      outputs.push_back(spec.defined ? shape_only_empty(spec.sizes, spec.strides, spec.dtype, *device)
+                                     : torch::Tensor());
+      output_bytes += tensor_bytes(outputs.back());
+    }
+    add_work(work_of(schema, args, output_bytes));
+    torch::jit::drop(*stack, n);
+    for (auto& t : outputs) stack->push_back(std::move(t));
+    count(&shape_only_tally::shape_only);
+    return;
+  }
+  if (writes || aliases) return real();
+  if (known_without_meta || !op.hasComputedKernelForDispatchKey(c10::DispatchKey::Meta)) return without_meta();
+
+  // Shapes on meta.
+  torch::jit::Stack meta;
+  meta.reserve(n);
+  for (const auto& v : args) {
+    if (v.isTensor() && v.toTensor().defined()) {
+      meta.emplace_back(meta_like(v.toTensor()));
+    } else if (v.isTensorList()) {
+      std::vector<torch::Tensor> list;
+      for (const auto& element : v.toTensorList()) {
+        const torch::Tensor t = element;
+        list.push_back(t.defined() ? meta_like(t) : t);
+      }
+      meta.emplace_back(std::move(list));
+    } else {
+      meta.push_back(v);
+    }
+  }
+  try {
+    c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+    op.callBoxed(meta);
+  } catch (const c10::Error&) {
+    return without_meta();
+  }
+  for (const auto& r : meta) {
+    if (!r.isTensor()) return real();  // a scalar or list result: compute it
+    const auto& t = r.toTensor();
+    if (t.defined() && !t.is_floating_point() && !t.is_complex()) return real();  // indices, masks
+  }
+  if (census_call) census_run(op, keys, args);
+  std::int64_t output_bytes = 0;
+  for (const auto& r : meta) output_bytes += tensor_bytes(r);
+  add_work(work_of(schema, args, output_bytes));
+  torch::jit::drop(*stack, n);
+  c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+  for (const auto& r : meta) {
+    const auto& t = r.toTensor();
+    stack->push_back(t.defined() ? shape_only_empty(t, *device) : t);
+  }
+  count(&shape_only_tally::shape_only);
+}
+
+/// Registers the fallback once per process; false where LibTorch refused it
+/// (another library registered one for DispatchKey::Fake).
+inline bool register_shape_only_fallback() {
+  static const bool registered = [] {
+    try {
+      // Kept for the process's lifetime: a registration is undone when its Library is destroyed.
+      static auto* library =
+          new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::Fake, __FILE__, __LINE__);
+      library->fallback(torch::CppFunction::makeFromBoxedFunction<&shape_only_fallback>());
+      return true;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return registered;
+}
+
+#endif  // TORCH_VERSION_MAJOR < 2
+
+}  // namespace memscale::predictor::detail

@@ -1,0 +1,156 @@
+// memscale — what a shape-only span did and what its operators would take
+// computed: the tally (shape_only_tally), the rates that turn arithmetic and
+// bytes moved into seconds (shape_only_rates, measured once per process), and
+// the estimate of one operator's work (work_of) the fallback adds to the tally.
+// Part of shape-only execution (predict/shape_only.hpp).
+//
+// The tally counts what the span's operators would take computed: those run
+// for real are timed, the others estimated from their matrix products'
+// arithmetic and the bytes they read and write, at rates measured once per
+// process (shape_only_rates). The profiler can time by that count
+// (profile_clock_scope), which is how predict() profiles its plan shape-only.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#if TORCH_VERSION_MAJOR < 2
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#endif
+
+namespace memscale::predictor {
+
+/// What a shape_only_scope's span did, by operator call.
+struct shape_only_tally {
+  std::int64_t shape_only = 0;  ///< ran on meta, outputs allocated uninitialised
+  std::int64_t skipped = 0;     ///< in-place: nothing computed
+  std::int64_t real = 0;        ///< ran for real (views, factories, integer results, no meta kernel)
+  std::int64_t census = 0;      ///< also ran for real, unseen: a census's first call of the operator in the process
+  /// What the span's operators would take computed: measured for those run for
+  /// real, estimated for the others (shape_only_rates): real_seconds +
+  /// flops / flops_per_second + bytes_moved / bytes_per_second, filled by
+  /// shape_only_scope::tally() once the rates are measured.
+  double estimated_seconds = 0.0;
+  double real_seconds = 0.0;  ///< the operators run for real, timed
+  double flops = 0.0;         ///< the others' matrix products' arithmetic
+  double bytes_moved = 0.0;   ///< the bytes the others read and write
+  /// Operators that ran for real because this LibTorch has no meta kernel for
+  /// them (their compute is not skipped), with their call counts.
+  std::map<std::string, std::int64_t> without_meta;
+  /// Calls that read tensor values on the host (item(), equal) or whose output
+  /// shape depends on them (nonzero, masked_select, unique): computed from
+  /// uninitialised memory, so what follows them may not be the real step's.
+  std::int64_t values_read = 0;
+};
+
+/// The rates shape-only execution turns an operator's arithmetic and memory
+/// traffic into seconds with: measured once per process (a 256^3 float matrix
+/// product and a 4 MiB copy, each the fastest of three, at the thread count set
+/// then), at the first shape_only_scope::estimated_seconds(), or before, by
+/// measured_shape_only_rates().
+struct shape_only_rates {
+  double flops_per_second = 0.0;
+  double bytes_per_second = 0.0;
+  /// The tally's estimate of what its operators would take computed.
+  [[nodiscard]] double seconds(const shape_only_tally& t) const {
+    return t.real_seconds + t.flops / flops_per_second + t.bytes_moved / bytes_per_second;
+  }
+};
+
+namespace detail {
+
+#if TORCH_VERSION_MAJOR < 2
+
+inline shape_only_rates measure_rates() {
+  c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+  torch::NoGradGuard no_grad;
+  const auto fastest = [](const auto& work) {
+    double best = 1e300;
+    for (int i = 0; i < 3; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      work();
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    return std::max(best, 1e-9);
+  };
+  constexpr std::int64_t n = 256;
+  const auto a = torch::full({n, n}, 0.5f);
+  const auto b = torch::full({n, n}, 0.25f);
+  const double gemm = fastest([&] { (void)torch::mm(a, b); });
+  // 4 MiB each way, past a core's L2 on usual CPUs. The 8 MiB copy used before
+  // cost 9 ms in a fresh process (page faults), a fifth of predict's time on the
+  // example GPT; on the 2-core build machine it read 30 GB/s against 69 here,
+  // both within its 32 MiB L3: a rate to weigh arithmetic against traffic, not
+  // a bandwidth.
+  const auto source = torch::full({std::int64_t{1} << 20}, 1.0f);
+  auto target = torch::empty_like(source);
+  const double copy = fastest([&] { target.copy_(source); });
+  return {2.0 * static_cast<double>(n * n * n) / gemm, 2.0 * static_cast<double>(source.nbytes()) / copy};
+}
+
+inline std::atomic<bool>& rates_measured() {
+  static std::atomic<bool> measured{false};
+  return measured;
+}
+inline const shape_only_rates& rates() {
+  static const shape_only_rates measured = [] {
+    const auto r = measure_rates();
+    rates_measured() = true;
+    return r;
+  }();
+  return measured;
+}
+
+inline std::int64_t tensor_bytes(const c10::IValue& v) {
+  if (v.isTensor()) {
+    const auto& t = v.toTensor();
+    return t.defined() ? static_cast<std::int64_t>(t.numel()) * static_cast<std::int64_t>(t.element_size()) : 0;
+  }
+  std::int64_t bytes = 0;
+  if (v.isTensorList())
+    for (const auto& element : v.toTensorList()) bytes += tensor_bytes(c10::IValue(static_cast<torch::Tensor>(element)));
+  return bytes;
+}
+
+/// What an operator would do computed: its matrix products' arithmetic and the
+/// bytes it reads and writes.
+struct operator_work {
+  double flops = 0.0;
+  double bytes = 0.0;
+};
+inline operator_work work_of(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args,
+                             std::int64_t output_bytes) {
+  const auto& name = schema.name();
+  const auto dims = [&](std::size_t i) -> c10::IntArrayRef {
+    return i < args.size() && args[i].isTensor() && args[i].toTensor().defined() ? args[i].toTensor().sizes()
+                                                                                   : c10::IntArrayRef{};
+  };
+  double flops = 0.0;
+  const auto product = [&](c10::IntArrayRef a, c10::IntArrayRef b) {  // [.., M, K] x [.., K, N]
+    if (a.size() < 2 || b.size() < 2) return;
+    double batch = 1.0;
+    for (std::size_t d = 0; d + 2 < a.size(); ++d) batch *= static_cast<double>(a[d]);
+    flops = 2.0 * batch * static_cast<double>(a[a.size() - 2]) * static_cast<double>(a[a.size() - 1]) *
+            static_cast<double>(b[b.size() - 1]);
+  };
+  if (name == "aten::mm" || name == "aten::bmm") product(dims(0), dims(1));
+  else if (name == "aten::addmm" || name == "aten::baddbmm" || name == "aten::addbmm") product(dims(1), dims(2));
+
+  std::int64_t bytes = output_bytes;
+  for (const auto& v : args) bytes += tensor_bytes(v);
+  return {flops, static_cast<double>(bytes)};
+}
+
+#endif  // TORCH_VERSION_MAJOR < 2
+
+}  // namespace detail
+
+}  // namespace memscale::predictor

@@ -1,0 +1,182 @@
+// memscale — activation checkpointing: a custom autograd function that runs a
+// segment without keeping its intermediates and recomputes it in backward, with
+// the RNG state of the forward restored so Dropout draws the same masks. The
+// executor puts a CheckpointSegment in a chain's slot; custom forward code can call
+// memscale::checkpoint(fn, inputs, params) directly.
+//
+// Here: the autograd function and the memscale::checkpoint() calls. What the
+// recompute relies on is in checkpoint_recompute.hpp; CheckpointSegment and the
+// Checkpoint technique in checkpoint_segment.hpp.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/detail/compat.hpp>
+#include <memscale/detail/fault_injection.hpp>
+#include <memscale/detail/rng.hpp>
+#include <memscale/errors.hpp>
+#include <memscale/techniques/checkpoint_recompute.hpp>
+
+namespace memscale {
+namespace detail {
+
+/// Inputs: the body (not differentiable), the segment inputs, and the parameters
+/// the body uses. Passing the parameters makes the outputs require grad even when
+/// no input does (the classic reentrant-checkpoint pitfall) and routes their
+/// gradients through this node.
+struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                c10::intrusive_ptr<checkpoint_body> body, at::TensorList inputs,
+                                                at::TensorList params) {
+    auto context = c10::make_intrusive<forward_context>();
+    context->devices = devices_of(inputs);
+    context->state = capture_rng(context->devices);
+    context->autocast = compat::current_autocast();
+    std::vector<torch::Tensor> to_save(inputs.begin(), inputs.end());
+    to_save.insert(to_save.end(), params.begin(), params.end());
+    ctx->save_for_backward(to_save);
+    ctx->saved_data["inputs"] = static_cast<int64_t>(inputs.size());
+    ctx->saved_data["body"] = c10::IValue::make_capsule(body);
+    ctx->saved_data["context"] = c10::IValue::make_capsule(context);
+    std::vector<torch::Tensor> args(inputs.begin(), inputs.end());
+    std::vector<std::int64_t> versions;
+    for (const auto& x : args) versions.push_back(x.defined() ? static_cast<std::int64_t>(x._version()) : 0);
+    auto outputs = body->fn(args);  // grad mode is off here: nothing inside is kept
+    for (std::size_t i = 0; i < args.size(); ++i)
+      if (args[i].defined() && static_cast<std::int64_t>(args[i]._version()) != versions[i])
+        throw Error("memscale::checkpoint: the checkpointed function modified its input " + std::to_string(i) +
+                    " in place, so backward could not recompute it; start the checkpoint before the in-place "
+                    "operation (or make it out of place)");
+    return outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const auto input_count = static_cast<std::size_t>(ctx->saved_data["inputs"].toInt());
+    auto body = c10::static_intrusive_pointer_cast<checkpoint_body>(ctx->saved_data["body"].toCapsule());
+    auto context = c10::static_intrusive_pointer_cast<forward_context>(ctx->saved_data["context"].toCapsule());
+    // The engine runs backward functions in grad mode exactly when the caller
+    // asked for create_graph (double backward, gradient penalties): then the
+    // recompute runs on the inputs themselves, so the gradients it returns keep
+    // their history back through them, and the recomputed graph is kept.
+    const bool create_graph = torch::GradMode::is_enabled();
+
+    std::vector<torch::Tensor> inputs;
+    for (std::size_t i = 0; i < input_count; ++i) {
+      if (create_graph) {
+        inputs.push_back(saved[i]);
+        continue;
+      }
+      auto x = saved[i].detach();
+      if (saved[i].requires_grad()) x.requires_grad_(true);
+      inputs.push_back(std::move(x));
+    }
+    std::vector<torch::Tensor> outputs;
+    recompute_scope recompute;
+    {
+      rng_fork keep_training_stream(context->devices);  // backward must not shift the RNG sequence
+      if (!technique_fault_injected(technique_fault::checkpoint_skips_rng_restore)) restore_rng(context->state);
+      compat::autocast_as same_casts(context->autocast);
+      torch::AutoGradMode grad_on(true);
+      outputs = body->fn(inputs);
+      if (technique_fault_injected(technique_fault::checkpoint_recompute_scaled))
+        for (auto& o : outputs)
+          if (o.defined() && o.is_floating_point()) o = o * (1.0 + 1.0 / (1 << 20));
+    }
+
+    std::vector<torch::Tensor> differentiable_outputs, output_grads;
+    for (std::size_t i = 0; i < outputs.size() && i < grad_outputs.size(); ++i) {
+      if (outputs[i].requires_grad() && grad_outputs[i].defined()) {
+        differentiable_outputs.push_back(outputs[i]);
+        output_grads.push_back(grad_outputs[i]);
+      }
+    }
+    std::vector<torch::Tensor> targets;
+    std::vector<std::size_t> target_slot;  // position in saved
+    for (std::size_t i = 0; i < saved.size(); ++i) {
+      const bool wants = i < input_count ? inputs[i].requires_grad() : saved[i].requires_grad();
+      if (!wants) continue;
+      targets.push_back(i < input_count ? inputs[i] : saved[i]);
+      target_slot.push_back(i);
+    }
+    // Every leaf the recompute reaches must be one this node was given, so its
+    // gradient flows through autograd (hooks, reducers) and not behind its back.
+    std::vector<torch::Tensor> known(saved.begin() + static_cast<std::ptrdiff_t>(input_count), saved.end());
+    known.insert(known.end(), inputs.begin(), inputs.end());
+    if (const auto unlisted = reachable_leaves(differentiable_outputs, known, inputs); !unlisted.empty())
+      throw unlisted_leaves_error("memscale::checkpoint", unlisted);
+
+    torch::autograd::variable_list result(1 + saved.size());  // [body, inputs..., params...]
+    if (differentiable_outputs.empty() || targets.empty()) return result;
+    std::vector<torch::Tensor> grads;
+    {
+      tensor_hooks_set_aside hooks_run_in_autograd(targets);
+      grads = torch::autograd::grad(differentiable_outputs, targets, output_grads,
+                                    /*retain_graph=*/create_graph, create_graph, /*allow_unused=*/true);
+    }
+    for (std::size_t t = 0; t < targets.size(); ++t) result[1 + target_slot[t]] = grads[t];
+    return result;
+  }
+};
+
+/// Module holders (torch::nn::Linear, ...) take the module form of checkpoint().
+template <class T>
+concept module_handle = requires(T& m) { m->parameters(); };
+
+inline bool needs_checkpoint(at::TensorList inputs, at::TensorList params) {
+  if (!torch::GradMode::is_enabled()) return false;
+  for (const auto& t : inputs)
+    if (t.defined() && t.requires_grad()) return true;
+  for (const auto& p : params)
+    if (p.requires_grad()) return true;
+  return false;
+}
+
+}  // namespace detail
+
+/// Runs `fn(inputs)` keeping only `inputs` for backward; backward recomputes it.
+/// `params`: every parameter `fn` reads, so their gradients flow. Without grad
+/// mode or anything requiring grad, `fn` simply runs.
+template <class Fn>
+  requires(!detail::module_handle<std::remove_cvref_t<Fn>>) && std::invocable<Fn&, const std::vector<torch::Tensor>&>
+std::vector<torch::Tensor> checkpoint(Fn&& fn, std::vector<torch::Tensor> inputs,
+                                      std::vector<torch::Tensor> params = {}) {
+  if (!detail::needs_checkpoint(inputs, params)) return std::invoke(fn, inputs);
+  auto body = c10::make_intrusive<detail::checkpoint_body>(detail::tensors_fn(std::forward<Fn>(fn)));
+  return detail::checkpoint_function::apply(body, at::TensorList(inputs), at::TensorList(params));
+}
+
+/// Single-tensor form: `fn(x)` with the parameters it reads.
+template <class Fn>
+  requires(!detail::module_handle<std::remove_cvref_t<Fn>>) && std::invocable<Fn&, const torch::Tensor&>
+torch::Tensor checkpoint(Fn&& fn, const torch::Tensor& input, std::vector<torch::Tensor> params = {}) {
+  auto outputs = checkpoint(
+      [f = std::forward<Fn>(fn)](const std::vector<torch::Tensor>& in) mutable {
+        return std::vector<torch::Tensor>{std::invoke(f, in[0])};
+      },
+      std::vector<torch::Tensor>{input}, std::move(params));
+  return outputs[0];
+}
+
+/// Module form: checkpoints `module->forward(x)` with the module's parameters.
+template <class ModuleHolder>
+  requires requires(ModuleHolder& m, const torch::Tensor& x) {
+    { m->forward(x) } -> std::convertible_to<torch::Tensor>;
+    m->parameters();
+  }
+torch::Tensor checkpoint(ModuleHolder& module, const torch::Tensor& input) {
+  return checkpoint([module](const torch::Tensor& x) mutable -> torch::Tensor { return module->forward(x); },
+                    input, module->parameters());
+}
+
+}  // namespace memscale
