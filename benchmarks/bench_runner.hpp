@@ -257,7 +257,8 @@ inline memscale::Config quiet_config(memscale::OptimizationMode mode) {
   return cfg;
 }
 
-/// Conservative (no budget), Balanced (the 60% budget), Aggressive.
+/// Conservative (no budget), Balanced (the 60% budget), Aggressive, and Balanced
+/// with force_optimize and no budget.
 inline std::vector<std::pair<std::string, memscale::Config>> mode_rows(double balanced_budget_gb) {
   std::vector<std::pair<std::string, memscale::Config>> rows;
   for (auto mode : {memscale::OptimizationMode::Conservative, memscale::OptimizationMode::Balanced,
@@ -266,6 +267,10 @@ inline std::vector<std::pair<std::string, memscale::Config>> mode_rows(double ba
     if (mode == memscale::OptimizationMode::Balanced) cfg.memory_budget_gb = balanced_budget_gb;
     rows.emplace_back(std::string(memscale::to_string(mode)), cfg);
   }
+  // Balanced forced with no budget, where nothing presses: the light touch.
+  auto forced = quiet_config(memscale::OptimizationMode::Balanced);
+  forced.force_optimize = true;
+  rows.emplace_back("Balanced forced", forced);
   return rows;
 }
 

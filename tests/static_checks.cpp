@@ -72,6 +72,21 @@ constexpr engine_plan plan_for(memscale::OptimizationMode mode, std::int64_t usa
 static_assert(plan_for(memscale::OptimizationMode::Balanced, 1000).overall == rule_id::low_pressure_skip);
 static_assert(plan_for(memscale::OptimizationMode::Aggressive, 1000).overall == rule_id::checkpoint_segment);
 static_assert(plan_for(memscale::OptimizationMode::Balanced, 1000, true).overall == rule_id::checkpoint_segment);
+// ... and forced where nothing presses it is the light touch, not nothing: Balanced
+// at least halves the growth (static bytes are 0 here), Conservative cuts it to 3/4.
+static_assert([] {
+  const auto p = plan_for(memscale::OptimizationMode::Balanced, 1000, true);
+  int segments = 0;
+  for (const auto& u : p.units[0]) segments += u.checkpointed ? 1 : 0;
+  return segments > 0 && p.planned_peak <= p.baseline_peak / 2 && p.target_bytes == p.baseline_peak / 2;
+}());
+static_assert([] {
+  const auto p = plan_for(memscale::OptimizationMode::Conservative, 1000, true);
+  return p.planned_peak < p.baseline_peak && p.planned_peak <= p.baseline_peak * 3 / 4;
+}());
+// Under pressure the forced plan is the unforced one.
+static_assert(plan_for(memscale::OptimizationMode::Conservative, 400, true).planned_peak ==
+              plan_for(memscale::OptimizationMode::Conservative, 400).planned_peak);
 // Aggressive checkpoints every block but the last (recomputing it first thing in
 // backward would lower nothing): peak 30 + 100 + 20 = 150 -> here 3 x 10 + 100 + 20.
 static_assert(plan_for(memscale::OptimizationMode::Aggressive, 1000).planned_peak == 150);

@@ -77,7 +77,11 @@ struct Config {
   bool use_8bit_optimizer = false;
   std::optional<double> max_cpu_offload_gb{};  ///< cap on host offload tiers; unset = no cap
   double target_gpu_utilization = 0.85;        ///< fraction of device memory (or budget) to plan for
-  bool force_optimize = false;                 ///< optimize even when memory pressure is low
+  /// Optimize even when memory pressure is low. Where nothing presses (the step
+  /// already fits the mode's target), the light touch, cheapest memory first:
+  /// Balanced halves the step's growth above the static bytes, Conservative cuts
+  /// it to 3/4, Aggressive minimizes the peak as always (core::forced_target).
+  bool force_optimize = false;
   bool use_static_profiling = true;
   bool use_empirical_fallback = true;
   int warmup_steps = 2;  ///< instrumented passes per layer when profiling empirically

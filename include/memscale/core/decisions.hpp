@@ -46,18 +46,31 @@ enum class rule_id : std::uint8_t {
 
 /// How hard a mode pushes: act when pressure >= act_at_pressure (unless
 /// force_optimize), and expand until the projected peak <= target_fraction x usable.
+/// With force_optimize where nothing presses (the baseline already under that
+/// target), the light touch: expand, cheapest memory first, until the step's
+/// growth above the static bytes is at most forced_growth_fraction of the
+/// baseline's (forced_target).
 struct mode_policy {
   double act_at_pressure;
   double target_fraction;
+  double forced_growth_fraction;
 };
 
 [[nodiscard]] constexpr mode_policy policy_for(OptimizationMode mode) noexcept {
   switch (mode) {
-    case OptimizationMode::Conservative: return {1.0, 1.0};  // only when it would not fit
-    case OptimizationMode::Balanced: return {0.7, 0.9};      // earlier, with a 10% margin
-    case OptimizationMode::Aggressive: return {0.0, 0.0};    // always; minimize the peak
+    case OptimizationMode::Conservative: return {1.0, 1.0, 0.75};  // only when it would not fit
+    case OptimizationMode::Balanced: return {0.7, 0.9, 0.5};       // earlier, with a 10% margin
+    case OptimizationMode::Aggressive: return {0.0, 0.0, 0.0};     // always; minimize the peak
   }
-  return {1.0, 1.0};
+  return {1.0, 1.0, 0.75};
+}
+
+/// The target force_optimize sets where nothing presses: static bytes plus the
+/// mode's forced_growth_fraction of the baseline's growth above them.
+[[nodiscard]] constexpr std::int64_t forced_target(OptimizationMode mode, std::int64_t baseline_peak,
+                                                   std::int64_t static_bytes) noexcept {
+  const auto growth = baseline_peak > static_bytes ? baseline_peak - static_bytes : 0;
+  return static_bytes + static_cast<std::int64_t>(policy_for(mode).forced_growth_fraction * static_cast<double>(growth));
 }
 
 struct engine_input {

@@ -213,6 +213,16 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
   }
   out.chains.insert(out.chains.end(), profiles.begin(), profiles.end());
   out.planned = true;
+  if (in.force_optimize &&
+      decided.baseline_peak <= static_cast<std::int64_t>(policy_for(in.mode).target_fraction *
+                                                         static_cast<double>(in.usable_bytes))) {
+    const auto note = std::string("force_optimize with nothing pressing: the light touch, the step's growth above the "
+                                  "static bytes cut to ") +
+                      std::to_string(static_cast<int>(100 * policy_for(in.mode).forced_growth_fraction)) +
+                      "% of the baseline's, cheapest memory first (target " +
+                      detail::format_bytes(decided.target_bytes) + ")";
+    if (std::find(out.notes.begin(), out.notes.end(), note) == out.notes.end()) out.notes.push_back(note);
+  }
   if ((decided.overall == rule_id::checkpoint_segment || decided.overall == rule_id::tile_segment) &&
       decided.planned_peak > decided.target_bytes && config_.mode != OptimizationMode::Aggressive)
     out.notes.push_back("the projected peak " + detail::format_bytes(decided.planned_peak) +
