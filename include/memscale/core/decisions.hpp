@@ -92,6 +92,14 @@ struct engine_input {
   std::int64_t whole_model_group_bytes = 0;
 };
 
+/// Whether force_optimize finds nothing pressing: the baseline already meets the
+/// mode's target, so the engine aims at forced_target instead (the light touch).
+[[nodiscard]] constexpr bool light_touch(const engine_input& in, std::int64_t baseline_peak) noexcept {
+  return in.force_optimize &&
+         baseline_peak <= static_cast<std::int64_t>(policy_for(in.mode).target_fraction *
+                                                    static_cast<double>(in.usable_bytes));
+}
+
 /// One decision about one run of slots, in the order the engine made it.
 struct segment_decision {
   int chain = 0;

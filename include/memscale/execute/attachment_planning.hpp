@@ -213,9 +213,7 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
   }
   out.chains.insert(out.chains.end(), profiles.begin(), profiles.end());
   out.planned = true;
-  if (in.force_optimize &&
-      decided.baseline_peak <= static_cast<std::int64_t>(policy_for(in.mode).target_fraction *
-                                                         static_cast<double>(in.usable_bytes))) {
+  if (light_touch(in, decided.baseline_peak)) {
     const auto note = std::string("force_optimize with nothing pressing: the light touch, the step's growth above the "
                                   "static bytes cut to ") +
                       std::to_string(static_cast<int>(100 * policy_for(in.mode).forced_growth_fraction)) +
