@@ -138,35 +138,36 @@ done
 # <torch/torch.h> and those that do not make separate chains (the precompiled
 # header goes only in front of the former). A chain whose unit fails or warns is
 # checked again header by header, so the report names the header.
-declare -A closure=()
-closure_of() {  # closure_of <memscale/...hpp>: sets closure[...] to " a b c " (memscale headers it includes, recursively)
-  local file=$1 line included set=" "
+declare -A closure=() closure_size=()
+closure_of() {  # closure_of <memscale/...hpp>: sets closure[...] to " a b c " (memscale headers it includes, recursively, once each) and closure_size[...]
+  local file=$1 line included member
+  local -A seen=()
   [[ -n "${closure[$file]:-}" ]] && return
-  closure[$file]=" "  # a cycle ends here
+  closure[$file]=" " closure_size[$file]=0  # a cycle ends here
   while IFS= read -r line; do
     if [[ $line =~ ^[[:space:]]*#[[:space:]]*include[[:space:]]*\<(memscale/[^>]+)\> ]]; then
       included=${BASH_REMATCH[1]}
       [[ -f "$repo/include/$included" ]] || continue
       closure_of "$included"
-      set+="$included ${closure[$included]# }"
+      seen[$included]=1
+      for member in ${closure[$included]}; do seen[$member]=1; done
     fi
   done < "$repo/include/$file"
-  closure[$file]="$set"
+  closure[$file]=" ${!seen[*]} " closure_size[$file]=${#seen[@]}
 }
 chains_of() {  # chains_of <headers...>: prints one chain per line, space-separated, bottom first
   local header tail best best_size size i
   local -a sorted=() chains=() tails=()
   for header in "$@"; do
     closure_of "$header"
-    sorted+=("$(wc -w <<< "${closure[$header]}") $header")
+    sorted+=("${closure_size[$header]} $header")
   done
   while read -r size header; do
     best=-1 best_size=-1
     for i in "${!tails[@]}"; do
       tail=${tails[$i]}
-      if [[ "${closure[$header]}" == *" $tail "* ]]; then
-        size=$(wc -w <<< "${closure[$tail]}")
-        if ((size > best_size)); then best=$i best_size=$size; fi
+      if [[ "${closure[$header]}" == *" $tail "* ]] && ((closure_size[$tail] > best_size)); then
+        best=$i best_size=${closure_size[$tail]}
       fi
     done
     if ((best >= 0)); then
