@@ -292,6 +292,45 @@ TEST_CASE("Config and Strategy can exclude checkpointing; low pressure skips", "
   }
 }
 
+TEST_CASE("where the optimal schedule replaces the greedy segments, the report says so", "[api][engine]") {
+  // The acceptance chain under the light touch and a range of budgets: the
+  // override depends on the measured slot times, so each case checks that the
+  // plan, its R11 lines and the note agree, and that the plan keeps its budget.
+  auto seq = test::flat_chain(4);
+  auto x = torch::randn({8, 32, 64});
+  const auto slots = test::slot_identity(*seq);
+  std::int64_t baseline = 0;
+  {
+    auto guard = memscale::optimize(seq, x, test::quiet({.mode = OptimizationMode::Conservative}));
+    baseline = guard.report().baseline_peak_bytes();
+  }
+  int overridden = 0;
+  for (double fraction : {0.0, 0.5, 0.6, 0.7, 0.8}) {
+    Config config = test::quiet({.force_optimize = true});
+    if (fraction > 0) {
+      config.memory_budget_gb = fraction * static_cast<double>(baseline) / (1024.0 * 1024.0 * 1024.0);
+      config.target_gpu_utilization = 1.0;
+    }
+    auto guard = memscale::optimize(seq, x, config);
+    const auto report = guard.report();
+    const auto text = report.str();
+    INFO("budget fraction " << fraction << "\n" << text);
+    if (std::getenv("MEMSCALE_TEST_SHOW") != nullptr) std::cout << text << "\n";
+    const bool r11 = text.find("R11 optimal-schedule") != std::string::npos;
+    const bool note = text.find("the optimal schedule (R11") != std::string::npos;
+    CHECK(r11 == !report.plan.overrides.empty());
+    CHECK(note == !report.plan.overrides.empty());
+    for (const auto& o : report.plan.overrides) {
+      ++overridden;
+      CHECK(o.optimal_seconds < o.greedy_seconds);
+      CHECK(o.optimal_peak <= o.budget);
+      CHECK(report.planned_peak_bytes() <= o.budget);
+    }
+  }
+  CHECK(test::slot_identity(*seq) == slots);
+  WARN(overridden << " of 5 plans of the acceptance chain re-planned by the optimal schedule");
+}
+
 TEST_CASE("the report explains the plan line by line", "[api]") {
   gpt::register_memscale_rule();
   gpt::GPT model(test::small_gpt());

@@ -55,6 +55,7 @@ TEST_CASE("a plan crosses the process group word for word", "[distributed]") {
   plan.segment_length = {5, 0, 3};
   plan.decisions = {{2, 0, 2, true, memscale::core::rule_id::refine_segment, 99, std::nan(""), 7, 6, true,
                      std::numeric_limits<double>::denorm_min(), 4, 1}};
+  plan.overrides = {{2, 0.25, 0.125 + 1e-17, 1000, 999, 1001}};
   const auto words = dist::detail::serialize_plan(plan);
   const auto back = dist::detail::deserialize_plan(words);
   CHECK(dist::detail::serialize_plan(back) == words);
@@ -63,6 +64,9 @@ TEST_CASE("a plan crosses the process group word for word", "[distributed]") {
   CHECK(back.overall == plan.overall);
   CHECK(std::isnan(back.decisions.at(0).recompute_seconds));
   CHECK(back.decisions.at(0).compute_seconds == std::numeric_limits<double>::denorm_min());
+  REQUIRE(back.overrides.size() == 1);
+  CHECK(back.overrides[0].optimal_seconds == plan.overrides[0].optimal_seconds);
+  CHECK(back.overrides[0].budget == 1001);
 
   auto truncated = words;
   truncated.pop_back();

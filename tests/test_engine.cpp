@@ -88,23 +88,46 @@ TEST_CASE("the optimal-chain DP finds the brute-force optimum", "[engine][optima
   CHECK(feasible > 100);
 }
 
-TEST_CASE("the rule plan is never better than the optimum and close to it", "[engine][optimal]") {
+TEST_CASE("the plan's recompute is within 5% of the optimum at the same budget", "[engine][optimal]") {
   std::mt19937 rng(99);
   double worst_gap = 1.0;
-  for (int trial = 0; trial < 40; ++trial) {
+  int overridden = 0;
+  for (int trial = 0; trial < 120; ++trial) {
     auto chain = random_chain(rng, 4 + trial % 12);
+    // Every other chain in bytes the engine's DP (2048 levels) rounds, where the yardstick stays exact.
+    if (trial % 2 == 1)
+      for (auto& slot : chain) {
+        for (auto* bytes : {&slot.input_bytes, &slot.output_bytes, &slot.saved_bytes, &slot.workspace_bytes})
+          *bytes *= 61;
+      }
     const auto baseline = project_chain(chain, keep_all(chain.size())).peak;
-    engine_input in{memscale::OptimizationMode::Balanced, true, true, baseline / 2, 0};
+    const auto mode = trial % 3 == 0 ? memscale::OptimizationMode::Aggressive : memscale::OptimizationMode::Balanced;
+    const double fraction = 0.35 + 0.05 * (trial % 10);
+    engine_input in{mode, true, true, static_cast<std::int64_t>(fraction * static_cast<double>(baseline)), 0};
     const auto plan = decide({chain}, {true}, in);
-    const auto rule_peak = project_chain(chain, plan.units[0]).peak;
-    const auto rule_seconds = recompute_seconds(chain, plan.units[0]);
-    const auto dp = optimal_segmentation(chain, rule_peak, static_cast<int>(rule_peak));
-    REQUIRE(dp.feasible);  // the rule plan itself fits that budget
-    CHECK(dp.recompute_seconds <= rule_seconds + 1e-12);
-    if (dp.recompute_seconds > 0) worst_gap = std::max(worst_gap, rule_seconds / dp.recompute_seconds);
+    const auto peak = project_chain(chain, plan.units[0]).peak;
+    const auto seconds = recompute_seconds(chain, plan.units[0]);
+    INFO("trial " << trial << " budget " << in.usable_bytes << " target " << plan.target_bytes << " peak " << peak);
+    // The budget the plan keeps: its target, or, where no plan reaches that, its own peak.
+    const auto budget = std::max(plan.target_bytes, peak);
+    CHECK(peak <= budget);
+    const auto dp = optimal_segmentation(chain, budget, static_cast<int>(budget));  // exact
+    REQUIRE(dp.feasible);  // the plan itself fits that budget
+    CHECK(seconds <= 1.05 * dp.recompute_seconds + 1e-12);
+    if (dp.recompute_seconds > 0) worst_gap = std::max(worst_gap, seconds / dp.recompute_seconds);
+    // Where the optimum replaced the greedy segments, the plan says so in R11 lines.
+    if (!plan.overrides.empty()) {
+      ++overridden;
+      CHECK(plan.overrides[0].optimal_seconds < plan.overrides[0].greedy_seconds);
+      CHECK(plan.overrides[0].optimal_seconds == Approx(seconds).epsilon(1e-12));
+      CHECK(std::all_of(plan.decisions.begin(), plan.decisions.end(),
+                        [](const segment_decision& d) { return d.rule == rule_id::optimal_schedule; }));
+    }
   }
-  // Not a bound the rules promise: recorded so a regression shows up in the log.
-  WARN("worst rule/optimal recompute ratio over random chains: " << worst_gap);
+  // The greedy alone was up to 2.9x the optimum on these chains: the override matters.
+  CHECK(overridden > 10);
+  WARN("worst plan/optimal recompute ratio over random chains: " << worst_gap << " (" << overridden
+                                                                  << " of 120 chains re-planned by the optimum)");
 }
 
 TEST_CASE("the engine is deterministic and records a rule for every chain slot", "[engine]") {

@@ -2,7 +2,9 @@
 // static bytes and the usable memory it computes the memory pressure, decides
 // whether to act (smart skip), picks checkpoint segment boundaries per chain, and
 // expands checkpointing segment by segment, best savings per recompute second
-// first, until the projected peak fits. Every decision records the rule behind it.
+// first, until the projected peak fits; then the optimal schedule replaces a
+// chain's greedy segments where it recomputes less within the same peak. Every
+// decision records the rule behind it.
 // Plain data and constexpr functions throughout: tests run it in static_assert.
 // Its input and output types are in core/decisions.hpp, its phases in
 // core/decision_phases.hpp; decide() below runs them.
@@ -159,6 +161,7 @@ namespace memscale::core {
     plan.decisions.push_back(best);
   }
   plan.overall = rule_id::checkpoint_segment;
+  assign_optimal(chains, supported, in, plan);
   assign_tiling(chains, supported, in, plan);
   assign_offload(chains, supported, in, plan);
   return plan;

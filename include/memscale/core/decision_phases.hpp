@@ -13,6 +13,7 @@
 #include <memscale/core/decisions.hpp>
 #include <memscale/core/graph.hpp>
 #include <memscale/core/memory_model.hpp>
+#include <memscale/core/optimal_chain.hpp>
 
 namespace memscale::core {
 
@@ -78,6 +79,74 @@ constexpr bool better(const candidate& x, const candidate& y) {
   return x.first < y.first;
 }
 }  // namespace detail_engine
+
+/// Optimal-schedule phase, after the greedy expansion and its refinement: per
+/// supported chain, the optimal segmentation (core/optimal_chain.hpp) within the
+/// step peak the plan must keep (the target, or the greedy's own peak where it
+/// could not reach the target) replaces the greedy's segments when it recomputes
+/// less; the chain's decisions then read R11 and plan.overrides records the
+/// greedy's figures beside the optimum's. The DP rounds live bytes up once per
+/// unit: it is asked with that rounding as slack first and, should its plan then
+/// overshoot, without. Earlier chains are final when a later one is re-planned.
+constexpr void assign_optimal(const std::vector<std::vector<slot_cost>>& chains, const std::vector<bool>& supported,
+                              const engine_input& in, engine_plan& plan) {
+  const auto budget = std::max(plan.target_bytes, plan.planned_peak);
+  for (int c = 0; c < static_cast<int>(chains.size()); ++c) {
+    const auto& s = chains[c];
+    const int n = static_cast<int>(s.size());
+    const double greedy_seconds = recompute_seconds(s, plan.units[c]);
+    if (!supported[c] || n == 0 || greedy_seconds <= 0.0) continue;
+    std::int64_t room = budget - in.static_bytes;
+    for (int e = 0; e < c; ++e) room -= project_chain(chains[e], plan.units[e]).forward_end;
+    if (room <= 0) continue;
+    const int limit = static_cast<std::size_t>(c) < in.segment_limit.size() ? in.segment_limit[c] : 0;
+    const int buckets = static_cast<int>(std::min<std::int64_t>(room, 2048));
+    std::vector<unit> best;
+    double best_seconds = greedy_seconds * (1.0 - 1e-9);
+    std::int64_t best_peak = 0;
+    auto consider = [&](std::int64_t dp_budget) {
+      const auto dp = optimal_segmentation(s, dp_budget, buckets, limit);
+      if (!dp.feasible || dp.recompute_seconds >= best_seconds) return;
+      auto trial = plan.units;
+      trial[c] = dp.units;
+      const auto peak = project_model_peak(chains, trial, in.static_bytes);
+      if (peak > budget) return;
+      best = dp.units;
+      best_seconds = dp.recompute_seconds;
+      best_peak = peak;
+    };
+    if (buckets < room && buckets > n + 1)
+      consider(room + (room * (n + 1) + buckets - n - 2) / (buckets - n - 1));
+    if (best.empty()) consider(room);
+    if (best.empty()) continue;
+
+    plan.overrides.push_back({c, greedy_seconds, best_seconds, plan.planned_peak, best_peak, budget});
+    std::erase_if(plan.decisions, [c](const segment_decision& d) { return d.chain == c; });
+    // The schedule's units in chain order, each checkpoint applied in turn.
+    auto units = plan.units;
+    units[c] = keep_all(s.size());
+    auto peak = project_model_peak(chains, units, in.static_bytes);
+    for (std::size_t i = 0; i < best.size(); ++i) {
+      const auto& u = best[i];
+      if (!u.checkpointed) {
+        std::size_t j = i;
+        while (j + 1 < best.size() && !best[j + 1].checkpointed) ++j;  // one line per kept run
+        plan.decisions.push_back({c, u.first, best[j].last, false, rule_id::optimal_schedule, 0, 0.0, peak, peak});
+        i = j;
+        continue;
+      }
+      units[c] = with_checkpoint(units[c], u.first, u.last);
+      const auto after = project_model_peak(chains, units, in.static_bytes);
+      double seconds = 0.0;
+      for (int k = u.first; k <= u.last; ++k) seconds += s[k].forward_seconds;
+      plan.decisions.push_back({c, u.first, u.last, true, rule_id::optimal_schedule,
+                                checkpoint_frees(s, u.first, u.last), seconds, peak, after});
+      peak = after;
+    }
+    plan.units[c] = std::move(best);
+    plan.planned_peak = project_model_peak(chains, plan.units, in.static_bytes);
+  }
+}
 
 /// The largest tile count the planner considers: beyond it chunks get small
 /// enough that per-chunk overhead outweighs what one more halving saves.

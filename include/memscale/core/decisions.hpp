@@ -26,6 +26,7 @@ enum class rule_id : std::uint8_t {
   offload_segment,         ///< offloaded: cheapest transfer per compute second, lowers the projected peak
   offload_no_room,         ///< would lower the peak, but the offload tiers' budget is spent
   tile_segment,            ///< a checkpointed run of row-independent slots runs over chunks
+  optimal_schedule,        ///< checkpointed or kept by the optimal schedule, which replaced the greedy's segments
 };
 
 [[nodiscard]] constexpr std::string_view to_string(rule_id r) noexcept {
@@ -40,6 +41,7 @@ enum class rule_id : std::uint8_t {
     case rule_id::offload_segment: return "R8 offload-segment";
     case rule_id::offload_no_room: return "R9 offload-no-room";
     case rule_id::tile_segment: return "R10 tile-segment";
+    case rule_id::optimal_schedule: return "R11 optimal-schedule";
   }
   return "?";
 }
@@ -117,6 +119,17 @@ struct segment_decision {
   int tile_dim = 0;
 };
 
+/// A chain whose greedy checkpoint segments the optimal schedule replaced
+/// (core/optimal_chain.hpp: less recompute within the same budget).
+struct optimal_override {
+  int chain = 0;
+  double greedy_seconds = 0.0;   ///< the greedy segments' recompute
+  double optimal_seconds = 0.0;  ///< ... and the optimal schedule's
+  std::int64_t greedy_peak = 0;  ///< projected step peak with the greedy segments
+  std::int64_t optimal_peak = 0; ///< ... and with the optimal schedule
+  std::int64_t budget = 0;       ///< the step peak both stay within
+};
+
 struct engine_plan {
   double pressure = 0.0;
   std::int64_t baseline_peak = 0;
@@ -126,6 +139,7 @@ struct engine_plan {
   std::vector<std::vector<unit>> units;   ///< per chain, covering every slot
   std::vector<int> segment_length;        ///< per chain: the candidate segment length
   std::vector<segment_decision> decisions;
+  std::vector<optimal_override> overrides;  ///< chains the optimal schedule re-planned
 };
 
 }  // namespace memscale::core

@@ -6,8 +6,11 @@
 // Live bytes are rounded up to `budget / buckets` after every unit, so a plan it
 // returns always fits, but a plan whose exact peak is within n x (budget / buckets)
 // of the budget may be missed: give that much slack, or buckets = budget (exact).
+// With max_run > 0 no checkpointed run spans more than max_run slots (a chain of
+// call sites has 1: user code runs between its units).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <span>
@@ -25,7 +28,7 @@ struct optimal_plan {
 };
 
 [[nodiscard]] constexpr optimal_plan optimal_segmentation(std::span<const slot_cost> s, std::int64_t budget,
-                                                         int buckets = 1024) {
+                                                         int buckets = 1024, int max_run = 0) {
   constexpr double infeasible = std::numeric_limits<double>::infinity();
   const int n = static_cast<int>(s.size());
   optimal_plan result;
@@ -82,8 +85,10 @@ struct optimal_plan {
           }
         }
         // Checkpoint [i, j], unless slot i modifies its input in place.
-        for (int j = i; j < n && !s[i].mutates_input; ++j) {
-          if (live + run_peak[i * n + j] > budget) continue;
+        // A run's peak only grows as it gets longer: the first one over budget ends the search.
+        const int end = max_run > 0 ? std::min(n, i + max_run) : n;
+        for (int j = i; j < end && !s[i].mutates_input; ++j) {
+          if (live + run_peak[i * n + j] > budget) break;
           const std::int64_t next = live + s[j].output_bytes;
           if (next > budget) continue;
           const double c = run_seconds[i * n + j] + cost[index(j + 1, level_of(next), 0)];

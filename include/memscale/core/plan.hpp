@@ -194,6 +194,14 @@ struct Report {
              << d.recompute_seconds * 1e3 << " ms recompute; peak " << format_bytes(d.peak_before) << " -> "
              << format_bytes(d.peak_after);
           break;
+        case core::rule_id::optimal_schedule:
+          if (d.checkpointed)
+            os << "optimal schedule: frees " << format_bytes(d.freed_bytes) << " for " << std::setprecision(3)
+               << d.recompute_seconds * 1e3 << " ms recompute; peak " << format_bytes(d.peak_before) << " -> "
+               << format_bytes(d.peak_after);
+          else
+            os << "optimal schedule: kept, the budget holds without recomputing it";
+          break;
         case core::rule_id::keep_no_gain:
           os << "would free " << format_bytes(d.freed_bytes) << " but the peak stays "
              << format_bytes(d.peak_before);

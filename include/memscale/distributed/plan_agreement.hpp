@@ -49,7 +49,8 @@ inline std::vector<std::int64_t> serialize_plan(const core::engine_plan& plan) {
     else
       out.push_back(static_cast<std::int64_t>(v));
   };
-  const auto& [pressure, baseline_peak, planned_peak, target_bytes, overall, units, segment_length, decisions] = plan;
+  const auto& [pressure, baseline_peak, planned_peak, target_bytes, overall, units, segment_length, decisions,
+               overrides] = plan;
   put(pressure), put(baseline_peak), put(planned_peak), put(target_bytes), put(overall);
   put(units.size());
   for (const auto& chain : units) {
@@ -67,6 +68,11 @@ inline std::vector<std::int64_t> serialize_plan(const core::engine_plan& plan) {
                  offloaded, compute_seconds, tiles, tile_dim] = d;
     put(chain), put(first), put(last), put(checkpointed), put(rule), put(freed_bytes), put(recompute_seconds);
     put(peak_before), put(peak_after), put(offloaded), put(compute_seconds), put(tiles), put(tile_dim);
+  }
+  put(overrides.size());
+  for (const auto& o : overrides) {
+    const auto& [chain, greedy_seconds, optimal_seconds, greedy_peak, optimal_peak, budget] = o;
+    put(chain), put(greedy_seconds), put(optimal_seconds), put(greedy_peak), put(optimal_peak), put(budget);
   }
   return out;
 }
@@ -94,7 +100,8 @@ inline core::engine_plan deserialize_plan(const std::vector<std::int64_t>& words
   };
   if (next() != plan_magic) throw DistributedError("memscale: the plan received from rank 0 is not a memscale plan");
   core::engine_plan plan;
-  auto& [pressure, baseline_peak, planned_peak, target_bytes, overall, units, segment_length, decisions] = plan;
+  auto& [pressure, baseline_peak, planned_peak, target_bytes, overall, units, segment_length, decisions, overrides] =
+      plan;
   get(pressure), get(baseline_peak), get(planned_peak), get(target_bytes), get(overall);
   units.resize(count());
   for (auto& chain : units) {
@@ -112,6 +119,11 @@ inline core::engine_plan deserialize_plan(const std::vector<std::int64_t>& words
            compute_seconds, tiles, tile_dim] = d;
     get(chain), get(first), get(last), get(checkpointed), get(rule), get(freed_bytes), get(recompute_seconds);
     get(peak_before), get(peak_after), get(offloaded), get(compute_seconds), get(tiles), get(tile_dim);
+  }
+  overrides.resize(count());
+  for (auto& o : overrides) {
+    auto& [chain, greedy_seconds, optimal_seconds, greedy_peak, optimal_peak, budget] = o;
+    get(chain), get(greedy_seconds), get(optimal_seconds), get(greedy_peak), get(optimal_peak), get(budget);
   }
   if (at != words.size()) throw DistributedError("memscale: the plan received from rank 0 has trailing words");
   return plan;

@@ -9,9 +9,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <iomanip>
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -198,6 +200,7 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
   // Merge into the report: chains planned earlier stay; indices shift.
   const int offset = static_cast<int>(out.chains.size());
   for (auto& d : decided.decisions) d.chain += offset;
+  for (auto& o : decided.overrides) o.chain += offset;
   if (!out.planned) {
     out.plan = decided;
   } else {
@@ -210,9 +213,19 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
     out.plan.segment_length.insert(out.plan.segment_length.end(), decided.segment_length.begin(),
                                    decided.segment_length.end());
     out.plan.decisions.insert(out.plan.decisions.end(), decided.decisions.begin(), decided.decisions.end());
+    out.plan.overrides.insert(out.plan.overrides.end(), decided.overrides.begin(), decided.overrides.end());
   }
   out.chains.insert(out.chains.end(), profiles.begin(), profiles.end());
   out.planned = true;
+  for (const auto& o : decided.overrides) {
+    const auto& path = out.chains[static_cast<std::size_t>(o.chain)].path;
+    std::ostringstream note;
+    note << "chain '" << (path.empty() ? "<root>" : path) << "': the optimal schedule (R11, core/optimal_chain.hpp) "
+         << "replaced the greedy rules' segments, recompute " << std::setprecision(3) << o.greedy_seconds * 1e3
+         << " -> " << o.optimal_seconds * 1e3 << " ms per step, projected peak " << detail::format_bytes(o.greedy_peak)
+         << " -> " << detail::format_bytes(o.optimal_peak) << " (within " << detail::format_bytes(o.budget) << ")";
+    out.notes.push_back(note.str());
+  }
   if (light_touch(in, decided.baseline_peak)) {
     const auto note = std::string("force_optimize with nothing pressing: the light touch, the step's growth above the "
                                   "static bytes cut to ") +
