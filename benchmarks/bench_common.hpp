@@ -29,6 +29,18 @@ constexpr double learning_rate = 3e-4;
 constexpr double balanced_budget_fraction = 0.6;
 constexpr std::int64_t dp_buckets = 8192;  ///< live-byte resolution of the optimal-DP yardstick
 
+/// A child process's one row (--solo NAME --budget-gb X): only that row is built and
+/// measured, in a process of its own (benchmarks/bench_process.hpp runs them).
+struct solo_options {
+  std::string row;
+  double budget_gb = 0.0;
+  bool default_malloc = false;  ///< leave glibc's dynamic mmap threshold (default: fix it)
+};
+inline solo_options& solo() {
+  static solo_options options;
+  return options;
+}
+
 // --- machine information ---------------------------------------------------------
 
 template <class Fn>

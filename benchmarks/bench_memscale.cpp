@@ -34,7 +34,13 @@
 // through memscale::forward (call-site units); last, what memscale::forward
 // costs over a direct call.
 //
+// The GPT, the CNN and the flat chain then run every row again, each alone in a
+// fresh process (benchmarks/bench_process.hpp): what the process holds, projected
+// vs measured, and step times with no other row in the process.
+//
 //   memscale_bench [--steps N] [--only gpt|cnn|flat|offload|tile|precision|optimizer|calls] [--csv]
+//                  [--no-process-rows] [--default-malloc (the per-row processes keep glibc's mmap threshold)]
+//   (--solo ROW --budget-gb X: internal, one row of the --only workload in this process)
 #include <algorithm>
 #include <array>
 #include <bit>
@@ -70,6 +76,7 @@
 #include <memscale/core/optimal_chain.hpp>
 #include <memscale/memscale.hpp>
 
+#include "bench_calls.hpp"
 #include "bench_optim8bit.hpp"
 #include "gpt.hpp"
 #include "host_info.hpp"
@@ -77,6 +84,7 @@
 
 #include "bench_common.hpp"
 #include "bench_print.hpp"
+#include "bench_process.hpp"
 #include "bench_runner.hpp"
 
 namespace {
@@ -138,36 +146,6 @@ Workload bench_cnn(int steps) {
       "ResNet-style CNN", desc.str(), [] { return resnet::ResNet(blocks, channels); },
       [](resnet::ResNet& m, const Sample& s) { return torch::cross_entropy_loss(m->forward(s.input), s.target); },
       data, steps);
-}
-
-/// What memscale::forward costs over a direct call, per call, on a module that
-/// does nothing (torch::nn::Identity): without any guard, and with a guard
-/// active on another model (the call then looks its module up).
-void bench_call_overhead(std::ostream& out) {
-  torch::nn::Identity identity;
-  auto x = torch::ones({1});
-  constexpr int calls = 1'000'000;
-  auto per_call_ns = [&](auto&& call) {
-    double best = 1e300;
-    for (int round = 0; round < 5; ++round) {
-      const auto start = clock_type::now();
-      for (int i = 0; i < calls; ++i) {
-        auto y = call();
-        asm volatile("" : : "r"(y.unsafeGetTensorImpl()) : "memory");
-      }
-      best = std::min(best, std::chrono::duration<double>(clock_type::now() - start).count() * 1e9 / calls);
-    }
-    return best;
-  };
-  const auto direct = per_call_ns([&] { return identity->forward(x); });
-  const auto unguarded = per_call_ns([&] { return memscale::forward(identity, x); });
-  torch::nn::Sequential other(torch::nn::Linear(8, 8));
-  auto guard = memscale::optimize(other, torch::ones({2, 8}), quiet_config(memscale::OptimizationMode::Conservative));
-  const auto guarded_elsewhere = per_call_ns([&] { return memscale::forward(identity, x); });
-  out << "\n## memscale::forward call overhead (torch::nn::Identity, best of 5 x " << calls << " calls)\n"
-      << std::fixed << std::setprecision(1) << "direct call " << direct << " ns; memscale::forward with no guard "
-      << unguarded << " ns (+" << unguarded - direct << "); with a guard on another model " << guarded_elsewhere
-      << " ns (+" << guarded_elsewhere - direct << ", one locked index lookup)\n";
 }
 
 /// The flat Sequential workload: (Linear(256,1024), GELU, Linear(1024,256),
@@ -335,6 +313,7 @@ int main(int argc, char** argv) {
   gpt::register_memscale_rule();
   int steps = 5;
   bool csv = false;
+  bool process_rows = true;
   std::string only;
   constexpr std::array<std::string_view, 8> parts{"gpt", "cnn", "flat", "offload", "tile", "precision", "optimizer",
                                                  "calls"};
@@ -342,13 +321,18 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) {
       const std::string_view arg = argv[i];
       if (arg == "--csv") csv = true;
+      else if (arg == "--no-process-rows") process_rows = false;
+      else if (arg == "--default-malloc") solo().default_malloc = true;
+      else if (arg == "--solo" && i + 1 < argc) solo().row = argv[++i];
+      else if (arg == "--budget-gb" && i + 1 < argc) solo().budget_gb = std::stod(argv[++i]);
       else if (arg == "--steps" && i + 1 < argc) steps = parse_steps(argv[++i]);
       else if (arg == "--only" && i + 1 < argc &&
                std::find(parts.begin(), parts.end(), std::string_view(argv[i + 1])) != parts.end())
         only = argv[++i];
       else if (arg == "-h" || arg == "--help") {
         std::cout << "usage: memscale_bench [--steps N (measured steps after 1 warm-up, default 5)] "
-                     "[--only gpt|cnn|flat|offload|tile|precision|optimizer|calls] [--csv]\n";
+                     "[--only gpt|cnn|flat|offload|tile|precision|optimizer|calls] [--csv] [--no-process-rows] "
+                     "[--default-malloc]\n";
         return 0;
       } else {
         std::cerr << "memscale_bench: unknown or incomplete argument '" << arg << "' (see --help)\n";
@@ -358,6 +342,22 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::cerr << "memscale_bench: " << e.what() << "\n";
     return 2;
+  }
+
+  if (!solo().row.empty()) {  // a child of print_process_rows: one row, alone
+    if (only != "gpt" && only != "cnn" && only != "flat") {
+      std::cerr << "memscale_bench: --solo needs --only gpt|cnn|flat\n";
+      return 2;
+    }
+    if (!solo().default_malloc) memscale::fix_malloc_mmap_threshold();
+    try {
+      const auto w = only == "gpt" ? bench_gpt(steps) : only == "cnn" ? bench_cnn(steps) : bench_flat(steps);
+      std::cout << solo_line(w.rows.front()) << "\n";
+      return 0;
+    } catch (const std::exception& e) {
+      std::cerr << "memscale_bench: error: " << e.what() << "\n";
+      return 1;
+    }
   }
 
   const auto start = clock_type::now();
@@ -388,12 +388,18 @@ int main(int argc, char** argv) {
     return 1;
   }
   int status = 0;
-  for (const auto& w : all) {
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    const auto& w = all[i];
     print_workload(w, steps, std::cout);
     for (const auto& r : w.rows)
       if (!r.detached || (r.exact_expected ? !same_losses(r, w.rows.front())
                                            : !std::isfinite(loss_gap(r, w.rows.front()))))
         status = 1;
+    // The first three workloads, in order: gpt, cnn, flat (whichever ran).
+    const std::string part = !only.empty() ? only : i == 0 ? "gpt" : i == 1 ? "cnn" : i == 2 ? "flat" : "";
+    if (process_rows && (part == "gpt" || part == "cnn" || part == "flat") &&
+        !print_process_rows(w, part, steps, std::cout))
+      status = 1;
   }
   if (csv) print_csv(all, std::cout);
   if (only.empty() || only == "optimizer") bench_optimizer(std::cout, steps, csv);

@@ -62,6 +62,9 @@ struct RowResult {
   std::int64_t dp_peak = 0;    ///< projected chain peak of the DP plan
   std::optional<memscale::offload::engine_stats> offload;  ///< the offload engine's totals over all steps
   int steps = 0;
+  // what the process holds (medians; -1 where /proc/self cannot say)
+  double process_growth = -1.0;  ///< a step's resident peak over its start
+  double process_total = -1.0;   ///< a step's resident peak over the process before the model was built
 };
 
 /// A DP budget rounded up to a multiple of the bucket count: optimal_segmentation
@@ -121,6 +124,7 @@ class Runner {
       autocast_ = config->use_mixed_precision;
     }
     const auto live_before_model = memscale::memory_tracker::current_bytes();
+    if (const auto m = memscale::detail::read_process_memory()) process_base_ = m->resident_bytes;
     torch::manual_seed(init_seed);
     model_ = make_model();
     model_->train();
@@ -160,11 +164,16 @@ class Runner {
 
   /// One measured step.
   void measure() {
+    memscale::memory_tracker::process_peak_scope process;
     memscale::memory_tracker::peak_scope scope;
     const auto start = clock_type::now();
     row.losses.push_back(step());
     seconds_.push_back(std::chrono::duration<double>(clock_type::now() - start).count());
     growth_.push_back(scope.peak_growth());
+    if (process.active() && process_base_ >= 0) {
+      process_growth_.push_back(process.peak_growth());
+      process_total_.push_back(process.peak() - process_base_);
+    }
   }
 
   /// Medians, detach, yardstick.
@@ -174,6 +183,10 @@ class Runner {
     row.growth = median(growth_);
     row.total_peak = static_cast<double>(resident) + row.growth;
     row.step_seconds = median(seconds_);
+    if (!process_total_.empty()) {
+      row.process_growth = median(process_growth_);
+      row.process_total = median(process_total_);
+    }
     guard_.reset();
     row.detached = !memscale::is_optimized(model_);
     add_yardstick(row);
@@ -212,6 +225,8 @@ class Runner {
   int steps_taken_ = 0;
   std::vector<std::int64_t> growth_;
   std::vector<double> seconds_;
+  std::int64_t process_base_ = -1;  ///< resident bytes before the model was built
+  std::vector<std::int64_t> process_growth_, process_total_;
 };
 
 struct Workload {
@@ -303,6 +318,22 @@ Workload run_workload(const std::string& title, const std::string& description,
   w.title = title;
   w.description = description;
   std::vector<std::unique_ptr<Runner<Model>>> runners;
+  if (!solo().row.empty()) {  // a child process: the one row, alone
+    const auto& name = solo().row;
+    w.balanced_budget_gb = solo().budget_gb;
+    std::optional<memscale::Config> config;
+    for (const auto& [row_name, cfg] : rows_for(w.balanced_budget_gb))
+      if (row_name == name) config = cfg;
+    if (name == "baseline" || config)
+      runners.push_back(std::make_unique<Runner<Model>>(name, make_model, loss_of, data, config));
+    else if (name == "hand ckpt/block" && hand_placed)
+      runners.push_back(std::make_unique<Runner<Model>>(name, make_model, hand_placed, data, std::nullopt));
+    else
+      throw std::invalid_argument("--solo: " + title + " has no row named '" + name + "'");
+    for (int s = 0; s < steps; ++s) runners.front()->measure();
+    w.rows.push_back(runners.front()->finish());
+    return w;
+  }
   std::cerr << "[bench] " << title << ": baseline\n";
   runners.push_back(std::make_unique<Runner<Model>>("baseline", make_model, loss_of, data, std::nullopt));
   w.baseline_total = static_cast<double>(runners.front()->resident + runners.front()->calibration_growth);

@@ -226,6 +226,16 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
          << " -> " << detail::format_bytes(o.optimal_peak) << " (within " << detail::format_bytes(o.budget) << ")";
     out.notes.push_back(note.str());
   }
+  // A plan's cut reaches the process only if freed blocks leave it: say so on CPU
+  // whatever the budget (with one, the note above already did).
+  if (device.is_cpu() && !config_.memory_budget_gb && !fixed_malloc_mmap_threshold() &&
+      decided.planned_peak < decided.baseline_peak)
+    out.notes.push_back("glibc's mmap threshold is not fixed: the plan cuts the step's peak by " +
+                        detail::format_bytes(decided.baseline_peak - decided.planned_peak) +
+                        " for LibTorch's allocator, but freed tensor memory stays in malloc's heaps, so the process "
+                        "may hold little less than without it; memscale::fix_malloc_mmap_threshold() (or "
+                        "MALLOC_MMAP_THRESHOLD_=131072) makes the cut the process's, at the cost of a page fault per "
+                        "first touch of each large block (benchmarks/RESULTS.md)");
   if (light_touch(in, decided.baseline_peak)) {
     const auto note = std::string("force_optimize with nothing pressing: the light touch, the step's growth above the "
                                   "static bytes cut to ") +

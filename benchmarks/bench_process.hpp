@@ -1,0 +1,139 @@
+// memscale benchmark (bench_memscale.cpp): every row again, each alone in a
+// fresh process of its own (this program re-executed with --solo ROW), so that
+// what a row's process holds is its own: the step's resident peak (VmHWM) over
+// the process before the model was built, beside the planner's projected peak,
+// and the step time with no other row sharing the process's heaps and caches.
+// The children call memscale::fix_malloc_mmap_threshold() first, as the
+// planner's note asks of a CPU budget that is to hold for the process
+// (--default-malloc: they do not). Their
+// losses must equal the parent's baseline row's, bit for bit (rows that keep
+// the arithmetic).
+#pragma once
+
+#include <unistd.h>
+
+#include <bit>
+#include <cstdint>
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+#include "bench_runner.hpp"
+
+namespace bench {
+
+/// The line a --solo child prints: its row's figures and its losses' bits.
+inline std::string solo_line(const RowResult& r) {
+  std::ostringstream os;
+  os << "SOLO\t" << std::setprecision(17) << r.step_seconds << '\t' << r.growth << '\t' << r.total_peak << '\t'
+     << r.process_growth << '\t' << r.process_total << '\t'
+     << (r.report ? static_cast<double>(r.report->planned_peak_bytes()) : -1.0) << '\t';
+  for (std::size_t i = 0; i < r.losses.size(); ++i) os << (i ? "," : "") << std::bit_cast<std::uint32_t>(r.losses[i]);
+  return os.str();
+}
+
+struct SoloRow {
+  std::string name;
+  bool ok = false;
+  std::string error;
+  double step_seconds = 0, growth = 0, total_peak = 0, process_growth = -1, process_total = -1, projected = -1;
+  std::vector<float> losses;
+};
+
+inline std::string shell_quoted(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+/// Runs `row` of workload `part` in a child process and reads its SOLO line.
+inline SoloRow run_solo(const std::string& part, const std::string& row, int steps, double budget_gb) {
+  SoloRow result;
+  result.name = row;
+  char exe[4096] = {};
+  const auto length = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (length <= 0) {
+    result.error = "cannot find this program (/proc/self/exe)";
+    return result;
+  }
+  std::ostringstream cmd;
+  cmd << shell_quoted(std::string(exe, static_cast<std::size_t>(length))) << " --only " << part << " --steps "
+      << steps << " --solo " << shell_quoted(row) << " --budget-gb " << std::setprecision(17) << budget_gb
+      << (solo().default_malloc ? " --default-malloc" : "") << " 2>/dev/null";
+  FILE* pipe = ::popen(cmd.str().c_str(), "r");
+  if (pipe == nullptr) {
+    result.error = "popen failed";
+    return result;
+  }
+  std::string out;
+  char buffer[4096];
+  while (const auto n = std::fread(buffer, 1, sizeof buffer, pipe)) out.append(buffer, n);
+  const int status = ::pclose(pipe);
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("SOLO\t", 0) != 0) continue;
+    std::istringstream fields(line.substr(5));
+    std::string losses;
+    fields >> result.step_seconds >> result.growth >> result.total_peak >> result.process_growth >>
+        result.process_total >> result.projected >> losses;
+    std::istringstream bits(losses);
+    for (std::string word; std::getline(bits, word, ',');)
+      result.losses.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(std::stoul(word))));
+    result.ok = static_cast<bool>(fields) || fields.eof();
+  }
+  if (!result.ok) result.error = "the child exited with status " + std::to_string(status) + " and no result";
+  return result;
+}
+
+/// Runs every row of `w` alone and prints the table; false if a row failed or
+/// lost bit-exactness against the parent's baseline.
+inline bool print_process_rows(const Workload& w, const std::string& part, int steps, std::ostream& os) {
+  std::vector<SoloRow> solo_rows;
+  for (const auto& r : w.rows) {
+    std::cerr << "[bench] " << w.title << ": " << r.name << " alone in a fresh process\n";
+    solo_rows.push_back(run_solo(part, r.name, steps, w.balanced_budget_gb));
+  }
+  const auto& base = solo_rows.front();
+  const double base_projected = static_cast<double>(projected_baseline(w));
+  bool fine = true;
+  Table t({"one process per row", "step", "vs base", "tracked growth", "process growth", "vs base", "process peak",
+           "vs base", "projected", "proj/process", "bit-exact"});
+  for (std::size_t i = 0; i < solo_rows.size(); ++i) {
+    const auto& s = solo_rows[i];
+    const auto& parent = w.rows[i];
+    if (!s.ok) {
+      t.add({s.name, "failed: " + s.error, "", "", "", "", "", "", "", "", ""});
+      fine = false;
+      continue;
+    }
+    const double projected = i == 0 ? base_projected : s.projected;
+    bool exact = s.losses.size() == w.rows.front().losses.size();
+    for (std::size_t k = 0; exact && k < s.losses.size(); ++k)
+      exact = std::bit_cast<std::uint32_t>(s.losses[k]) == std::bit_cast<std::uint32_t>(w.rows.front().losses[k]);
+    if (parent.exact_expected && !exact) fine = false;
+    t.add({s.name, ms(s.step_seconds), ratio(s.step_seconds, base.step_seconds), mib(s.growth),
+           s.process_growth >= 0 ? mib(s.process_growth) : "-", ratio(s.process_growth, base.process_growth),
+           s.process_total >= 0 ? mib(s.process_total) : "-", ratio(s.process_total, base.process_total),
+           projected > 0 ? mib(projected) : "-",
+           projected > 0 && s.process_total > 0 ? ratio(projected, s.process_total) : "-",
+           parent.exact_expected ? (exact ? "yes" : "NO") : "-"});
+  }
+  os << "\n";
+  t.print(os);
+  os << "one process per row: each row alone in a fresh process (this program, --solo), "
+     << (solo().default_malloc ? "with glibc's default mmap threshold" : "after fix_malloc_mmap_threshold()")
+     << ", its medians over "
+     << steps << " steps after the same warm-up and calibration step; process growth: a step's resident peak "
+        "over its start; process peak: over the process before the model was built (parameters, gradients, AdamW "
+        "state, what the process holds outside LibTorch's allocator, and the step); projected: the plan's projected "
+        "step peak (the baseline row: the un-optimized projection), static bytes and the reserve outside the "
+        "allocator included; bit-exact: its losses against the baseline row above, bit for bit.\n";
+  return fine;
+}
+
+}  // namespace bench
