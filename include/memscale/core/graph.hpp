@@ -22,6 +22,10 @@ struct slot_cost {
   bool saves_output = false;         ///< backward keeps the output alive
   bool mutates_input = false;        ///< in place (ReLU(inplace), ...): no checkpoint may start here
   std::int64_t workspace_bytes = 0;  ///< transient bytes during forward, freed before it returns
+  /// Transient bytes during its backward beyond the gradients it returns (0:
+  /// unmeasured, and the forward's workspace stands in); a convolution's on CPU
+  /// is several activations.
+  std::int64_t backward_workspace_bytes = 0;
   double forward_seconds = 0.0;      ///< one forward (= the recompute cost of checkpointing it)
   double backward_seconds = 0.0;
   /// Leading input dimensions along which the slot treats rows independently
@@ -29,6 +33,11 @@ struct slot_cost {
   /// rows (attention, BatchNorm in training), so it is never tiled.
   int row_dims = 0;
   std::array<std::int64_t, 4> input_extents{};  ///< the input's first four sizes (0 past its rank)
+
+  /// Transient bytes beside its input and output gradients while its backward runs.
+  [[nodiscard]] constexpr std::int64_t backward_extra_bytes() const noexcept {
+    return backward_workspace_bytes > workspace_bytes ? backward_workspace_bytes : workspace_bytes;
+  }
 
   /// New bytes the forward allocates and keeps (output plus saved extras).
   [[nodiscard]] constexpr std::int64_t kept_bytes() const noexcept {

@@ -82,7 +82,7 @@ struct range_projection {
     // Backward of k runs while everything up to k is alive, plus the incoming
     // and outgoing gradients (later slots are freed by then).
     r.backward_peak =
-        std::max(r.backward_peak, live + s[k].output_bytes + s[k].input_bytes + s[k].workspace_bytes);
+        std::max(r.backward_peak, live + s[k].output_bytes + s[k].input_bytes + s[k].backward_extra_bytes());
   }
   r.forward_end = live;
   return r;
@@ -165,7 +165,7 @@ struct range_projection {
       const int k = u.first;
       const std::int64_t after = (i + 1 < units.size()) ? before[i + 1] : forward_end;
       peak = std::max(peak, after + returned[i] + prefetched + s[k].output_bytes + s[k].input_bytes +
-                                s[k].workspace_bytes);
+                                s[k].backward_extra_bytes());
     }
   }
   return {forward_end, peak, moved};

@@ -211,11 +211,26 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       if (x.requires_grad()) targets.push_back(x);
       for (const auto& p : slot.ptr()->parameters())
         if (p.requires_grad()) targets.push_back(p);
+      auto grad_output = torch::ones_like(y);
       const auto start = profile_clock_scope::now();
       if (!targets.empty()) {
-        auto grads = torch::autograd::grad({y}, targets, {torch::ones_like(y)}, /*retain_graph=*/true,
+        // What the backward holds beyond the gradients it returns (the input's
+        // counts in the model's backward peak, the parameters' are static bytes).
+        std::optional<memory_tracker::peak_scope> scope;
+        std::int64_t live_before_backward = 0;
+        if (by_allocations) {
+          live_before_backward = memory_tracker::current_bytes(device);
+          scope.emplace(device);
+        }
+        auto grads = torch::autograd::grad({y}, targets, {grad_output}, /*retain_graph=*/true,
                                            /*create_graph=*/false, /*allow_unused=*/true);
         synchronize(device);
+        if (by_allocations) {
+          std::int64_t returned = 0;
+          for (const auto& g : grads)
+            if (g.defined()) returned += static_cast<std::int64_t>(g.nbytes());
+          cost.backward_workspace_bytes = std::max<std::int64_t>(0, scope->peak() - live_before_backward - returned);
+        }
       }
       cost.backward_seconds = profile_clock_scope::now() - start;
     }

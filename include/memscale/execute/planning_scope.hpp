@@ -114,6 +114,7 @@ inline void scale_profile(chain_profile& profile, double scale) {
     slot.output_bytes = times(slot.output_bytes);
     slot.saved_bytes = times(slot.saved_bytes);
     slot.workspace_bytes = times(slot.workspace_bytes);
+    slot.backward_workspace_bytes = times(slot.backward_workspace_bytes);
     slot.forward_seconds *= scale;
     slot.backward_seconds *= scale;
     if (slot.input_extents[0] > 0) slot.input_extents[0] = std::max<std::int64_t>(1, times(slot.input_extents[0]));
