@@ -213,7 +213,7 @@ Workload bench_offload(int steps) {
   const auto tmp = std::filesystem::temp_directory_path(ec);
   return flat_workload(
       "offload to the disk tier (CPU)",
-      "the flat Sequential above, Aggressive, saved activations offloaded to the disk tier (memory-mapped files "
+      "the flat Sequential above, Aggressive, saved activations offloaded to the disk tier (files "
       "under " + (ec ? std::string("?") : tmp.string()) + "); rows: checkpointing only, offloading only "
       "(synchronous; async with prefetch), both",
       98, steps, offload_rows);

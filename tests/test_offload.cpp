@@ -11,6 +11,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include <unistd.h>
+
 #include "test_support.hpp"
 
 using memscale::OptimizationMode;
@@ -220,6 +222,34 @@ TEST_CASE("every tier returns every dtype and layout bit-identical", "[offload][
     e.wait_idle();
     CHECK(e.stats().at(tier::disk).tensors >= 16);
   }
+}
+
+TEST_CASE("the disk tier's writes and reads hold no second copy in the process", "[offload][engine]") {
+  // Through a shared mapping each write (and each read through a private one)
+  // had the tensor's bytes resident twice while it copied: 64 MiB more on 64 MiB.
+  const std::int64_t bytes = std::int64_t{16} << 20;
+  std::vector<char> data(static_cast<std::size_t>(bytes), 7), back(static_cast<std::size_t>(bytes), 0);
+  const auto file = fs::temp_directory_path() / ("memscale-test-resident-" + std::to_string(::getpid()) + ".bin");
+  std::int64_t write_growth = 0, read_growth = 0;
+  {
+    memscale::memory_tracker::process_peak_scope scope;
+    if (!scope.active()) {
+      WARN("/proc/self/clear_refs cannot reset the resident high-water mark here: nothing to check");
+      fs::remove(file);
+      return;
+    }
+    CHECK(memscale::offload::disk_store::write(file, data.data(), bytes).empty());
+    write_growth = scope.peak_growth();
+  }
+  {
+    memscale::memory_tracker::process_peak_scope scope;
+    CHECK(memscale::offload::disk_store::read(file, back.data(), bytes).empty());
+    read_growth = scope.peak_growth();
+  }
+  fs::remove(file);
+  CHECK(back == data);
+  CHECK(write_growth < bytes / 8);
+  CHECK(read_growth < bytes / 8);
 }
 
 TEST_CASE("a full tier spills to the next; with all full the tensor stays", "[offload][engine]") {
