@@ -140,6 +140,17 @@ inline bool fix_malloc_mmap_threshold(std::int64_t bytes = std::int64_t{128} << 
 #endif
 }
 
+namespace detail {
+/// Gives malloc's free pages back to the system (glibc's malloc_trim(0)): with
+/// the dynamic mmap threshold, what wrap's full-batch profiling freed would
+/// otherwise stay resident for the rest of the process. No-op elsewhere.
+inline void release_free_heap() noexcept {
+#if defined(__GLIBC__)
+  (void)malloc_trim(0);
+#endif
+}
+}  // namespace detail
+
 /// glibc's fixed mmap threshold, when fix_malloc_mmap_threshold() or the
 /// MALLOC_MMAP_THRESHOLD_ environment variable set one; nullopt otherwise.
 [[nodiscard]] inline std::optional<std::int64_t> fixed_malloc_mmap_threshold() {

@@ -16,6 +16,7 @@
 
 #include <memscale/config.hpp>
 #include <memscale/core/profiler.hpp>
+#include <memscale/device/process_memory.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/execute/attachment.hpp>
 #include <memscale/execute/attachment_apply.hpp>
@@ -113,6 +114,9 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
     }
     box.reset();  // gradients, buffers and the RNG as they were
     registry::global().add(root, attached);
+    // Profiling ran the units at the full batch; with glibc's dynamic threshold
+    // the heap would keep what it freed, near the baseline's peak, whatever the plan.
+    if (outside && !fixed_malloc_mmap_threshold()) memscale::detail::release_free_heap();
   } catch (...) {
     attached->restore();
     throw;
