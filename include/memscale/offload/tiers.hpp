@@ -275,20 +275,11 @@ class disk_store {
   static std::string write(const std::filesystem::path& file, const void* data, std::int64_t bytes) {
     if (memscale::detail::offload_fault_injected(memscale::detail::offload_fault::disk_full))
       return "no space left on device (injected by a test)";
-    const int fd = ::open(file.c_str(), O_CREAT | O_RDWR | O_TRUNC | O_CLOEXEC, 0600);
+    const int fd = ::open(file.c_str(), O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0600);
     if (fd < 0) return "cannot create " + file.string() + ": " + std::strerror(errno);
-    std::string error;
-    if (bytes > 0) {
-      // posix_fallocate reports a full disk now, not as SIGBUS on a later page
-      // fault. File systems without it get plain writes, which report it too.
-      if (const int rc = ::posix_fallocate(fd, 0, bytes); rc == EOPNOTSUPP || rc == EINVAL) {
-        error = write_plainly(fd, data, bytes, file);
-      } else if (rc != 0) {
-        error = "cannot reserve " + std::to_string(bytes) + " bytes in " + file.string() + ": " + std::strerror(rc);
-      } else {
-        error = write_plainly(fd, data, bytes, file);
-      }
-    }
+    // pwrite reports a full disk itself (ENOSPC); a mapping needed posix_fallocate
+    // first, or the full disk came as SIGBUS on a page fault.
+    const std::string error = write_plainly(fd, data, bytes, file);
     ::close(fd);
     if (!error.empty()) ::unlink(file.c_str());
     return error;
