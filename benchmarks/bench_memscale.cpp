@@ -392,7 +392,7 @@ int main(int argc, char** argv) {
     const auto& w = all[i];
     print_workload(w, steps, std::cout);
     for (const auto& r : w.rows)
-      if (!r.detached || (r.exact_expected ? !same_losses(r, w.rows.front())
+      if (!r.detached || (r.exact_expected ? !same_losses(r.losses, w.rows.front().losses)
                                            : !std::isfinite(loss_gap(r, w.rows.front()))))
         status = 1;
     // The first three workloads, in order: gpt, cnn, flat (whichever ran).

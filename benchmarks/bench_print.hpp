@@ -138,7 +138,7 @@ inline void print_csv(const std::vector<Workload>& all, std::ostream& os) {
          << r.rule_recompute << ',' << (r.dp_feasible ? r.dp_recompute : -1.0) << ',' << r.rule_peak << ','
          << (r.dp_feasible ? r.dp_peak : -1) << ','
          << (r.budget_gb ? *r.budget_gb : 0.0) << ','
-         << (r.exact_expected ? (same_losses(r, base) ? "1" : "0") : "n/a") << "\n";
+         << (r.exact_expected ? (same_losses(r.losses, base.losses) ? "1" : "0") : "n/a") << "\n";
     }
   }
 }

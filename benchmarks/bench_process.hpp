@@ -17,7 +17,6 @@
 #include <cstdio>
 #include <iomanip>
 #include <iostream>
-#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -112,9 +111,7 @@ inline bool print_process_rows(const Workload& w, const std::string& part, int s
       continue;
     }
     const double projected = i == 0 ? base_projected : s.projected;
-    bool exact = s.losses.size() == w.rows.front().losses.size();
-    for (std::size_t k = 0; exact && k < s.losses.size(); ++k)
-      exact = std::bit_cast<std::uint32_t>(s.losses[k]) == std::bit_cast<std::uint32_t>(w.rows.front().losses[k]);
+    const bool exact = same_losses(s.losses, w.rows.front().losses);
     if (parent.exact_expected && !exact) fine = false;
     t.add({s.name, ms(s.step_seconds), ratio(s.step_seconds, base.step_seconds), mib(s.growth),
            s.process_growth >= 0 ? mib(s.process_growth) : "-", ratio(s.process_growth, base.process_growth),

@@ -363,10 +363,11 @@ Workload run_workload(const std::string& title, const std::string& description,
   return w;
 }
 
-inline bool same_losses(const RowResult& a, const RowResult& b) {
-  if (a.losses.size() != b.losses.size()) return false;
-  for (std::size_t i = 0; i < a.losses.size(); ++i)
-    if (std::bit_cast<std::uint32_t>(a.losses[i]) != std::bit_cast<std::uint32_t>(b.losses[i])) return false;
+/// Whether two runs' losses are equal bit for bit.
+inline bool same_losses(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (std::bit_cast<std::uint32_t>(a[i]) != std::bit_cast<std::uint32_t>(b[i])) return false;
   return true;
 }
 
@@ -384,7 +385,7 @@ inline double loss_gap(const RowResult& a, const RowResult& b) {
 /// The bit-exact column: yes/NO for rows that keep the arithmetic, else the loss gap.
 inline std::string exactness(const RowResult& r, const RowResult& base) {
   if (&r == &base) return "ref";
-  if (r.exact_expected) return same_losses(r, base) ? "yes" : "NO";
+  if (r.exact_expected) return same_losses(r.losses, base.losses) ? "yes" : "NO";
   std::ostringstream os;
   os << "n/a, loss " << std::scientific << std::setprecision(1) << loss_gap(r, base);
   return os.str();

@@ -315,7 +315,6 @@ TEST_CASE("where the optimal schedule replaces the greedy segments, the report s
     const auto report = guard.report();
     const auto text = report.str();
     INFO("budget fraction " << fraction << "\n" << text);
-    if (std::getenv("MEMSCALE_TEST_SHOW") != nullptr) std::cout << text << "\n";
     const bool r11 = text.find("R11 optimal-schedule") != std::string::npos;
     const bool note = text.find("the optimal schedule (R11") != std::string::npos;
     CHECK(r11 == !report.plan.overrides.empty());

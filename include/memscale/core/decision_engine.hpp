@@ -83,9 +83,8 @@ namespace memscale::core {
     plan.segment_length[c] = choose_segment_length(s, limit_of(c));
     for (const auto& u : segments_of_length(s, plan.segment_length[c], limit_of(c))) {
       if (!u.checkpointed) continue;
-      double seconds = 0.0;
-      for (int k = u.first; k <= u.last; ++k) seconds += s[k].forward_seconds;
-      candidates.push_back({c, u.first, u.last, checkpoint_frees(s, u.first, u.last), seconds});
+      candidates.push_back(
+          {c, u.first, u.last, checkpoint_frees(s, u.first, u.last), run_forward_seconds(s, u.first, u.last)});
     }
   }
   std::sort(candidates.begin(), candidates.end(), detail_engine::better);
@@ -143,8 +142,7 @@ namespace memscale::core {
           trial[c] = with_checkpoint(plan.units[c], u.first, last);
           const auto peak = project_model_peak(chains, trial, in.static_bytes);
           if (peak >= plan.planned_peak) continue;
-          double seconds = 0.0;
-          for (int k = u.first; k <= last; ++k) seconds += s[k].forward_seconds;
+          const double seconds = run_forward_seconds(s, u.first, last);
           const double score = static_cast<double>(plan.planned_peak - peak) / (seconds + 1e-12);
           if (score > best_score) {
             best_score = score;

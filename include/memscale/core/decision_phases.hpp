@@ -137,14 +137,13 @@ constexpr void assign_optimal(const std::vector<std::vector<slot_cost>>& chains,
       }
       units[c] = with_checkpoint(units[c], u.first, u.last);
       const auto after = project_model_peak(chains, units, in.static_bytes);
-      double seconds = 0.0;
-      for (int k = u.first; k <= u.last; ++k) seconds += s[k].forward_seconds;
       plan.decisions.push_back({c, u.first, u.last, true, rule_id::optimal_schedule,
-                                checkpoint_frees(s, u.first, u.last), seconds, peak, after});
+                                checkpoint_frees(s, u.first, u.last), run_forward_seconds(s, u.first, u.last), peak,
+                                after});
       peak = after;
     }
     plan.units[c] = std::move(best);
-    plan.planned_peak = project_model_peak(chains, plan.units, in.static_bytes);
+    plan.planned_peak = best_peak;
   }
 }
 
@@ -245,9 +244,8 @@ constexpr void assign_tiling(const std::vector<std::vector<slot_cost>>& chains, 
     const auto r = project_plain_range(s, u.first, u.last, 0);
     const auto working = std::max(r.forward_peak, r.backward_peak);
     // A kept slot tiled is recomputed now; a checkpointed run was already.
-    double recompute = 0.0;
-    if (!plan.units[p.chain][p.index].checkpointed)
-      for (int k = u.first; k <= u.last; ++k) recompute += s[k].forward_seconds;
+    const double recompute =
+        plan.units[p.chain][p.index].checkpointed ? 0.0 : run_forward_seconds(s, u.first, u.last);
     plan.decisions.push_back({p.chain, u.first, u.last, true, rule_id::tile_segment, working - working / u.tiles,
                               recompute, plan.planned_peak, peak, false, 0.0, u.tiles, u.tile_dim});
     plan.units = std::move(next);

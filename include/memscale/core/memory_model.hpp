@@ -195,12 +195,18 @@ struct range_projection {
   return static_bytes + peak;
 }
 
+/// Forward time of slots [first, last]: what recomputing them costs.
+[[nodiscard]] constexpr double run_forward_seconds(std::span<const slot_cost> s, int first, int last) {
+  double seconds = 0.0;
+  for (int k = first; k <= last; ++k) seconds += s[k].forward_seconds;
+  return seconds;
+}
+
 /// Extra forward time a plan spends recomputing checkpointed runs.
 [[nodiscard]] constexpr double recompute_seconds(std::span<const slot_cost> s, std::span<const unit> units) {
   double seconds = 0.0;
   for (const auto& u : units)
-    if (u.checkpointed)
-      for (int k = u.first; k <= u.last; ++k) seconds += s[k].forward_seconds;
+    if (u.checkpointed) seconds += run_forward_seconds(s, u.first, u.last);
   return seconds;
 }
 

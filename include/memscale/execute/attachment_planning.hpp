@@ -227,8 +227,11 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
     out.notes.push_back(note.str());
   }
   // A plan's cut reaches the process only if freed blocks leave it: say so on CPU
-  // whatever the budget (with one, the note above already did).
-  if (device.is_cpu() && !config_.memory_budget_gb && !fixed_malloc_mmap_threshold() &&
+  // whatever the budget, once (with a budget, the note above already did).
+  const auto said_threshold = std::any_of(out.notes.begin(), out.notes.end(), [](const std::string& n) {
+    return n.rfind("glibc's mmap threshold is not fixed", 0) == 0;
+  });
+  if (device.is_cpu() && !said_threshold && !fixed_malloc_mmap_threshold() &&
       decided.planned_peak < decided.baseline_peak)
     out.notes.push_back("glibc's mmap threshold is not fixed: the plan cuts the step's peak by " +
                         detail::format_bytes(decided.baseline_peak - decided.planned_peak) +
