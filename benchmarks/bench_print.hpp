@@ -57,8 +57,9 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
   }
   os << "\n";
 
-  Table time({"time", "step", "vs base", "1st step+plan", "planning", "recompute rule", "recompute DP-opt",
-              "rule/DP", "DP peak", "bit-exact"});
+  Table time({"time", "step", "vs base", "projected", "proj/meas", "proj vs base", "1st step+plan", "planning",
+              "recompute rule", "recompute DP-opt", "rule/DP", "DP peak", "bit-exact"});
+  const double base_projected = projected_baseline_seconds(w);
   for (const auto& r : w.rows) {
     std::string rule = "-", dp = "-", gap = "-", dp_peak = "-";
     if (beyond_checkpointing(r)) {
@@ -75,7 +76,11 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
         dp_peak = os.str();
       }
     }
-    time.add({r.name, ms(r.step_seconds), ratio(r.step_seconds, base.step_seconds), ms(r.first_seconds),
+    const double projected = &r == &base ? base_projected : projected_step_seconds(r);
+    const bool has_projection = projected > 0.0 && base_projected > 0.0;
+    time.add({r.name, ms(r.step_seconds), ratio(r.step_seconds, base.step_seconds),
+              has_projection ? ms(projected) : "-", has_projection ? ratio(projected, r.step_seconds) : "-",
+              has_projection ? ratio(projected, base_projected) : "-", ms(r.first_seconds),
               r.memscale ? ms(r.planning_seconds) : "-", rule, dp, gap, dp_peak,
               exactness(r, base)});
   }
@@ -111,7 +116,11 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
         "bytes + the chain; the baseline row shows the un-optimized projection). recompute: the planner's projected\n"
         "recompute per step, for the rule plan and for the least any one-level segmentation needs to reach the same\n"
         "projected chain peak (core::optimal_segmentation, given its live-byte rounding as slack; DP peak: its plan's\n"
-        "projected chain peak vs the rule plan's). bit-exact: every loss equal to the baseline's, bit for bit;\n"
+        "projected chain peak vs the rule plan's). projected (time): the chains' forward and backward as profiled\n"
+        "(Report::profiled_step_seconds: measured per slot) + the plan's recompute + the offload transfer its runs'\n"
+        "compute cannot hide (Report::offload_wait_seconds, at the tier's nominal rate); proj/meas against the measured\n"
+        "step (which also holds the loss, the optimizer step and what runs outside the chains); proj vs base: the\n"
+        "projected overhead, to read beside the measured vs base. bit-exact: every loss equal to the baseline's, bit for bit;\n"
         "rows that change the arithmetic (tiling: summation order; bf16; 8-bit optimizer state) show instead the\n"
         "largest relative difference of their losses from the baseline's.\n";
   for (const auto& r : w.rows) {
@@ -123,7 +132,8 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
 inline void print_csv(const std::vector<Workload>& all, std::ostream& os) {
   os << std::defaultfloat << std::setprecision(6);
   os << "\nworkload,row,checkpointed_segments,peak_growth_bytes,growth_vs_baseline,first_step_bytes,"
-        "planning_bytes,total_peak_bytes,projected_peak_bytes,step_seconds,time_vs_baseline,first_step_seconds,"
+        "planning_bytes,total_peak_bytes,projected_peak_bytes,step_seconds,time_vs_baseline,projected_step_seconds,"
+        "first_step_seconds,"
         "planning_seconds,rule_recompute_seconds,dp_recompute_seconds,rule_chain_peak_bytes,dp_chain_peak_bytes,"
         "budget_gb,bit_exact\n";
   for (const auto& w : all) {
@@ -134,7 +144,8 @@ inline void print_csv(const std::vector<Workload>& all, std::ostream& os) {
          << r.planning_growth << ',' << static_cast<std::int64_t>(r.total_peak) << ','
          << (r.report ? r.report->planned_peak_bytes() : &r == &base ? projected_baseline(w) : 0) << ','
          << r.step_seconds << ','
-         << r.step_seconds / base.step_seconds << ',' << r.first_seconds << ',' << r.planning_seconds << ','
+         << r.step_seconds / base.step_seconds << ','
+         << (&r == &base ? projected_baseline_seconds(w) : projected_step_seconds(r)) << ',' << r.first_seconds << ',' << r.planning_seconds << ','
          << r.rule_recompute << ',' << (r.dp_feasible ? r.dp_recompute : -1.0) << ',' << r.rule_peak << ','
          << (r.dp_feasible ? r.dp_peak : -1) << ','
          << (r.budget_gb ? *r.budget_gb : 0.0) << ','

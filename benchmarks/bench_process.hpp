@@ -31,7 +31,8 @@ inline std::string solo_line(const RowResult& r) {
   std::ostringstream os;
   os << "SOLO\t" << std::setprecision(17) << r.step_seconds << '\t' << r.growth << '\t' << r.total_peak << '\t'
      << r.process_growth << '\t' << r.process_total << '\t'
-     << (r.report ? static_cast<double>(r.report->planned_peak_bytes()) : -1.0) << '\t';
+     << (r.report ? static_cast<double>(r.report->planned_peak_bytes()) : -1.0) << '\t'
+     << projected_step_seconds(r) << '\t';
   for (std::size_t i = 0; i < r.losses.size(); ++i) os << (i ? "," : "") << std::bit_cast<std::uint32_t>(r.losses[i]);
   return os.str();
 }
@@ -41,6 +42,7 @@ struct SoloRow {
   bool ok = false;
   std::string error;
   double step_seconds = 0, growth = 0, total_peak = 0, process_growth = -1, process_total = -1, projected = -1;
+  double projected_seconds = 0;  ///< the plan's projected step time (0: no plan)
   std::vector<float> losses;
 };
 
@@ -79,7 +81,7 @@ inline SoloRow run_solo(const std::string& part, const std::string& row, int ste
     std::istringstream fields(line.substr(5));
     std::string losses;
     fields >> result.step_seconds >> result.growth >> result.total_peak >> result.process_growth >>
-        result.process_total >> result.projected >> losses;
+        result.process_total >> result.projected >> result.projected_seconds >> losses;
     std::istringstream bits(losses);
     for (std::string word; std::getline(bits, word, ',');)
       result.losses.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(std::stoul(word))));
@@ -99,21 +101,28 @@ inline bool print_process_rows(const Workload& w, const std::string& part, int s
   }
   const auto& base = solo_rows.front();
   const double base_projected = static_cast<double>(projected_baseline(w));
+  // The baseline has no plan: the Conservative row's profile (it applies
+  // nothing here) is the un-optimized step's, made in a fresh process too.
+  double base_projected_seconds = 0.0;
+  for (const auto& s : solo_rows)
+    if (s.ok && s.name == "Conservative") base_projected_seconds = s.projected_seconds;
   bool fine = true;
-  Table t({"one process per row", "step", "vs base", "tracked growth", "process growth", "vs base", "process peak",
+  Table t({"one process per row", "step", "vs base", "projected", "proj/meas", "tracked growth", "process growth", "vs base", "process peak",
            "vs base", "projected", "proj/process", "bit-exact"});
   for (std::size_t i = 0; i < solo_rows.size(); ++i) {
     const auto& s = solo_rows[i];
     const auto& parent = w.rows[i];
     if (!s.ok) {
-      t.add({s.name, "failed: " + s.error, "", "", "", "", "", "", "", "", ""});
+      t.add({s.name, "failed: " + s.error, "", "", "", "", "", "", "", "", "", "", ""});
       fine = false;
       continue;
     }
     const double projected = i == 0 ? base_projected : s.projected;
+    const double seconds = i == 0 ? base_projected_seconds : s.projected_seconds;
     const bool exact = same_losses(s.losses, w.rows.front().losses);
     if (parent.exact_expected && !exact) fine = false;
-    t.add({s.name, ms(s.step_seconds), ratio(s.step_seconds, base.step_seconds), mib(s.growth),
+    t.add({s.name, ms(s.step_seconds), ratio(s.step_seconds, base.step_seconds), seconds > 0 ? ms(seconds) : "-",
+           seconds > 0 ? ratio(seconds, s.step_seconds) : "-", mib(s.growth),
            s.process_growth >= 0 ? mib(s.process_growth) : "-", ratio(s.process_growth, base.process_growth),
            s.process_total >= 0 ? mib(s.process_total) : "-", ratio(s.process_total, base.process_total),
            projected > 0 ? mib(projected) : "-",
@@ -125,7 +134,9 @@ inline bool print_process_rows(const Workload& w, const std::string& part, int s
   os << "one process per row: each row alone in a fresh process (this program, --solo), "
      << (solo().default_malloc ? "with glibc's default mmap threshold" : "after fix_malloc_mmap_threshold()")
      << ", its medians over "
-     << steps << " steps after the same warm-up and calibration step; process growth: a step's resident peak "
+     << steps << " steps after the same warm-up and calibration step; projected (time): as in the table above, "
+        "from the plan made in that process (the baseline row: the Conservative row's, which applies nothing); "
+        "process growth: a step's resident peak "
         "over its start; process peak: over the process before the model was built (parameters, gradients, AdamW "
         "state, what the process holds outside LibTorch's allocator, and the step); projected: the plan's projected "
         "step peak (the baseline row: the un-optimized projection), static bytes and the reserve outside the "

@@ -398,4 +398,19 @@ inline std::int64_t projected_baseline(const Workload& w) {
   return 0;
 }
 
+/// A memscale row's projected step time: its chains' profiled forward and
+/// backward, the plan's recompute and the offload transfer its runs cannot
+/// overlap (Report); 0 for a row without a plan.
+inline double projected_step_seconds(const RowResult& r) {
+  if (!r.report) return 0.0;
+  return r.report->profiled_step_seconds() + r.report->recompute_seconds() + r.report->offload_wait_seconds();
+}
+
+/// The un-optimized step's projected time, from a memscale row's profile.
+inline double projected_baseline_seconds(const Workload& w) {
+  for (const auto& r : w.rows)
+    if (r.report && r.report->planned) return r.report->profiled_step_seconds();
+  return 0.0;
+}
+
 }  // namespace bench

@@ -166,6 +166,76 @@ TEST_CASE("profiling draws no visible random numbers and leaves buffers as they 
   CHECK(test::bit_equal(bn->num_batches_tracked, batches));
 }
 
+/// Thirty matrix products, with a registered rule that calls it nearly free:
+/// whose times are measured shows at once against the rates' figure.
+struct HeavyImpl : torch::nn::Module {
+  HeavyImpl() : w(register_buffer("w", torch::eye(256) * 0.5)) {}
+  torch::Tensor forward(torch::Tensor x) {
+    for (int i = 0; i < 30; ++i) x = torch::mm(x, w) * 2.0;
+    return x;
+  }
+  torch::Tensor w;
+};
+TORCH_MODULE(Heavy);
+
+TEST_CASE("a slot a static rule covers is timed as it runs, or by the measured rates without the fallback",
+          "[profiler]") {
+  memscale::register_layer_rule<HeavyImpl>([](const HeavyImpl&, const memscale::layer_input& in) {
+    memscale::layer_estimate e;
+    e.output_shape = in.shape;
+    e.output_dtype = in.dtype;
+    e.saves_input = true;
+    e.flops = 1.0;
+    return std::optional<memscale::layer_estimate>(e);
+  });
+  torch::nn::Sequential seq(torch::nn::Linear(256, 256), Heavy(), torch::nn::BatchNorm1d(256),
+                            torch::nn::Dropout(0.5));
+  std::vector<torch::nn::AnyModule> slots(seq->begin(), seq->end());
+  const auto x = torch::randn({64, 256});
+  const auto rates = memscale::detail::measured_compute_rates(x.device());
+  REQUIRE(rates.flops_per_second > 0.0);
+  REQUIRE(rates.bytes_per_second > 0.0);
+
+  const auto by_rates = profile_chain("", slots, x, profile_options{true, false, 1, true});
+  const double heavy_bytes = 2.0 * static_cast<double>(x.nbytes());  // input and output
+  CHECK(by_rates.slots[1].forward_seconds == Approx(rates.seconds(1.0, heavy_bytes)));
+  CHECK(by_rates.slots[1].backward_seconds == Approx(rates.seconds(2.0, 1.5 * heavy_bytes)));
+  CHECK(by_rates.notes[1] == "static rule; times from measured compute rates");
+
+  // Timed: the same bytes, the thirty products' time (at least 250 MFLOP; the
+  // rule's figure is microseconds).
+  auto bn = seq[2]->as<torch::nn::BatchNorm1d>();
+  const auto mean = bn->running_mean.clone();
+  torch::manual_seed(5);
+  const auto expected = torch::rand({3});
+  torch::manual_seed(5);
+  const auto timed = profile_chain("", slots, x, profile_options{true, true, 2, true});
+  CHECK(test::bit_equal(torch::rand({3}), expected));  // the timing runs drew nothing visible
+  CHECK(test::bit_equal(bn->running_mean, mean));      // nor moved the statistics
+  for (std::size_t k = 0; k < slots.size(); ++k) {
+    INFO("slot " << k);
+    CHECK(timed.sources[k] == memscale::profile_source::static_rule);
+    CHECK(timed.notes[k] == "static rule; times measured");
+    CHECK(timed.slots[k].kept_bytes() == by_rates.slots[k].kept_bytes());
+  }
+  CHECK(timed.slots[1].forward_seconds > 10.0 * by_rates.slots[1].forward_seconds);
+  CHECK(timed.slots[1].backward_seconds > 10.0 * by_rates.slots[1].backward_seconds);
+
+  // An input over 1 MiB: timed on an eighth of its rows, scaled; the bytes stay the rule's.
+  torch::nn::Sequential wide(torch::nn::Linear(256, 256), torch::nn::GELU());
+  std::vector<torch::nn::AnyModule> wide_slots(wide->begin(), wide->end());
+  const auto big = torch::randn({8192, 256});
+  const auto part = profile_chain("", wide_slots, big, profile_options{true, true, 1, true});
+  const auto whole = profile_chain("", wide_slots, big, profile_options{true, false, 1, true});
+  for (std::size_t k = 0; k < wide_slots.size(); ++k) {
+    INFO("slot " << k);
+    CHECK(part.notes[k] == "static rule; times measured on 1024 of 8192 rows, scaled by its work");
+    CHECK(part.slots[k].kept_bytes() == whole.slots[k].kept_bytes());
+    CHECK(part.slots[k].forward_seconds > 0.0);
+    CHECK(part.slots[k].backward_seconds > 0.0);
+  }
+}
+
 TEST_CASE("hardware detection reports the host, and GPUs only where CUDA is present", "[profiler]") {
   const auto hw = memscale::detect_hardware();
   CHECK(hw.host_total_bytes > (std::int64_t{256} << 20));

@@ -95,6 +95,8 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
 
   detail::rng_fork no_visible_draws({device});
   detail::buffer_restore keep_buffers(slots);
+  // Measured once per process, before the allocations profiling watches.
+  const auto rates = options.use_static ? detail::measured_compute_rates(device) : detail::compute_rates{};
   // Opened before any tensor profiling makes, so it sees their frees too.
   std::optional<memory_tracker::reporting_scope> reporting;
   if (device.is_cpu() && options.use_empirical && !memory_tracker::installed()) reporting.emplace();
@@ -139,9 +141,29 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
     std::optional<layer_estimate> estimate;
     if (options.use_static) estimate = estimate_layer(*slot.ptr(), current);
     if (estimate) {
-      profile.slots.push_back(tiling(detail::static_cost(*estimate, current.bytes(), device)));
+      // The rule gives the bytes. The times are measured where the slot may be
+      // run (use_empirical_fallback), on a part of the batch where it is large:
+      // they are what recomputing it costs, which the rates alone model no
+      // better than within 2-6x per layer type (a GELU's arithmetic, a
+      // Dropout's random draws). Else, and under a counting clock (predict's
+      // shape-only profile, whose count is the same rates'), from the rates.
+      auto cost = detail::static_cost(*estimate, current.bytes(), rates);
+      std::string note = "static rule; times from measured compute rates";
+      if (options.use_empirical && !detail::profile_clock_scope::counting()) {
+        if (const auto timed = detail::time_static_slot(slot, current, current_tensor, device, *estimate, rates,
+                                                        options.passes, reporting ? &*reporting : nullptr)) {
+          cost.forward_seconds = timed->forward_seconds;
+          cost.backward_seconds = timed->backward_seconds;
+          cost.mutates_input = timed->mutates_input;
+          note = timed->rows == (current.shape.empty() ? 0 : current.shape[0])
+                     ? "static rule; times measured"
+                     : "static rule; times measured on " + std::to_string(timed->rows) + " of " +
+                           std::to_string(current.shape[0]) + " rows, scaled by its work";
+        }
+      }
+      profile.slots.push_back(tiling(cost));
       profile.sources.push_back(profile_source::static_rule);
-      profile.notes.emplace_back("static rule");
+      profile.notes.push_back(std::move(note));
       current = input_of(estimate->output_shape, estimate->output_dtype);
       current_tensor = torch::Tensor();
       continue;
@@ -175,7 +197,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       profile.notes.emplace_back(options.use_static ? "no static rule: measured" : "measured");
     } else if (auto fallback = estimate_layer(*slot.ptr(), current)) {
       // Only reached with use_static_profiling off: its bytes beat unmeasured ones; the times are measured.
-      auto cost = detail::static_cost(*fallback, measured.cost.input_bytes, device);
+      auto cost = detail::static_cost(*fallback, measured.cost.input_bytes, detail::compute_rates{});
       cost.forward_seconds = measured.cost.forward_seconds;
       cost.backward_seconds = measured.cost.backward_seconds;
       cost.mutates_input = measured.cost.mutates_input;

@@ -1,8 +1,10 @@
 // memscale — profiler, the measuring half: a slot no rule covers is run alone on
 // a synthetic input of its propagated shape, and what it keeps for backward
 // (through the saved-tensor hooks), its output, its workspace and its forward and
-// backward time are measured (measure_slot); a slot a rule covers gets its cost
-// from the rule's estimate (static_cost). core/profiler.hpp puts them together.
+// backward time are measured (measure_slot); a slot a rule covers gets its bytes
+// from the rule's estimate (static_cost), and its times measured the same way, or
+// from measured rates where the slot may not be run. core/profiler.hpp puts them
+// together.
 #pragma once
 
 #include <algorithm>
@@ -23,6 +25,7 @@
 #include <memscale/core/layer_rules.hpp>
 #include <memscale/detail/buffers.hpp>
 #include <memscale/detail/rng.hpp>
+#include <memscale/device/compute_rates.hpp>
 #include <memscale/device/memory_tracker.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/offload/hooks.hpp>
@@ -54,6 +57,8 @@ class profile_clock_scope {
     if (const auto* scope = open()) return scope->seconds_();
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   }
+  /// Whether a scope is open on this thread (times are counted, not measured).
+  [[nodiscard]] static bool counting() { return open() != nullptr; }
 
  private:
   static profile_clock_scope*& open() {
@@ -264,15 +269,14 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
   return result;
 }
 
-/// Nominal rates that turn a static estimate's flops into seconds (used only to
-/// rank recompute costs against each other; measured profiles use measured time).
-inline double nominal_seconds(const layer_estimate& e, const c10::Device& device) {
-  const double flops_per_second = device.is_cuda() ? 5e13 : 5e10;
-  return e.flops / flops_per_second;
-}
-
-/// A slot's costs from a static estimate (times nominal, from its flops).
-inline slot_cost static_cost(const layer_estimate& e, std::int64_t input_bytes, const c10::Device& device) {
+/// A slot's costs from a static estimate. The times are the rate model's
+/// (device/compute_rates.hpp): forward = flops / flops_per_second + the bytes it
+/// reads and writes (input, output, what it saves besides) / bytes_per_second;
+/// backward twice the arithmetic (a matrix product's gradient is two of them)
+/// and one and a half times the bytes (it reads the output's gradient beside
+/// what the forward read). The profiler replaces them with measured times where
+/// it may run the slot (use_empirical_fallback).
+inline slot_cost static_cost(const layer_estimate& e, std::int64_t input_bytes, const compute_rates& rates) {
   slot_cost cost;
   cost.input_bytes = input_bytes;
   cost.output_bytes = e.output_bytes();
@@ -281,9 +285,68 @@ inline slot_cost static_cost(const layer_estimate& e, std::int64_t input_bytes, 
   cost.saves_input = e.saves_input;
   cost.saves_output = e.saves_output;
   cost.workspace_bytes = e.workspace_bytes;
-  cost.forward_seconds = nominal_seconds(e, device);
-  cost.backward_seconds = 2.0 * cost.forward_seconds;
+  const double bytes =
+      static_cast<double>(input_bytes + (e.output_is_view ? 0 : cost.output_bytes) + e.saved_bytes);
+  cost.forward_seconds = rates.seconds(e.flops, bytes);
+  cost.backward_seconds = rates.seconds(2.0 * e.flops, 1.5 * bytes);
   return cost;
+}
+
+/// What timing a slot a static rule covers found (time_static_slot).
+struct static_slot_times {
+  double forward_seconds = 0.0;
+  double backward_seconds = 0.0;
+  bool mutates_input = false;
+  std::int64_t rows = 0;  ///< the first extent it ran at
+};
+
+/// Times a slot a static rule covers, the bytes being the rule's: forward and
+/// backward as measure_slot times them, on the input's first rows only where
+/// the input exceeds 1 MiB (an eighth of them, at least one), then scaled to
+/// the full input by the rule's work at both shapes (flops and bytes at the
+/// measured `rates`; quadratic where attention is). So timing costs about an
+/// eighth of a step's compute (times the passes) and allocates little. `input`
+/// is the real input, or undefined (a synthetic one of the shape is made).
+/// nullopt where the slot fails on that input or returns another shape than
+/// the rule says.
+inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& slot, const layer_input& in,
+                                                         const torch::Tensor& input, const c10::Device& device,
+                                                         const layer_estimate& full, const compute_rates& rates,
+                                                         int passes,
+                                                         const memory_tracker::reporting_scope* reporting) {
+  constexpr std::int64_t small_input_bytes = std::int64_t{1} << 20;
+  layer_input part = in;
+  std::optional<layer_estimate> part_estimate;
+  if (!in.shape.empty() && in.shape[0] >= 2 && in.bytes() > small_input_bytes) {
+    part.shape[0] = std::max<std::int64_t>(1, in.shape[0] / 8);
+    part_estimate = estimate_layer(*slot.ptr(), part);
+  }
+  double forward_scale = 1.0, backward_scale = 1.0;
+  if (part_estimate) {
+    // The rule's work at the full input over its work at the part (static_cost's model).
+    const auto work = [&rates](const layer_estimate& e, const layer_input& x, double flops, double bytes) {
+      const auto moved = x.bytes() + (e.output_is_view ? 0 : e.output_bytes()) + e.saved_bytes;
+      return rates.seconds(flops * e.flops, bytes * static_cast<double>(moved));
+    };
+    forward_scale = work(full, in, 1.0, 1.0) / std::max(1e-30, work(*part_estimate, part, 1.0, 1.0));
+    backward_scale = work(full, in, 2.0, 1.5) / std::max(1e-30, work(*part_estimate, part, 2.0, 1.5));
+  } else {
+    part = in;
+  }
+  const auto& expected_shape = part_estimate ? part_estimate->output_shape : full.output_shape;
+  try {
+    torch::Tensor x;
+    if (!input.defined())
+      x = synthetic_input(part, device);
+    else
+      x = part.shape.empty() || part.shape[0] == in.shape[0] ? input : input.narrow(0, 0, part.shape[0]);
+    auto timed = measure_slot(slot, x, passes, reporting);
+    if (!timed.tensor_output || timed.output.sizes().vec() != expected_shape) return std::nullopt;
+    return static_slot_times{timed.cost.forward_seconds * forward_scale, timed.cost.backward_seconds * backward_scale,
+                             timed.cost.mutates_input, part.shape.empty() ? 0 : part.shape[0]};
+  } catch (const std::exception&) {
+    return std::nullopt;  // it cannot run on an input of that shape: the caller keeps the rates' times
+  }
 }
 
 }  // namespace memscale::detail

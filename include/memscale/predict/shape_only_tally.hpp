@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -22,9 +21,7 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
-#if TORCH_VERSION_MAJOR < 2
-#include <c10/core/impl/LocalDispatchKeySet.h>
-#endif
+#include <memscale/device/compute_rates.hpp>
 
 namespace memscale::predictor {
 
@@ -69,31 +66,10 @@ namespace detail {
 
 #if TORCH_VERSION_MAJOR < 2
 
+/// The CPU's rates (device/compute_rates.hpp), measured once per process.
 inline shape_only_rates measure_rates() {
-  c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
-  torch::NoGradGuard no_grad;
-  const auto fastest = [](const auto& work) {
-    double best = 1e300;
-    for (int i = 0; i < 3; ++i) {
-      const auto start = std::chrono::steady_clock::now();
-      work();
-      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    }
-    return std::max(best, 1e-9);
-  };
-  constexpr std::int64_t n = 256;
-  const auto a = torch::full({n, n}, 0.5f);
-  const auto b = torch::full({n, n}, 0.25f);
-  const double gemm = fastest([&] { (void)torch::mm(a, b); });
-  // 4 MiB each way, past a core's L2 on usual CPUs. The 8 MiB copy used before
-  // cost 9 ms in a fresh process (page faults), a fifth of predict's time on the
-  // example GPT; on the 2-core build machine it read 30 GB/s against 69 here,
-  // both within its 32 MiB L3: a rate to weigh arithmetic against traffic, not
-  // a bandwidth.
-  const auto source = torch::full({std::int64_t{1} << 20}, 1.0f);
-  auto target = torch::empty_like(source);
-  const double copy = fastest([&] { target.copy_(source); });
-  return {2.0 * static_cast<double>(n * n * n) / gemm, 2.0 * static_cast<double>(source.nbytes()) / copy};
+  const auto r = memscale::detail::measured_compute_rates(c10::Device(c10::kCPU));
+  return {r.flops_per_second, r.bytes_per_second};
 }
 
 inline std::atomic<bool>& rates_measured() {

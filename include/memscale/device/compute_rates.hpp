@@ -1,0 +1,90 @@
+// memscale::detail — how fast this machine computes and moves bytes, measured
+// once per process and device: a float matrix product's arithmetic rate and a
+// copy's byte rate. They turn an operator's matrix-product flops and the bytes
+// it reads and writes into seconds where memscale does not run it for real:
+// the profiler's static rules when empirical profiling is off
+// (core/slot_measurement.hpp, static_cost) and memscale::predict's shape-only
+// execution (predict/shape_only_tally.hpp).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include <torch/cuda.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#if TORCH_VERSION_MAJOR < 2
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#endif
+
+namespace memscale::detail {
+
+/// A machine's rates: seconds = flops / flops_per_second + bytes / bytes_per_second.
+struct compute_rates {
+  double flops_per_second = 0.0;  ///< a float matrix product's
+  double bytes_per_second = 0.0;  ///< a copy's, counting the bytes read and those written
+  [[nodiscard]] double seconds(double flops, double bytes) const {
+    return (flops_per_second > 0.0 ? flops / flops_per_second : 0.0) +
+           (bytes_per_second > 0.0 ? bytes / bytes_per_second : 0.0);
+  }
+};
+
+/// Measures the rates on `device` now: a square float matrix product and a
+/// copy, each the fastest of three at the thread count set then (on CPU 256^3
+/// and 4 MiB each way: a few milliseconds, past a core's L2 on usual CPUs; on
+/// CUDA 2048^3 and 64 MiB). Real work even inside memscale::predict's
+/// shape-only span (LibTorch 1.x: the Fake key is excluded), without autograd.
+/// Its tensors go through the allocator: measure before opening a scope that
+/// watches allocations.
+inline compute_rates measure_compute_rates(const c10::Device& device) {
+#if TORCH_VERSION_MAJOR < 2
+  c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+#endif
+  torch::NoGradGuard no_grad;
+  const auto sync = [&device] {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+  };
+  const auto fastest = [&sync](const auto& work) {
+    double best = 1e300;
+    for (int i = 0; i < 3; ++i) {
+      sync();
+      const auto start = std::chrono::steady_clock::now();
+      work();
+      sync();
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    return std::max(best, 1e-9);
+  };
+  const auto options = torch::TensorOptions().dtype(torch::kFloat).device(device);
+  const std::int64_t n = device.is_cuda() ? 2048 : 256;
+  const auto a = torch::full({n, n}, 0.5f, options);
+  const auto b = torch::full({n, n}, 0.25f, options);
+  const double gemm = fastest([&] { (void)torch::mm(a, b); });
+  // The 8 MiB copy used before cost 9 ms in a fresh process (page faults), a
+  // fifth of predict's time on the example GPT; on the 2-core build machine 4
+  // MiB read 30 GB/s against 69 on another, both within L3: a rate to weigh
+  // arithmetic against traffic, not a memory bandwidth.
+  const auto source = torch::full({device.is_cuda() ? std::int64_t{1} << 24 : std::int64_t{1} << 20}, 1.0f, options);
+  auto target = torch::empty_like(source);
+  const double copy = fastest([&] { target.copy_(source); });
+  return {2.0 * static_cast<double>(n * n * n) / gemm, 2.0 * static_cast<double>(source.nbytes()) / copy};
+}
+
+/// The rates of `device`'s type and index, measured at the first call in the
+/// process (measure_compute_rates), the same afterwards. Thread-safe.
+inline compute_rates measured_compute_rates(const c10::Device& device) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, compute_rates> measured;
+  const std::pair<int, int> key{static_cast<int>(device.type()), device.has_index() ? device.index() : -1};
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = measured.find(key);
+  if (found == measured.end()) found = measured.emplace(key, measure_compute_rates(device)).first;
+  return found->second;
+}
+
+}  // namespace memscale::detail
