@@ -195,3 +195,16 @@ TEST_CASE("an unsupported chain is left alone with its reason", "[engine]") {
   for (const auto& d : plan.decisions) recorded |= d.chain == 0 && d.rule == rule_id::unsupported_chain;
   CHECK(recorded);
 }
+
+TEST_CASE("a report's projected offload wait: the whole transfer when synchronous, the unhidden part when async",
+          "[engine]") {
+  memscale::Report r;
+  // Two offloaded runs (8 ms transfer behind 5 ms of compute; 2 ms behind 6 ms) and one refused for room.
+  r.plan.decisions.push_back({0, 0, 1, true, rule_id::offload_segment, 1 << 20, 0.008, 0, 0, true, 0.005});
+  r.plan.decisions.push_back({0, 2, 3, false, rule_id::offload_segment, 1 << 20, 0.002, 0, 0, true, 0.006});
+  r.plan.decisions.push_back({0, 4, 5, false, rule_id::offload_no_room, 1 << 20, 0.050, 0, 0, false, 0.001});
+  r.offload_async = false;
+  CHECK(r.offload_wait_seconds() == Approx(0.010));
+  r.offload_async = true;
+  CHECK(r.offload_wait_seconds() == Approx(0.003));
+}

@@ -70,6 +70,7 @@ struct Report {
   /// budget, so that the budget holds for the process. About 0 in a process that
   /// has trained before (they exist already). 0 on CUDA.
   std::int64_t outside_allocator_bytes = 0;
+  bool offload_async = false;  ///< Config::async_offload: offloaded runs overlap their transfer with compute
   std::vector<chain_profile> chains;
   core::engine_plan plan;
   std::vector<std::string> notes;
@@ -122,15 +123,15 @@ struct Report {
     return s;
   }
 
-  /// Projected seconds a step waits on offload transfers: per offloaded run,
-  /// the part of its transfer (out and back, at the tier's nominal rate) that
-  /// its own forward and backward cannot hide, as the engine's asynchronous
-  /// writes and prefetches overlap them; synchronous offload waits it all.
+  /// Projected seconds a step waits on offload transfers, per offloaded run at
+  /// the tier's nominal rate (out and back): with asynchronous offload, the part
+  /// its own forward and backward cannot hide (the engine's writes and
+  /// prefetches overlap them); synchronous offload waits the whole transfer.
   [[nodiscard]] double offload_wait_seconds() const {
     double s = 0.0;
     for (const auto& d : plan.decisions)
       if (d.offloaded && d.rule == core::rule_id::offload_segment)
-        s += std::max(0.0, d.recompute_seconds - d.compute_seconds);
+        s += offload_async ? std::max(0.0, d.recompute_seconds - d.compute_seconds) : d.recompute_seconds;
     return s;
   }
 

@@ -308,19 +308,23 @@ struct static_slot_times {
 /// eighth of a step's compute (times the passes) and allocates little. `input`
 /// is the real input, or undefined (a synthetic one of the shape is made).
 /// nullopt where the slot fails on that input or returns another shape than
-/// the rule says.
+/// the rule says, and where the input it would run on still exceeds 32 MiB.
 inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& slot, const layer_input& in,
                                                          const torch::Tensor& input, const c10::Device& device,
                                                          const layer_estimate& full, const compute_rates& rates,
                                                          int passes,
                                                          const memory_tracker::reporting_scope* reporting) {
   constexpr std::int64_t small_input_bytes = std::int64_t{1} << 20;
+  constexpr std::int64_t large_part_bytes = std::int64_t{32} << 20;
   layer_input part = in;
   std::optional<layer_estimate> part_estimate;
   if (!in.shape.empty() && in.shape[0] >= 2 && in.bytes() > small_input_bytes) {
     part.shape[0] = std::max<std::int64_t>(1, in.shape[0] / 8);
     part_estimate = estimate_layer(*slot.ptr(), part);
   }
+  // An input that cannot be cut small (a batch of one long sequence): the
+  // caller keeps the rates' times rather than run it whole to time it.
+  if ((part_estimate ? part.bytes() : in.bytes()) > large_part_bytes) return std::nullopt;
   double forward_scale = 1.0, backward_scale = 1.0;
   if (part_estimate) {
     // The rule's work at the full input over its work at the part (static_cost's model).

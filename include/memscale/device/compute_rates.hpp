@@ -34,13 +34,32 @@ struct compute_rates {
   }
 };
 
+/// Whether operators on this thread run shape-only (memscale::predict's span
+/// includes LibTorch 1.x's Fake key): they compute nothing, so timing them
+/// measures nothing. Always false on LibTorch 2.x, where predict has no such span.
+[[nodiscard]] inline bool shape_only_dispatch() {
+#if TORCH_VERSION_MAJOR < 2
+  return c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Fake) &&
+         !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Fake);
+#else
+  return false;
+#endif
+}
+
+/// Rates to fall back on where measuring failed (an accelerator out of memory):
+/// a nominal figure per device kind, to rank layers against each other.
+inline compute_rates nominal_compute_rates(const c10::Device& device) {
+  return device.is_cuda() ? compute_rates{5e13, 1e12} : compute_rates{5e10, 1e10};
+}
+
 /// Measures the rates on `device` now: a square float matrix product and a
 /// copy, each the fastest of three at the thread count set then (on CPU 256^3
 /// and 4 MiB each way: a few milliseconds, past a core's L2 on usual CPUs; on
-/// CUDA 2048^3 and 64 MiB). Real work even inside memscale::predict's
-/// shape-only span (LibTorch 1.x: the Fake key is excluded), without autograd.
-/// Its tensors go through the allocator: measure before opening a scope that
-/// watches allocations.
+/// CUDA 1024^3 and 16 MiB, about 44 MiB in all). Real work even inside
+/// memscale::predict's shape-only span (LibTorch 1.x: the Fake key is
+/// excluded), without autograd. Its tensors go through the allocator: measure
+/// before opening a scope that watches allocations. Throws what LibTorch throws
+/// (out of memory).
 inline compute_rates measure_compute_rates(const c10::Device& device) {
 #if TORCH_VERSION_MAJOR < 2
   c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
@@ -61,7 +80,7 @@ inline compute_rates measure_compute_rates(const c10::Device& device) {
     return std::max(best, 1e-9);
   };
   const auto options = torch::TensorOptions().dtype(torch::kFloat).device(device);
-  const std::int64_t n = device.is_cuda() ? 2048 : 256;
+  const std::int64_t n = device.is_cuda() ? 1024 : 256;
   const auto a = torch::full({n, n}, 0.5f, options);
   const auto b = torch::full({n, n}, 0.25f, options);
   const double gemm = fastest([&] { (void)torch::mm(a, b); });
@@ -69,22 +88,26 @@ inline compute_rates measure_compute_rates(const c10::Device& device) {
   // fifth of predict's time on the example GPT; on the 2-core build machine 4
   // MiB read 30 GB/s against 69 on another, both within L3: a rate to weigh
   // arithmetic against traffic, not a memory bandwidth.
-  const auto source = torch::full({device.is_cuda() ? std::int64_t{1} << 24 : std::int64_t{1} << 20}, 1.0f, options);
+  const auto source = torch::full({device.is_cuda() ? std::int64_t{1} << 22 : std::int64_t{1} << 20}, 1.0f, options);
   auto target = torch::empty_like(source);
   const double copy = fastest([&] { target.copy_(source); });
   return {2.0 * static_cast<double>(n * n * n) / gemm, 2.0 * static_cast<double>(source.nbytes()) / copy};
 }
 
 /// The rates of `device`'s type and index, measured at the first call in the
-/// process (measure_compute_rates), the same afterwards. Thread-safe.
+/// process (measure_compute_rates), the same afterwards; the nominal ones where
+/// measuring failed (tried again at the next call). Thread-safe.
 inline compute_rates measured_compute_rates(const c10::Device& device) {
   static std::mutex mutex;
   static std::map<std::pair<int, int>, compute_rates> measured;
   const std::pair<int, int> key{static_cast<int>(device.type()), device.has_index() ? device.index() : -1};
   std::lock_guard<std::mutex> lock(mutex);
-  auto found = measured.find(key);
-  if (found == measured.end()) found = measured.emplace(key, measure_compute_rates(device)).first;
-  return found->second;
+  if (const auto found = measured.find(key); found != measured.end()) return found->second;
+  try {
+    return measured.emplace(key, measure_compute_rates(device)).first->second;
+  } catch (const std::exception&) {
+    return nominal_compute_rates(device);
+  }
 }
 
 }  // namespace memscale::detail

@@ -109,6 +109,7 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
   detail::fault_point(detail::pipeline_stage::plan);
 
   out.device = device.str();
+  out.offload_async = config_.async_offload;
   out.budget_bytes = memory_budget_bytes(config_.memory_budget_gb, out.hardware, device);
   out.usable_bytes = static_cast<std::int64_t>(static_cast<double>(out.budget_bytes) *
                                                config_.target_gpu_utilization);
