@@ -234,6 +234,21 @@ TEST_CASE("a slot a static rule covers is timed as it runs, or by the measured r
     CHECK(part.slots[k].forward_seconds > 0.0);
     CHECK(part.slots[k].backward_seconds > 0.0);
   }
+  // The part's times are scaled by the rule's work at the whole input over its
+  // work at the part: 8 for a Linear on an eighth of the rows (flops and bytes
+  // both). A clock that ticks one second per reading makes each span read 1 s.
+  double ticks = 0.0;
+  const memscale::detail::profile_clock_scope clock([&ticks] { return ticks += 1.0; });
+  const memscale::layer_input in{{8192, 256}, torch::kFloat, true, torch::kCPU};
+  const auto full = memscale::estimate_layer(*wide_slots[0].ptr(), in);
+  REQUIRE(full);
+  const memscale::memory_tracker::reporting_scope reporting;  // as profile_chain opens one
+  const auto ticked =
+      memscale::detail::time_static_slot(wide_slots[0], in, big, big.device(), *full, rates, 1, &reporting);
+  REQUIRE(ticked);
+  CHECK(ticked->rows == 1024);
+  CHECK(ticked->forward_seconds == Approx(8.0));
+  CHECK(ticked->backward_seconds == Approx(8.0));
 }
 
 TEST_CASE("hardware detection reports the host, and GPUs only where CUDA is present", "[profiler]") {
