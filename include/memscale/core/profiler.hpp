@@ -145,12 +145,12 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       // run (use_empirical_fallback), on a part of the batch where it is large:
       // they are what recomputing it costs, which the rates alone model no
       // better than within 2-6x per layer type (a GELU's arithmetic, a
-      // Dropout's random draws). Else, and under a counting clock or shape-only
-      // dispatch (predict: its operators compute nothing; its count uses the
-      // same rates), from the rates.
+      // Dropout's random draws). Else, and under shape-only dispatch (predict:
+      // its operators compute nothing, and its clock counts by the same rates),
+      // from the rates.
       auto cost = detail::static_cost(*estimate, current.bytes(), rates);
       std::string note = "static rule; times from measured compute rates";
-      if (options.use_empirical && !detail::profile_clock_scope::counting() && !detail::shape_only_dispatch()) {
+      if (options.use_empirical && !detail::shape_only_dispatch()) {
         if (const auto timed = detail::time_static_slot(slot, current, current_tensor, device, *estimate, rates,
                                                         options.passes, reporting ? &*reporting : nullptr)) {
           cost.forward_seconds = timed->forward_seconds;

@@ -57,8 +57,6 @@ class profile_clock_scope {
     if (const auto* scope = open()) return scope->seconds_();
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   }
-  /// Whether a scope is open on this thread (times are counted, not measured).
-  [[nodiscard]] static bool counting() { return open() != nullptr; }
 
  private:
   static profile_clock_scope*& open() {
@@ -269,12 +267,24 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
   return result;
 }
 
-/// A slot's costs from a static estimate. The times are the rate model's
-/// (device/compute_rates.hpp): forward = flops / flops_per_second + the bytes it
-/// reads and writes (input, output, what it saves besides) / bytes_per_second;
-/// backward twice the arithmetic (a matrix product's gradient is two of them)
-/// and one and a half times the bytes (it reads the output's gradient beside
-/// what the forward read). The profiler replaces them with measured times where
+/// The rate model's forward and backward seconds for a static estimate on an
+/// input of `input_bytes` (device/compute_rates.hpp): forward = flops /
+/// flops_per_second + the bytes it reads and writes (input, output, what it
+/// saves besides) / bytes_per_second; backward twice the arithmetic (a matrix
+/// product's gradient is two of them) and one and a half times the bytes (it
+/// reads the output's gradient beside what the forward read).
+struct rate_model_seconds {
+  double forward = 0.0;
+  double backward = 0.0;
+  rate_model_seconds(const layer_estimate& e, std::int64_t input_bytes, const compute_rates& rates) {
+    const double bytes = static_cast<double>(input_bytes + (e.output_is_view ? 0 : e.output_bytes()) + e.saved_bytes);
+    forward = rates.seconds(e.flops, bytes);
+    backward = rates.seconds(2.0 * e.flops, 1.5 * bytes);
+  }
+};
+
+/// A slot's costs from a static estimate, its times the rate model's
+/// (rate_model_seconds). The profiler replaces them with measured times where
 /// it may run the slot (use_empirical_fallback).
 inline slot_cost static_cost(const layer_estimate& e, std::int64_t input_bytes, const compute_rates& rates) {
   slot_cost cost;
@@ -285,10 +295,9 @@ inline slot_cost static_cost(const layer_estimate& e, std::int64_t input_bytes, 
   cost.saves_input = e.saves_input;
   cost.saves_output = e.saves_output;
   cost.workspace_bytes = e.workspace_bytes;
-  const double bytes =
-      static_cast<double>(input_bytes + (e.output_is_view ? 0 : cost.output_bytes) + e.saved_bytes);
-  cost.forward_seconds = rates.seconds(e.flops, bytes);
-  cost.backward_seconds = rates.seconds(2.0 * e.flops, 1.5 * bytes);
+  const rate_model_seconds seconds(e, input_bytes, rates);
+  cost.forward_seconds = seconds.forward;
+  cost.backward_seconds = seconds.backward;
   return cost;
 }
 
@@ -327,13 +336,10 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
   if ((part_estimate ? part.bytes() : in.bytes()) > large_part_bytes) return std::nullopt;
   double forward_scale = 1.0, backward_scale = 1.0;
   if (part_estimate) {
-    // The rule's work at the full input over its work at the part (static_cost's model).
-    const auto work = [&rates](const layer_estimate& e, const layer_input& x, double flops, double bytes) {
-      const auto moved = x.bytes() + (e.output_is_view ? 0 : e.output_bytes()) + e.saved_bytes;
-      return rates.seconds(flops * e.flops, bytes * static_cast<double>(moved));
-    };
-    forward_scale = work(full, in, 1.0, 1.0) / std::max(1e-30, work(*part_estimate, part, 1.0, 1.0));
-    backward_scale = work(full, in, 2.0, 1.5) / std::max(1e-30, work(*part_estimate, part, 2.0, 1.5));
+    // The rule's work at the full input over its work at the part.
+    const rate_model_seconds whole(full, in.bytes(), rates), cut(*part_estimate, part.bytes(), rates);
+    forward_scale = whole.forward / std::max(1e-30, cut.forward);
+    backward_scale = whole.backward / std::max(1e-30, cut.backward);
   } else {
     part = in;
   }
