@@ -102,6 +102,72 @@ TEST_CASE("CheckpointSegment registers nothing and matches its slots", "[checkpo
   CHECK(test::bit_equal(plain.second, wrapped.second));
 }
 
+namespace {
+/// Counts a Linear's forward products on this thread while it lives (LibTorch
+/// 1.13 runs one on 3-d input as aten::matmul, on 2-d as aten::addmm; their
+/// backward runs aten::mm).
+struct linear_calls {
+  static inline thread_local int count = 0;
+  at::CallbackHandle handle;
+  linear_calls() {
+    count = 0;
+    handle = at::addThreadLocalCallback(
+        at::RecordFunctionCallback([](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+          const std::string_view name = fn.name();
+          if (name == "aten::matmul" || name == "aten::addmm" || name == "aten::linear") ++count;
+          return nullptr;
+        }).scopes({at::RecordScope::FUNCTION}));
+  }
+  ~linear_calls() { at::removeCallback(handle); }
+};
+}  // namespace
+
+TEST_CASE("a checkpointed run ending in a Linear recomputes only up to its input, gradients bit-identical",
+          "[checkpoint]") {
+  // Runs ending in a Linear with and without a bias, with Dropout's draws and
+  // LayerNorm inside, on a 3-d input; one Linear's bias frozen.
+  auto make = [] {
+    torch::manual_seed(12);
+    torch::nn::Sequential seq(torch::nn::Linear(16, 32), torch::nn::GELU(), torch::nn::Linear(32, 16),
+                              torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})), torch::nn::Dropout(0.2),
+                              torch::nn::Linear(torch::nn::LinearOptions(16, 8).bias(false)), torch::nn::Tanh());
+    seq[2]->as<torch::nn::Linear>()->bias.requires_grad_(false);
+    return seq;
+  };
+  auto plain = make(), wrapped = make();
+  auto x = torch::randn({3, 5, 16}, torch::requires_grad());
+  // One step with the runs checkpointed; the Linear products its backward ran.
+  auto run = [&](torch::nn::Sequential& seq, std::vector<std::pair<int, int>> runs, int& backward_products) {
+    std::vector<std::shared_ptr<memscale::CheckpointSegmentImpl>> segments;
+    for (auto [a, b] : runs)
+      segments.push_back(std::make_shared<memscale::CheckpointSegmentImpl>(
+          std::vector<torch::nn::AnyModule>(seq->begin() + a, seq->begin() + b + 1)));
+    linear_calls calls;
+    return test::step(*seq, [&] {
+      auto h = seq[0]->as<torch::nn::Linear>()->forward(x);
+      for (const auto& segment : segments) h = segment->forward(h);
+      auto loss = seq[6]->as<torch::nn::Tanh>()->forward(h).pow(2).sum();
+      backward_products = -linear_calls::count;  // test::step runs backward next
+      return loss;
+    });
+  };
+  const auto expected = test::step(*plain, [&] { return plain->forward(x).pow(2).sum(); });
+  const auto expected_input_grad = x.grad().clone();
+  x.mutable_grad() = torch::Tensor();
+  int backward_products = 0;
+  const auto got = run(wrapped, {{1, 2}, {3, 5}}, backward_products);
+  backward_products += linear_calls::count;  // the count stays after the callback is removed
+  CHECK(backward_products == 0);
+  CHECK(test::bit_equal(expected.first, got.first));
+  CHECK(test::bit_equal(expected.second, got.second));
+  CHECK(test::bit_equal(expected_input_grad, x.grad()));
+  CHECK_FALSE(wrapped[2]->as<torch::nn::Linear>()->bias.grad().defined());
+  // A run ending elsewhere recomputes its Linear: the counter sees it.
+  (void)run(wrapped, {{1, 3}, {4, 5}}, backward_products);
+  backward_products += linear_calls::count;
+  CHECK(backward_products > 0);
+}
+
 TEST_CASE("a checkpoint's recompute leaves BatchNorm statistics as one forward left them", "[checkpoint]") {
   auto make = [] {
     torch::manual_seed(5);

@@ -12,7 +12,9 @@ using memscale::slot_cost;
 
 namespace {
 
-std::vector<slot_cost> random_chain(std::mt19937& rng, int n) {
+/// With `linears`, some slots are Linear-like (backward_from_input: they save
+/// their input only, and a checkpoint ending at one does not recompute it).
+std::vector<slot_cost> random_chain(std::mt19937& rng, int n, bool linears = false) {
   std::uniform_int_distribution<int> bytes(1, 40), kind(0, 3);
   std::uniform_real_distribution<double> seconds(0.1, 2.0);
   std::vector<slot_cost> chain;
@@ -26,6 +28,13 @@ std::vector<slot_cost> random_chain(std::mt19937& rng, int n) {
     s.saves_output = kind(rng) == 2;
     s.workspace_bytes = kind(rng) == 3 ? bytes(rng) : 0;
     s.forward_seconds = seconds(rng);
+    if (linears && kind(rng) == 0) {
+      s.backward_from_input = true;
+      s.saves_input = true;
+      s.saves_output = false;
+      s.saved_bytes = 0;
+      s.forward_seconds *= 4;  // a matrix product: the dear part to recompute
+    }
     chain.push_back(s);
     input = s.output_bytes;
   }
@@ -69,7 +78,7 @@ TEST_CASE("the optimal-chain DP finds the brute-force optimum", "[engine][optima
   int feasible = 0;
   for (int trial = 0; trial < 60; ++trial) {
     const int n = 2 + trial % 6;
-    auto chain = random_chain(rng, n);
+    auto chain = random_chain(rng, n, trial % 2 == 1);
     const auto baseline = project_chain(chain, keep_all(chain.size())).peak;
     for (double fraction : {0.5, 0.7, 0.9, 1.0}) {
       const auto budget = static_cast<std::int64_t>(fraction * static_cast<double>(baseline));
@@ -93,7 +102,7 @@ TEST_CASE("the plan's recompute is within 5% of the optimum at the same budget",
   double worst_gap = 1.0;
   int overridden = 0;
   for (int trial = 0; trial < 120; ++trial) {
-    auto chain = random_chain(rng, 4 + trial % 12);
+    auto chain = random_chain(rng, 4 + trial % 12, trial % 4 >= 2);
     // Every other chain in bytes the engine's DP (2048 levels) rounds, where the yardstick stays exact.
     if (trial % 2 == 1)
       for (auto& slot : chain) {

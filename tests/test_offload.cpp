@@ -816,7 +816,11 @@ TEST_CASE("checkpoint plus offload moves the kept segment inputs too, bit-identi
   CHECK(both.report.checkpointed_segments() > 0);
   CHECK(both.report.offloaded_units() > 0);
   CHECK(both.offload->at(tier::disk).tensors > 0);
-  CHECK(both.report.planned_peak_bytes() < checkpointed.report.planned_peak_bytes());
+  // The plans' own peaks: each also reserves what its process came to hold
+  // outside the allocator while it planned, which depends on what ran before
+  // in this process (the second plan has measured 0 and 3.2 MiB).
+  CHECK(both.report.planned_peak_bytes() - both.report.outside_allocator_bytes <
+        checkpointed.report.planned_peak_bytes() - checkpointed.report.outside_allocator_bytes);
   CHECK(both.peak_growth <= checkpointed.peak_growth);
   CHECK(test::bit_equal(baseline.result.second, both.result.second));
   CHECK(test::bit_equal(baseline.result.first, both.result.first));

@@ -84,7 +84,7 @@ namespace memscale::core {
     for (const auto& u : segments_of_length(s, plan.segment_length[c], limit_of(c))) {
       if (!u.checkpointed) continue;
       candidates.push_back(
-          {c, u.first, u.last, checkpoint_frees(s, u.first, u.last), run_forward_seconds(s, u.first, u.last)});
+          {c, u.first, u.last, checkpoint_frees(s, u.first, u.last), checkpoint_recompute_seconds(s, u.first, u.last)});
     }
   }
   std::sort(candidates.begin(), candidates.end(), detail_engine::better);
@@ -142,7 +142,7 @@ namespace memscale::core {
           trial[c] = with_checkpoint(plan.units[c], u.first, last);
           const auto peak = project_model_peak(chains, trial, in.static_bytes);
           if (peak >= plan.planned_peak) continue;
-          const double seconds = run_forward_seconds(s, u.first, last);
+          const double seconds = checkpoint_recompute_seconds(s, u.first, last);
           const double score = static_cast<double>(plan.planned_peak - peak) / (seconds + 1e-12);
           if (score > best_score) {
             best_score = score;

@@ -138,7 +138,7 @@ constexpr void assign_optimal(const std::vector<std::vector<slot_cost>>& chains,
       units[c] = with_checkpoint(units[c], u.first, u.last);
       const auto after = project_model_peak(chains, units, in.static_bytes);
       plan.decisions.push_back({c, u.first, u.last, true, rule_id::optimal_schedule,
-                                checkpoint_frees(s, u.first, u.last), run_forward_seconds(s, u.first, u.last), peak,
+                                checkpoint_frees(s, u.first, u.last), checkpoint_recompute_seconds(s, u.first, u.last), peak,
                                 after});
       peak = after;
     }
@@ -243,9 +243,10 @@ constexpr void assign_tiling(const std::vector<std::vector<slot_cost>>& chains, 
     // What the unit's own backward no longer holds: (n - 1)/n of its run's working set.
     const auto r = project_plain_range(s, u.first, u.last, 0);
     const auto working = std::max(r.forward_peak, r.backward_peak);
-    // A kept slot tiled is recomputed now; a checkpointed run was already.
+    // A kept slot tiled is recomputed now; a checkpointed run was already, but
+    // for a last slot whose backward needed only its input (each chunk runs it).
     const double recompute =
-        plan.units[p.chain][p.index].checkpointed ? 0.0 : run_forward_seconds(s, u.first, u.last);
+        run_forward_seconds(s, u.first, u.last) - unit_recompute_seconds(s, plan.units[p.chain][p.index]);
     plan.decisions.push_back({p.chain, u.first, u.last, true, rule_id::tile_segment, working - working / u.tiles,
                               recompute, plan.planned_peak, peak, false, 0.0, u.tiles, u.tile_dim});
     plan.units = std::move(next);
@@ -278,9 +279,8 @@ constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains,
       alone[i].offloaded = true;
       const auto moved = project_chain(s, alone).offloaded_bytes - project_chain(s, plan.units[c]).offloaded_bytes;
       if (moved <= 0 || moved < in.offload_min_bytes) continue;  // nothing of its own the engine would move
-      double compute = 0.0;
-      for (int k = u.first; k <= u.last; ++k)
-        compute += s[k].forward_seconds * (u.checkpointed ? 2.0 : 1.0) + s[k].backward_seconds;
+      double compute = unit_recompute_seconds(s, u);
+      for (int k = u.first; k <= u.last; ++k) compute += s[k].forward_seconds + s[k].backward_seconds;
       const double transfer = 2.0 * static_cast<double>(moved) / in.offload_bytes_per_second;
       options.push_back({c, i, transfer / (compute + 1e-12), transfer, compute});
     }

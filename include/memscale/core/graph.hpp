@@ -21,6 +21,10 @@ struct slot_cost {
   bool saves_input = false;          ///< backward keeps the input alive
   bool saves_output = false;         ///< backward keeps the output alive
   bool mutates_input = false;        ///< in place (ReLU(inplace), ...): no checkpoint may start here
+  /// Its backward needs only its input and its parameters (a plain
+  /// torch::nn::Linear): a checkpointed run ending at it gets its gradients from
+  /// its recomputed input and never runs its forward again.
+  bool backward_from_input = false;
   std::int64_t workspace_bytes = 0;  ///< transient bytes during forward, freed before it returns
   /// Transient bytes during its backward beyond the gradients it returns (0:
   /// unmeasured, and the forward's workspace stands in); a convolution's on CPU

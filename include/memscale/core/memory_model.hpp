@@ -97,6 +97,34 @@ struct range_projection {
   return extra;
 }
 
+/// Peak of a checkpointed run's backward (its recompute with grad, then its
+/// gradients), from `live` bytes that hold its input. A last slot with
+/// backward_from_input is not run again; what its backward holds instead: its
+/// output's gradient throughout, and, from when its own gradients are taken,
+/// its recomputed input and that input's gradient through the backward of the
+/// slots before it.
+[[nodiscard]] constexpr std::int64_t checkpoint_backward_peak(std::span<const slot_cost> s, int a, int b,
+                                                              std::int64_t live) {
+  if (!s[b].backward_from_input) {
+    const auto r = project_plain_range(s, a, b, live);
+    return std::max(r.forward_peak, r.backward_peak);
+  }
+  const std::int64_t output_grad = s[b].output_bytes;
+  std::int64_t end = live, peak = live;
+  if (b > a) {
+    const auto r = project_plain_range(s, a, b - 1, live);
+    end = r.forward_end;
+    // Slot b - 1's backward: its output (b's input) and its gradient are in
+    // project_plain_range's figure; before it they are held on top.
+    const auto& p = s[b - 1];
+    peak = std::max({r.forward_peak, end + p.output_bytes + p.input_bytes + p.backward_extra_bytes()});
+    if (b - 1 > a)
+      peak = std::max(peak, project_plain_range(s, a, b - 2, live).backward_peak + 2 * s[b].input_bytes);
+    peak += output_grad;
+  }
+  return std::max(peak, end + output_grad + s[b].input_bytes + s[b].backward_extra_bytes());
+}
+
 /// Projects one chain under a plan. `units` must cover the slots in order.
 /// Offloaded units keep nothing on the device after their forward but their
 /// output; in backward their saved bytes return, and (prefetching) so do those
@@ -158,8 +186,7 @@ struct range_projection {
         peak = std::max(peak, before[i] + prefetched + s[u.last].output_bytes + s[u.first].input_bytes +
                                   std::max(r.forward_peak, r.backward_peak) / u.tiles);
       } else {
-        const auto r = project_plain_range(s, u.first, u.last, before[i]);
-        peak = std::max({peak, r.forward_peak + prefetched, r.backward_peak + prefetched});
+        peak = std::max(peak, checkpoint_backward_peak(s, u.first, u.last, before[i]) + prefetched);
       }
     } else {
       const int k = u.first;
@@ -202,11 +229,24 @@ struct range_projection {
   return seconds;
 }
 
+/// Forward time a checkpointed run [first, last] spends recomputing in backward:
+/// every slot's forward but that of a last slot with backward_from_input, whose
+/// gradients come from its recomputed input.
+[[nodiscard]] constexpr double checkpoint_recompute_seconds(std::span<const slot_cost> s, int first, int last) {
+  return run_forward_seconds(s, first, s[last].backward_from_input ? last - 1 : last);
+}
+
+/// What a unit recomputes: nothing kept; a tiled run all of its slots (each
+/// chunk runs them all); a checkpointed run checkpoint_recompute_seconds.
+[[nodiscard]] constexpr double unit_recompute_seconds(std::span<const slot_cost> s, const unit& u) {
+  if (!u.checkpointed) return 0.0;
+  return u.tiles > 1 ? run_forward_seconds(s, u.first, u.last) : checkpoint_recompute_seconds(s, u.first, u.last);
+}
+
 /// Extra forward time a plan spends recomputing checkpointed runs.
 [[nodiscard]] constexpr double recompute_seconds(std::span<const slot_cost> s, std::span<const unit> units) {
   double seconds = 0.0;
-  for (const auto& u : units)
-    if (u.checkpointed) seconds += run_forward_seconds(s, u.first, u.last);
+  for (const auto& u : units) seconds += unit_recompute_seconds(s, u);
   return seconds;
 }
 

@@ -43,16 +43,22 @@ struct optimal_plan {
     return live <= 0 ? 0 : static_cast<int>((live + quantum - 1) / quantum);
   };
 
-  // Checkpointed run [a, b] starting at live = 0; shifting by the live bytes is exact.
+  // Checkpointed run [a, b] starting at live = 0; shifting by the live bytes is
+  // exact. plain_peak (the run as if its last slot were recomputed too) only
+  // grows with b and bounds every longer run's peak from below; run_peak is
+  // lower where the last slot's backward needs only its input.
   std::vector<std::int64_t> run_peak(static_cast<std::size_t>(n) * n, 0);
+  std::vector<std::int64_t> plain_peak(static_cast<std::size_t>(n) * n, 0);
   std::vector<double> run_seconds(static_cast<std::size_t>(n) * n, 0.0);
   for (int a = 0; a < n; ++a) {
-    double seconds = 0.0;
+    double seconds = 0.0;  // the forwards of a..b-1
     for (int b = a; b < n; ++b) {
-      seconds += s[b].forward_seconds;
       const auto r = project_plain_range(s, a, b, 0);
-      run_peak[a * n + b] = std::max({checkpointed_forward_extra(s, a, b), r.forward_peak, r.backward_peak});
-      run_seconds[a * n + b] = seconds;
+      const auto forward_extra = checkpointed_forward_extra(s, a, b);
+      plain_peak[a * n + b] = std::max({forward_extra, r.forward_peak, r.backward_peak});
+      run_peak[a * n + b] = std::max(forward_extra, checkpoint_backward_peak(s, a, b, 0));
+      run_seconds[a * n + b] = s[b].backward_from_input ? seconds : seconds + s[b].forward_seconds;
+      seconds += s[b].forward_seconds;
     }
   }
 
@@ -84,11 +90,13 @@ struct optimal_plan {
             best_choice = -1;
           }
         }
-        // Checkpoint [i, j], unless slot i modifies its input in place.
-        // A run's peak only grows as it gets longer: the first one over budget ends the search.
+        // Checkpoint [i, j], unless slot i modifies its input in place. Every
+        // run longer than [i, j - 1] recomputes all of it: once that is over
+        // budget, the search ends.
         const int end = max_run > 0 ? std::min(n, i + max_run) : n;
         for (int j = i; j < end && !s[i].mutates_input; ++j) {
-          if (live + run_peak[i * n + j] > budget) break;
+          if (j > i && live + plain_peak[i * n + j - 1] > budget) break;
+          if (live + run_peak[i * n + j] > budget) continue;
           const std::int64_t next = live + s[j].output_bytes;
           if (next > budget) continue;
           const double c = run_seconds[i * n + j] + cost[index(j + 1, level_of(next), 0)];

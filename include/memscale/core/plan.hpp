@@ -182,6 +182,14 @@ struct Report {
     for (const auto& note : notes) os << "note: " << note << "\n";
   }
 
+  /// For a checkpointed run ending in a plain Linear: that its forward is not recomputed.
+  static std::string linear_tail_note(const chain_profile& chain, const core::segment_decision& d) {
+    if (d.last < 0 || static_cast<std::size_t>(d.last) >= chain.slots.size() ||
+        !chain.slots[static_cast<std::size_t>(d.last)].backward_from_input)
+      return "";
+    return "; its last slot, a Linear, is not recomputed (its gradients come from its recomputed input)";
+  }
+
   void print_chain(std::ostream& os, int c) const {
     using detail::format_bytes;
     const auto& chain = chains[c];
@@ -218,13 +226,13 @@ struct Report {
         case core::rule_id::refine_segment:
           os << "frees " << format_bytes(d.freed_bytes) << " for " << std::setprecision(3)
              << d.recompute_seconds * 1e3 << " ms recompute; peak " << format_bytes(d.peak_before) << " -> "
-             << format_bytes(d.peak_after);
+             << format_bytes(d.peak_after) << linear_tail_note(chain, d);
           break;
         case core::rule_id::optimal_schedule:
           if (d.checkpointed)
             os << "optimal schedule: frees " << format_bytes(d.freed_bytes) << " for " << std::setprecision(3)
                << d.recompute_seconds * 1e3 << " ms recompute; peak " << format_bytes(d.peak_before) << " -> "
-               << format_bytes(d.peak_after);
+               << format_bytes(d.peak_after) << linear_tail_note(chain, d);
           else
             os << "optimal schedule: kept, the budget holds without recomputing it";
           break;

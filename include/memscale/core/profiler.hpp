@@ -35,6 +35,7 @@
 #include <memscale/device/memory_tracker.hpp>
 #include <memscale/core/tile_rules.hpp>
 #include <memscale/detail/buffers.hpp>
+#include <memscale/detail/modules.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/offload/hooks.hpp>
@@ -131,8 +132,11 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       current_tensor = (*slot_inputs)[k];
       current = input_of(current_tensor.sizes().vec(), current_tensor.scalar_type());
     }
-    // What tiling may do with this slot, from its input's shape.
+    // What tiling may do with this slot, from its input's shape; and whether a
+    // checkpoint ending at it recomputes it (a plain Linear's, on real floating
+    // inputs, does not: CheckpointSegment takes its gradients from its input).
     const auto tiling = [&, in = current](slot_cost cost) {
+      cost.backward_from_input = detail::plain_linear(*slot.ptr()) != nullptr && c10::isFloatingType(in.dtype);
       cost.row_dims = row_independent_dims(*slot.ptr(), in);
       for (std::size_t d = 0; d < cost.input_extents.size() && d < in.shape.size(); ++d)
         cost.input_extents[d] = in.shape[d];

@@ -1,13 +1,16 @@
 // memscale — what the public functions accept as a model or a module: a
 // torch::nn::ModuleHolder (torch::nn::Sequential, a TORCH_MODULE type) or a
-// std::shared_ptr to a torch::nn::Module; and the shared_ptr behind either.
+// std::shared_ptr to a torch::nn::Module; the shared_ptr behind either; and
+// plain_linear, the module kinds checkpointing treats specially.
 #pragma once
 
 #include <concepts>
 #include <memory>
 #include <type_traits>
+#include <typeinfo>
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
 
 namespace memscale {
 namespace detail {
@@ -30,6 +33,15 @@ std::shared_ptr<torch::nn::Module> root_of(const M& model) {
   } else {
     return std::shared_ptr<torch::nn::Module>(model);
   }
+}
+
+/// The module as a plain torch::nn::Linear, or null: not a subclass, whose
+/// forward may do more than the product. Its backward needs only its input and
+/// parameters, so a checkpointed run ending at it never runs it again
+/// (linear_tail in techniques/checkpoint_recompute.hpp; backward_from_input in
+/// core/graph.hpp).
+inline const torch::nn::LinearImpl* plain_linear(const torch::nn::Module& m) noexcept {
+  return typeid(m) == typeid(torch::nn::LinearImpl) ? dynamic_cast<const torch::nn::LinearImpl*>(&m) : nullptr;
 }
 
 }  // namespace detail

@@ -106,6 +106,11 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
   }
   if (const double scale = profile_batch_scale(); scale != 1.0)
     for (auto& p : profiles) scale_profile(p, scale);
+  // Under autocast a checkpointed run's closing Linear is recomputed like the
+  // rest (its gradients come from its input only in full precision): planned so.
+  if (config_.use_mixed_precision)
+    for (auto& p : profiles)
+      for (auto& slot : p.slots) slot.backward_from_input = false;
   detail::fault_point(detail::pipeline_stage::plan);
 
   out.device = device.str();

@@ -20,6 +20,7 @@
 
 #include <torch/torch.h>
 
+#include <memscale/detail/assert.hpp>
 #include <memscale/detail/compat.hpp>
 #include <memscale/detail/fault_injection.hpp>
 #include <memscale/detail/rng.hpp>
@@ -70,6 +71,13 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     // recompute runs on the inputs themselves, so the gradients it returns keep
     // their history back through them, and the recomputed graph is kept.
     const bool create_graph = torch::GradMode::is_enabled();
+    // A run ending in a plain Linear recomputes up to the Linear's input. Not
+    // under autocast (the Linear's casts would have to be redone) or for a
+    // double backward (its gradients need the Linear's graph).
+    const linear_tail* tail = body->tail && !create_graph && !context->autocast.cpu && !context->autocast.cuda &&
+                                      grad_outputs.size() == 1 && grad_outputs[0].defined()
+                                  ? &*body->tail
+                                  : nullptr;
 
     std::vector<torch::Tensor> inputs;
     for (std::size_t i = 0; i < input_count; ++i) {
@@ -88,17 +96,27 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
       if (!technique_fault_injected(technique_fault::checkpoint_skips_rng_restore)) restore_rng(context->state);
       compat::autocast_as same_casts(context->autocast);
       torch::AutoGradMode grad_on(true);
-      outputs = body->fn(inputs);
+      outputs = tail != nullptr ? tail->prefix(inputs) : body->fn(inputs);
       if (technique_fault_injected(technique_fault::checkpoint_recompute_scaled))
         for (auto& o : outputs)
           if (o.defined() && o.is_floating_point()) o = o * (1.0 + 1.0 / (1 << 20));
     }
 
     std::vector<torch::Tensor> differentiable_outputs, output_grads;
-    for (std::size_t i = 0; i < outputs.size() && i < grad_outputs.size(); ++i) {
-      if (outputs[i].requires_grad() && grad_outputs[i].defined()) {
-        differentiable_outputs.push_back(outputs[i]);
-        output_grads.push_back(grad_outputs[i]);
+    linear_gradients tail_grads;
+    if (tail != nullptr) {
+      const auto& h = outputs.at(0);  // the Linear's input
+      tail_grads = linear_backward(*tail->linear, h.detach(), grad_outputs[0], h.requires_grad());
+      if (h.requires_grad()) {
+        differentiable_outputs.push_back(h);
+        output_grads.push_back(tail_grads.input);
+      }
+    } else {
+      for (std::size_t i = 0; i < outputs.size() && i < grad_outputs.size(); ++i) {
+        if (outputs[i].requires_grad() && grad_outputs[i].defined()) {
+          differentiable_outputs.push_back(outputs[i]);
+          output_grads.push_back(grad_outputs[i]);
+        }
       }
     }
     std::vector<torch::Tensor> targets;
@@ -117,14 +135,26 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
       throw unlisted_leaves_error("memscale::checkpoint", unlisted);
 
     torch::autograd::variable_list result(1 + saved.size());  // [body, inputs..., params...]
-    if (differentiable_outputs.empty() || targets.empty()) return result;
-    std::vector<torch::Tensor> grads;
-    {
-      tensor_hooks_set_aside hooks_run_in_autograd(targets);
-      grads = torch::autograd::grad(differentiable_outputs, targets, output_grads,
-                                    /*retain_graph=*/create_graph, create_graph, /*allow_unused=*/true);
+    if (!differentiable_outputs.empty() && !targets.empty()) {
+      std::vector<torch::Tensor> grads;
+      {
+        tensor_hooks_set_aside hooks_run_in_autograd(targets);
+        grads = torch::autograd::grad(differentiable_outputs, targets, output_grads,
+                                      /*retain_graph=*/create_graph, create_graph, /*allow_unused=*/true);
+      }
+      for (std::size_t t = 0; t < targets.size(); ++t) result[1 + target_slot[t]] = grads[t];
     }
-    for (std::size_t t = 0; t < targets.size(); ++t) result[1 + target_slot[t]] = grads[t];
+    if (tail != nullptr) {
+      // The Linear's own gradients, added where the slots before it read the same parameter.
+      const auto add = [&](std::size_t param, const torch::Tensor& grad) {
+        if (!grad.defined() || param == linear_tail::none) return;
+        MEMSCALE_ASSERT(input_count + param < saved.size(), "a checkpointed Linear's parameter is not the segment's");
+        auto& r = result[1 + input_count + param];
+        r = r.defined() ? r + grad : grad;
+      };
+      add(tail->weight_param, tail_grads.weight);
+      add(tail->bias_param, tail_grads.bias);
+    }
     return result;
   }
 };

@@ -10,6 +10,7 @@
 #include <functional>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -34,9 +35,40 @@ namespace detail {
 using tensors_fn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
 
 /// What a checkpoint keeps between forward and backward besides its inputs.
+/// A checkpointed run whose last slot is a plain torch::nn::Linear: backward
+/// recomputes the slots before it (`prefix`) and takes the Linear's gradients
+/// from that recomputed input (linear_gradients), never running its forward again.
+struct linear_tail {
+  static constexpr std::size_t none = static_cast<std::size_t>(-1);
+  tensors_fn prefix;
+  std::shared_ptr<torch::nn::LinearImpl> linear;
+  std::size_t weight_param = none;  ///< the weight's place among the checkpoint's parameters
+  std::size_t bias_param = none;    ///< the bias's (none without one)
+};
+
+/// A Linear's gradients from its input x and its output's gradient g: the
+/// products autograd's backward of torch::nn::Linear computes (addmm's and mm's
+/// on the rows flattened; bit-identical to it, tested), without its forward.
+struct linear_gradients {
+  torch::Tensor input, weight, bias;  // undefined where not wanted
+};
+
+inline linear_gradients linear_backward(const torch::nn::LinearImpl& linear, const torch::Tensor& x,
+                                        const torch::Tensor& g, bool want_input) {
+  const auto out = g.size(-1), in = x.size(-1);
+  const auto rows = g.reshape({-1, out});
+  linear_gradients r;
+  if (want_input) r.input = rows.mm(linear.weight).view(x.sizes());
+  if (linear.weight.requires_grad()) r.weight = rows.t().mm(x.reshape({-1, in}));
+  if (linear.bias.defined() && linear.bias.requires_grad()) r.bias = rows.sum(0);
+  return r;
+}
+
 struct checkpoint_body : torch::CustomClassHolder {
-  explicit checkpoint_body(tensors_fn f) : fn(std::move(f)) {}
+  explicit checkpoint_body(tensors_fn f, std::optional<linear_tail> t = std::nullopt)
+      : fn(std::move(f)), tail(std::move(t)) {}
   tensors_fn fn;
+  std::optional<linear_tail> tail;  ///< set: backward recomputes only up to the Linear's input
 };
 
 /// What the recompute must reproduce of the forward: RNG and autocast state.

@@ -1,10 +1,12 @@
 // memscale — checkpointing as a technique: CheckpointSegment, the chain slot that
 // runs consecutive original slots as one checkpointed segment, the slot helpers
 // it shares with TileSegment (slots_body, parameters_of, slot_wrapper), and the
-// Checkpoint tag the executor wraps a run of slots with.
+// Checkpoint tag the executor wraps a run of slots with. A run that ends in a
+// plain torch::nn::Linear recomputes only up to the Linear's input (linear_tail).
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string_view>
 #include <unordered_set>
 #include <utility>
@@ -12,6 +14,7 @@
 
 #include <torch/torch.h>
 
+#include <memscale/detail/modules.hpp>
 #include <memscale/techniques/checkpoint_function.hpp>
 #include <memscale/techniques/checkpoint_recompute.hpp>
 #include <memscale/techniques/concepts.hpp>
@@ -19,15 +22,39 @@
 namespace memscale {
 namespace detail {
 
-/// A body that runs chain slots in order on one tensor. Under a recompute it
+/// A function that runs chain slots in order on one tensor. Under a recompute it
 /// restores their buffers afterwards: BatchNorm statistics must not move twice.
-inline c10::intrusive_ptr<checkpoint_body> slots_body(std::vector<torch::nn::AnyModule> slots) {
-  return c10::make_intrusive<checkpoint_body>([slots = std::move(slots)](const std::vector<torch::Tensor>& in) mutable {
+inline tensors_fn run_slots(std::vector<torch::nn::AnyModule> slots) {
+  return [slots = std::move(slots)](const std::vector<torch::Tensor>& in) mutable {
     if (auto* recompute = recompute_scope::current()) recompute->restore_on_close(slots);
     torch::Tensor x = in[0];
     for (auto& slot : slots) x = slot.forward<torch::Tensor>(std::move(x));
     return std::vector<torch::Tensor>{x};
-  });
+  };
+}
+
+/// A body that runs chain slots in order on one tensor (run_slots).
+inline c10::intrusive_ptr<checkpoint_body> slots_body(std::vector<torch::nn::AnyModule> slots) {
+  return c10::make_intrusive<checkpoint_body>(run_slots(std::move(slots)));
+}
+
+/// Where a checkpointed run of slots ends in a plain Linear: backward runs the
+/// slots before it and the Linear's gradients from their output (linear_tail).
+/// `params`: the checkpoint's parameters, the Linear's among them.
+inline std::optional<linear_tail> linear_tail_of(const std::vector<torch::nn::AnyModule>& slots,
+                                                 const std::vector<torch::Tensor>& params) {
+  if (slots.empty() || plain_linear(*slots.back().ptr()) == nullptr) return std::nullopt;
+  linear_tail tail;
+  tail.linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(slots.back().ptr());
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i].unsafeGetTensorImpl() == tail.linear->weight.unsafeGetTensorImpl()) tail.weight_param = i;
+    if (tail.linear->bias.defined() && params[i].unsafeGetTensorImpl() == tail.linear->bias.unsafeGetTensorImpl())
+      tail.bias_param = i;
+  }
+  if (tail.weight_param == linear_tail::none || (tail.linear->bias.defined() && tail.bias_param == linear_tail::none))
+    return std::nullopt;
+  tail.prefix = run_slots({slots.begin(), slots.end() - 1});
+  return tail;
 }
 
 /// The parameters the slots read, each once (a module shared by two slots, or a
@@ -60,6 +87,7 @@ class CheckpointSegmentImpl : public torch::nn::Module, public detail::slot_wrap
       : torch::nn::Module("memscale::CheckpointSegment"), slots_(std::move(slots)) {
     params_ = detail::parameters_of(slots_);
     body_ = detail::slots_body(slots_);
+    body_->tail = detail::linear_tail_of(slots_, params_);
   }
 
   torch::Tensor forward(torch::Tensor x) {
