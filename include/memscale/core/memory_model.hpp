@@ -102,7 +102,8 @@ struct range_projection {
 /// backward_from_input is not run again; what its backward holds instead: its
 /// output's gradient throughout, and, from when its own gradients are taken,
 /// its recomputed input and that input's gradient through the backward of the
-/// slots before it.
+/// slots before it. (Not modelled, here as for any run: the parameters'
+/// gradients, held until the run's backward returns.)
 [[nodiscard]] constexpr std::int64_t checkpoint_backward_peak(std::span<const slot_cost> s, int a, int b,
                                                               std::int64_t live) {
   if (!s[b].backward_from_input) {
@@ -122,7 +123,9 @@ struct range_projection {
       peak = std::max(peak, project_plain_range(s, a, b - 2, live).backward_peak + 2 * s[b].input_bytes);
     peak += output_grad;
   }
-  return std::max(peak, end + output_grad + s[b].input_bytes + s[b].backward_extra_bytes());
+  // Its own backward: counted as a kept slot's is (its output still held, as
+  // by a caller that keeps it), so a run of the Linear alone frees nothing.
+  return std::max(peak, end + s[b].output_bytes + output_grad + s[b].input_bytes + s[b].backward_extra_bytes());
 }
 
 /// Projects one chain under a plan. `units` must cover the slots in order.

@@ -72,10 +72,12 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     // their history back through them, and the recomputed graph is kept.
     const bool create_graph = torch::GradMode::is_enabled();
     // A run ending in a plain Linear recomputes up to the Linear's input. Not
-    // under autocast (the Linear's casts would have to be redone) or for a
-    // double backward (its gradients need the Linear's graph).
+    // under autocast (the Linear's casts would have to be redone), for a double
+    // backward (its gradients need the Linear's graph), or where the input is
+    // not one linear_tail::applies_to (checked on the recompute's result).
     const linear_tail* tail = body->tail && !create_graph && !context->autocast.cpu && !context->autocast.cuda &&
-                                      grad_outputs.size() == 1 && grad_outputs[0].defined()
+                                      grad_outputs.size() == 1 && grad_outputs[0].defined() &&
+                                      grad_outputs[0].is_contiguous()
                                   ? &*body->tail
                                   : nullptr;
 
@@ -96,7 +98,17 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
       if (!technique_fault_injected(technique_fault::checkpoint_skips_rng_restore)) restore_rng(context->state);
       compat::autocast_as same_casts(context->autocast);
       torch::AutoGradMode grad_on(true);
-      outputs = tail != nullptr ? tail->prefix(inputs) : body->fn(inputs);
+      if (tail != nullptr) {
+        outputs = tail->prefix(inputs);
+        if (!tail->applies_to(outputs.at(0))) {
+          // Recomputed whole instead, from the forward's RNG state again (the
+          // buffers the prefix moved go back when the scope closes).
+          tail = nullptr;
+          outputs.clear();
+          if (!technique_fault_injected(technique_fault::checkpoint_skips_rng_restore)) restore_rng(context->state);
+        }
+      }
+      if (tail == nullptr) outputs = body->fn(inputs);
       if (technique_fault_injected(technique_fault::checkpoint_recompute_scaled))
         for (auto& o : outputs)
           if (o.defined() && o.is_floating_point()) o = o * (1.0 + 1.0 / (1 << 20));

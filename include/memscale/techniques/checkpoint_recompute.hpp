@@ -42,8 +42,25 @@ struct linear_tail {
   static constexpr std::size_t none = static_cast<std::size_t>(-1);
   tensors_fn prefix;
   std::shared_ptr<torch::nn::LinearImpl> linear;
+  torch::Tensor weight, bias;       ///< the Linear's parameters when the run was built
   std::size_t weight_param = none;  ///< the weight's place among the checkpoint's parameters
   std::size_t bias_param = none;    ///< the bias's (none without one)
+
+  /// Whether the gradients can come from `input`, the recomputed input, the way
+  /// autograd's own backward of the Linear computes them, bit for bit: real
+  /// floating point (complex products conjugate), row-major rows and weight
+  /// (other layouts take other branches of the matrix products' backward, or a
+  /// batched product), at least one row, and the parameters it was built with
+  /// (a weight reassigned since is another tensor). Otherwise the run is
+  /// recomputed whole.
+  [[nodiscard]] bool applies_to(const torch::Tensor& input) const {
+    const auto& w = linear->weight;
+    const auto& b = linear->bias;
+    return input.defined() && input.is_floating_point() && input.dim() >= 2 && input.numel() > 0 &&
+           input.is_contiguous() && w.defined() && w.is_contiguous() && w.numel() > 0 &&
+           w.unsafeGetTensorImpl() == weight.unsafeGetTensorImpl() &&
+           b.defined() == bias.defined() && (!b.defined() || b.unsafeGetTensorImpl() == bias.unsafeGetTensorImpl());
+  }
 };
 
 /// A Linear's gradients from its input x and its output's gradient g: the

@@ -46,6 +46,8 @@ inline std::optional<linear_tail> linear_tail_of(const std::vector<torch::nn::An
   if (slots.empty() || plain_linear(*slots.back().ptr()) == nullptr) return std::nullopt;
   linear_tail tail;
   tail.linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(slots.back().ptr());
+  tail.weight = tail.linear->weight;
+  tail.bias = tail.linear->bias;
   for (std::size_t i = 0; i < params.size(); ++i) {
     if (params[i].unsafeGetTensorImpl() == tail.linear->weight.unsafeGetTensorImpl()) tail.weight_param = i;
     if (tail.linear->bias.defined() && params[i].unsafeGetTensorImpl() == tail.linear->bias.unsafeGetTensorImpl())
