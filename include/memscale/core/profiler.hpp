@@ -135,7 +135,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
     // What tiling may do with this slot, from its input's shape; and whether a
     // checkpoint ending at it recomputes it (a plain Linear's, on real floating
     // inputs, does not: CheckpointSegment takes its gradients from its input).
-    const auto tiling = [&, in = current](slot_cost cost) {
+    const auto shape_facts = [&, in = current](slot_cost cost) {
       cost.backward_from_input = detail::plain_linear(*slot.ptr()) != nullptr && c10::isFloatingType(in.dtype);
       cost.row_dims = row_independent_dims(*slot.ptr(), in);
       for (std::size_t d = 0; d < cost.input_extents.size() && d < in.shape.size(); ++d)
@@ -166,7 +166,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
                            std::to_string(current.shape[0]) + " rows, scaled by its work";
         }
       }
-      profile.slots.push_back(tiling(cost));
+      profile.slots.push_back(shape_facts(cost));
       profile.sources.push_back(profile_source::static_rule);
       profile.notes.push_back(std::move(note));
       current = input_of(estimate->output_shape, estimate->output_dtype);
@@ -197,7 +197,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       return profile;
     }
     if (measured.bytes == detail::byte_source::allocations) {
-      profile.slots.push_back(tiling(measured.cost));
+      profile.slots.push_back(shape_facts(measured.cost));
       profile.sources.push_back(profile_source::empirical);
       profile.notes.emplace_back(options.use_static ? "no static rule: measured" : "measured");
     } else if (auto fallback = estimate_layer(*slot.ptr(), current)) {
@@ -206,12 +206,12 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       cost.forward_seconds = measured.cost.forward_seconds;
       cost.backward_seconds = measured.cost.backward_seconds;
       cost.mutates_input = measured.cost.mutates_input;
-      profile.slots.push_back(tiling(cost));
+      profile.slots.push_back(shape_facts(cost));
       profile.sources.push_back(profile_source::static_rule);
       profile.notes.emplace_back("allocations not seen: static rule for bytes, measured times");
       unmeasured.push_back(profile.slot_names.back());
     } else {
-      profile.slots.push_back(tiling(measured.cost));
+      profile.slots.push_back(shape_facts(measured.cost));
       profile.sources.push_back(profile_source::empirical);
       profile.notes.emplace_back(measured.bytes == detail::byte_source::saved_tensors
                                      ? "allocations not seen: saved bytes from autograd's saved tensors, "

@@ -73,8 +73,9 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     const bool create_graph = torch::GradMode::is_enabled();
     // A run ending in a plain Linear recomputes up to the Linear's input. Not
     // under autocast (the Linear's casts would have to be redone), for a double
-    // backward (its gradients need the Linear's graph), or where the input is
-    // not one linear_tail::applies_to (checked on the recompute's result).
+    // backward (its gradients need the Linear's graph), for an output gradient
+    // that is not contiguous, or where the input is not one
+    // linear_tail::applies_to (checked on the recompute's result).
     const linear_tail* tail = body->tail && !create_graph && !context->autocast.cpu && !context->autocast.cuda &&
                                       grad_outputs.size() == 1 && grad_outputs[0].defined() &&
                                       grad_outputs[0].is_contiguous()

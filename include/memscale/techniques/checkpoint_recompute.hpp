@@ -34,7 +34,6 @@ namespace detail {
 
 using tensors_fn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
 
-/// What a checkpoint keeps between forward and backward besides its inputs.
 /// A checkpointed run whose last slot is a plain torch::nn::Linear: backward
 /// recomputes the slots before it (`prefix`) and takes the Linear's gradients
 /// from that recomputed input (linear_gradients), never running its forward again.
@@ -81,9 +80,9 @@ inline linear_gradients linear_backward(const torch::nn::LinearImpl& linear, con
   return r;
 }
 
+/// What a checkpoint keeps between forward and backward besides its inputs.
 struct checkpoint_body : torch::CustomClassHolder {
-  explicit checkpoint_body(tensors_fn f, std::optional<linear_tail> t = std::nullopt)
-      : fn(std::move(f)), tail(std::move(t)) {}
+  explicit checkpoint_body(tensors_fn f) : fn(std::move(f)) {}
   tensors_fn fn;
   std::optional<linear_tail> tail;  ///< set: backward recomputes only up to the Linear's input
 };
