@@ -9,8 +9,10 @@
 // chain "hand ckpt/block": no memscale guard, memscale::checkpoint around each
 // block, written into the forward as a user would by hand. Every row trains its own
 // identically seeded model on the same batches with its own copy of the RNG
-// stream, and the rows take turns step by step, so load changes on the machine
-// hit them alike and the losses must match the baseline's bit for bit. Per row:
+// stream, and the rows take turns, so load changes on the machine hit them
+// alike and the losses must match the baseline's bit for bit. A turn is two
+// steps, the second measured: it starts from the heap the row's own step left,
+// as in a training loop, not from the previous row's. Per row:
 // peak memory growth of a training step (memory_tracker::peak_scope around
 // forward + backward + AdamW step; median over the measured steps after one
 // warm-up and one calibration step, planning excluded), the first step

@@ -109,7 +109,7 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
         for (const auto& warning : r.offload->warnings) os << "warning: " << r.name << ": " << warning << "\n";
   }
   os << "peak growth / step: medians over " << steps
-     << " measured steps per row (rows take turns step by step), after one warm-up and\n"
+     << " measured steps per row (rows take turns of two steps, the second measured), after one warm-up and\n"
         "one calibration step; planning excluded. 1st step+plan: the warm-up step (AdamW state created) plus, for\n"
         "memscale rows, profiling + planning (also shown alone). total peak: what the row keeps between steps\n"
         "(parameters, gradients, AdamW state) + peak growth. projected: the planner's projected step peak (static\n"
