@@ -4,10 +4,12 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <iomanip>
 #include <iostream>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -20,6 +22,35 @@
 #include "bench_runner.hpp"
 
 namespace bench {
+
+/// Whether two runs' losses are equal bit for bit.
+inline bool same_losses(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (std::bit_cast<std::uint32_t>(a[i]) != std::bit_cast<std::uint32_t>(b[i])) return false;
+  return true;
+}
+
+/// The largest |loss - baseline loss| / |baseline loss| over the steps.
+inline double loss_gap(const RowResult& a, const RowResult& b) {
+  double worst = 0.0;
+  for (std::size_t i = 0; i < a.losses.size() && i < b.losses.size(); ++i)
+    if (!std::isfinite(a.losses[i])) return std::numeric_limits<double>::infinity();  // diverged
+  for (std::size_t i = 0; i < a.losses.size() && i < b.losses.size(); ++i)
+    worst = std::max(worst, std::abs(static_cast<double>(a.losses[i]) - b.losses[i]) /
+                                std::max(1e-30, std::abs(static_cast<double>(b.losses[i]))));
+  return worst;
+}
+
+/// The bit-exact column: yes/NO for rows that keep the arithmetic, else the loss gap.
+inline std::string exactness(const RowResult& r, const RowResult& base) {
+  if (&r == &base) return "ref";
+  if (r.exact_expected) return same_losses(r.losses, base.losses) ? "yes" : "NO";
+  std::ostringstream os;
+  os << "n/a, loss " << std::scientific << std::setprecision(1) << loss_gap(r, base);
+  return os.str();
+}
+
 
 inline void print_workload(const Workload& w, int steps, std::ostream& os) {
   const auto& base = w.rows.front();

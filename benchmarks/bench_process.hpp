@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "bench_print.hpp"
 #include "bench_runner.hpp"
 
 namespace bench {

@@ -7,7 +7,6 @@
 #pragma once
 
 #include <algorithm>
-#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -355,14 +354,10 @@ Workload run_workload(const std::string& title, const std::string& description,
   }
   for (int s = 0; s < steps; ++s) {
     std::cerr << "[bench] " << title << ": round " << s + 1 << "/" << steps << "\n";
-    // Each round starts at the next row, so whatever a position in the round
-    // costs or saves (the previous row's frees, caches) falls on every row alike.
-    // A turn is two steps, the first unmeasured: a row's measured step then
-    // starts from the heap its own previous step left, as in a training loop.
-    // Measured back to back, a row that follows a row of smaller peak pays the
-    // page faults of growing the heap again (the GPT's baseline, after the
-    // hand-placed row, read 6-14% slower than Conservative, which does the
-    // same work).
+    // Each round starts at the next row: what a position costs falls on every row alike.
+    // A turn is two steps, the second measured: it starts from the heap its own
+    // row's step left, as in a training loop, not from a row of smaller peak
+    // (whose follower paid the faults of growing the heap back: RESULTS.md).
     for (std::size_t i = 0; i < runners.size(); ++i) {
       auto& runner = *runners[(i + static_cast<std::size_t>(s)) % runners.size()];
       runner.settle();
@@ -373,34 +368,6 @@ Workload run_workload(const std::string& title, const std::string& description,
   for (const auto& r : w.rows)
     if (r.report && r.report->chains.size() == 1) w.dp_min_peak = dp_min_peak(r.report->chains.front().slots);
   return w;
-}
-
-/// Whether two runs' losses are equal bit for bit.
-inline bool same_losses(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (std::bit_cast<std::uint32_t>(a[i]) != std::bit_cast<std::uint32_t>(b[i])) return false;
-  return true;
-}
-
-/// The largest |loss - baseline loss| / |baseline loss| over the steps.
-inline double loss_gap(const RowResult& a, const RowResult& b) {
-  double worst = 0.0;
-  for (std::size_t i = 0; i < a.losses.size() && i < b.losses.size(); ++i)
-    if (!std::isfinite(a.losses[i])) return std::numeric_limits<double>::infinity();  // diverged
-  for (std::size_t i = 0; i < a.losses.size() && i < b.losses.size(); ++i)
-    worst = std::max(worst, std::abs(static_cast<double>(a.losses[i]) - b.losses[i]) /
-                                std::max(1e-30, std::abs(static_cast<double>(b.losses[i]))));
-  return worst;
-}
-
-/// The bit-exact column: yes/NO for rows that keep the arithmetic, else the loss gap.
-inline std::string exactness(const RowResult& r, const RowResult& base) {
-  if (&r == &base) return "ref";
-  if (r.exact_expected) return same_losses(r.losses, base.losses) ? "yes" : "NO";
-  std::ostringstream os;
-  os << "n/a, loss " << std::scientific << std::setprecision(1) << loss_gap(r, base);
-  return os.str();
 }
 
 /// The planner's projection of the un-optimized step, from a memscale row's profile.

@@ -4,6 +4,7 @@
 // allocator peak against a measured step (baseline and with a plan), the
 // largest batch against the tracker's hard limit, its errors, and the shape-only
 // step (predict/shape_only.hpp) against the real one.
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -11,6 +12,9 @@
 #include <string>
 #include <vector>
 
+#include <dlfcn.h>
+
+#include <memscale/predict/blas_workspace.hpp>
 #include <memscale/predict/shape_only.hpp>
 
 #include "resnet.hpp"
@@ -230,7 +234,7 @@ TEST_CASE("predict's largest batch fits under the hard limit, and one batch more
     const auto static_bytes = p.baseline.parameter_bytes + p.baseline.buffer_bytes + p.baseline.optimizer_state_bytes +
                               (kept ? p.baseline.gradient_bytes : 0);
     const auto limit =
-        memory_tracker::current_bytes() + p.budget_bytes - p.baseline.outside_allocator_bytes - static_bytes;
+        memory_tracker::current_bytes() + p.budget_bytes - p.outside_allocator_bytes_at(batch) - static_bytes;
     memory_tracker::hard_limit_scope hard(limit);
     loss(model->forward(input)).backward();
     optimizer.step();
@@ -528,4 +532,66 @@ TEST_CASE("predict runs real steps for a forward that reads tensor values, and s
   (void)measured_step(model, optimizer, x, loss);
   const auto measured = measured_step(model, optimizer, x, loss);
   CHECK(predicted_growth(p.baseline) == Approx(measured).epsilon(0.01));
+}
+
+namespace {
+using memscale::predictor::detail::matrix_product;
+
+/// Whether `products` holds `p`.
+bool has_product(const std::vector<matrix_product>& products, const matrix_product& p) {
+  return std::find(products.begin(), products.end(), p) != products.end();
+}
+
+/// One Linear(64, 96) step on [4, 10, 64]: its forward, input-gradient and
+/// weight-gradient products.
+void linear_step(torch::nn::Linear& linear) {
+  const auto x = torch::randn({4, 10, 64}, torch::requires_grad());
+  linear->forward(x).sum().backward();
+}
+}  // namespace
+
+TEST_CASE("predict finds the step's matrix products, recorded or shape-only, and extrapolates them to the full batch",
+          "[predict][blas]") {
+  torch::manual_seed(3);
+  torch::nn::Linear linear(64, 96);
+  const std::vector<matrix_product> expected{{40, 64, 96}, {40, 96, 64}, {96, 40, 64}};
+  {
+    memscale::predictor::detail::product_recorder recorder;
+    linear_step(linear);
+    const auto seen = recorder.take();
+    for (const auto& p : expected) CHECK(has_product(seen, p));
+  }
+  if (!shape_only_skipped()) {
+    shape_only_scope scope;
+    linear_step(linear);
+    const auto seen = scope.tally().products;
+    for (const auto& p : expected) CHECK(has_product(seen, p));
+  }
+  // Each dimension linear in the batch between the two calibration batches.
+  const std::vector<matrix_product> at2{{20, 64, 96}, {96, 20, 64}}, at3{{30, 64, 96}, {96, 30, 64}};
+  const auto at10 = memscale::predictor::detail::products_at(at2, 2, at3, 3, 10);
+  REQUIRE(at10.size() == 2);
+  CHECK(at10[0] == matrix_product{100, 64, 96});
+  CHECK(at10[1] == matrix_product{96, 100, 64});
+  // Another sequence of products at the two batches: nothing to extrapolate.
+  CHECK(memscale::predictor::detail::products_at(at2, 2, {at3[0]}, 3, 10).empty());
+}
+
+TEST_CASE("the BLAS probe measures the buffers a product touches once, and OpenBLAS's are its rows times min(k, 384)",
+          "[predict][blas]") {
+  using memscale::predictor::detail::probe_products;
+  // 20000 rows: more than any other test's products, so its pages are fresh here.
+  const std::vector<matrix_product> products{{20000, 384, 8}, {100, 384, 8}};
+  const auto first = probe_products(products);
+  CHECK(first.products == 1);  // one per element type and k, at its largest m
+  CHECK_FALSE(first.scaled);
+  // What a product touched stays: the same product again adds (almost) nothing.
+  const auto again = probe_products(products);
+  CHECK(again.bytes <= std::max<std::int64_t>(first.bytes / 8, 1 << 20));
+  // OpenBLAS packs min(k, 384) x rows floats (measured on 0.3.21): 29.3 MiB at
+  // 20000 rows, less what earlier products touched (at most a few MiB).
+  if (dlsym(RTLD_DEFAULT, "openblas_get_config") != nullptr) CHECK(first.bytes >= (20 << 20));
+  // Over the operand cap: fewer rows, the growth scaled to all of them.
+  const auto capped = probe_products({{40000, 256, 8}}, std::int64_t{8} << 20);
+  CHECK(capped.scaled);
 }

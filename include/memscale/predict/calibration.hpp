@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,6 +20,7 @@
 
 #include <memscale/errors.hpp>
 #include <memscale/execute/verify.hpp>
+#include <memscale/predict/blas_workspace.hpp>
 #include <memscale/predict/shape_only_scope.hpp>
 #include <memscale/predict/timeline.hpp>
 
@@ -52,6 +54,10 @@ struct calibration {
   enum class execution : std::uint8_t { real, shape_only, census };
   execution how = execution::real;
 
+  /// The matrix products of each batch's latest run on the CPU, in call order
+  /// (for the BLAS workspace probe, predict/blas_workspace.hpp).
+  std::map<std::int64_t, std::vector<matrix_product>> products{};
+
   timeline run(std::int64_t batch) {
     box->reset();
     if (gradients_kept) {
@@ -61,6 +67,10 @@ struct calibration {
     }
     const auto x = batch_of(batch);
     timeline_scope recorder(device);
+    // The matrix products: from the tally where shape-only (no cost), else
+    // recorded (every operator call then packs its inputs for the callback).
+    std::optional<product_recorder> products_seen;
+    if (device.is_cpu() && how == execution::real) products_seen.emplace();
     {
       std::optional<shape_only_scope> shapes_only;
       if (how != execution::real) shapes_only.emplace(how == execution::census);
@@ -76,8 +86,10 @@ struct calibration {
       if (shapes_only && shapes_only->values_read() > 0)
         throw Error("the step reads tensor values (item(), a data-dependent shape), which shape-only execution "
                     "leaves uninitialised");
+      if (shapes_only && device.is_cpu()) products[batch] = shapes_only->tally().products;
     }
     auto recorded = recorder.finish();
+    if (products_seen) products[batch] = products_seen->take();
     // Operators without a meta kernel (batch norm) ran for real on uninitialised
     // values: their buffers are put back now, not only before the next step.
     if (how != execution::real) box->reset();

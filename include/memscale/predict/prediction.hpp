@@ -59,6 +59,22 @@ struct Prediction {
   std::int64_t baseline_max_batch_size = 0;
   std::int64_t max_batch_size = 0;
 
+  /// CPU: the part of outside_allocator_bytes that grows with the batch, the
+  /// BLAS library's buffers (predict/blas_workspace.hpp): this many bytes per
+  /// sample beyond batch `outside_growth_from`, none below it.
+  double outside_bytes_per_sample = 0.0;
+  std::int64_t outside_growth_from = 0;
+  /// What the breakdowns' outside_allocator_bytes would read at batch `batch`
+  /// (as the largest-batch search counts it).
+  [[nodiscard]] std::int64_t outside_allocator_bytes_at(std::int64_t batch, bool with_plan = false) const noexcept {
+    const auto grown = [&](std::int64_t b) {
+      return b <= outside_growth_from
+                 ? std::int64_t{0}
+                 : static_cast<std::int64_t>(outside_bytes_per_sample * static_cast<double>(b - outside_growth_from));
+    };
+    return (with_plan ? planned : baseline).outside_allocator_bytes - grown(batch_size) + grown(batch);
+  }
+
   Report plan;               ///< the plan `config` applies at the full batch
   bool plan_applies = false;  ///< false: the plan changes nothing, peak == baseline
   std::vector<std::int64_t> calibration_batches;  ///< the batches the step ran at

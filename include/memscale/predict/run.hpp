@@ -190,6 +190,42 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
       device.is_cpu() && process_growth >= 0 ? std::max<std::int64_t>(0, process_growth - allocator_growth) : -1;
   if (!misaligned.empty()) out.notes.push_back("baseline: " + misaligned);
 
+  // CPU: the BLAS library's packing buffers, which the full batch's matrix
+  // products touch beyond the calibration's (predict/blas_workspace.hpp):
+  // measured at the full batch, linear in the batch beyond the largest one run
+  // for real.
+  std::int64_t blas_bytes = 0;
+  const std::int64_t real_batch = base_shape_only ? detail::first_calibration_batch : base_fit.second_batch();
+  if (device.is_cpu() && outside_cpu >= 0 && out.batch_size > real_batch) {
+    const auto full = detail::products_at(c.products[base_fit.first_batch()], base_fit.first_batch(),
+                                          c.products[base_fit.second_batch()], base_fit.second_batch(),
+                                          out.batch_size);
+    if (full.empty() && !c.products[base_fit.second_batch()].empty()) {
+      out.notes.push_back("the BLAS library's buffers at batch " + std::to_string(out.batch_size) +
+                          " are not included: the step's matrix products differ between the calibration batches");
+    } else if (!full.empty()) {
+      const auto probe = detail::probe_products(full);
+      blas_bytes = probe.bytes;
+      out.notes.push_back(
+          "outside the allocator includes " + memscale::detail::format_bytes(blas_bytes) + " at batch " +
+          std::to_string(out.batch_size) + " that the BLAS library's buffers hold beyond the calibration's: the " +
+          std::to_string(probe.products) + " distinct matrix product(s) of the step at that batch, each run once " +
+          "for real on 16 columns" + (probe.scaled ? " (those over 64 MiB on fewer rows, scaled)" : "") +
+          "; taken as linear in the batch beyond batch " + std::to_string(real_batch));
+    }
+  }
+  if (blas_bytes > 0) {
+    out.outside_growth_from = real_batch;
+    out.outside_bytes_per_sample =
+        static_cast<double>(blas_bytes) / static_cast<double>(out.batch_size - real_batch);
+  }
+  const auto blas_at = [&](std::int64_t batch) -> std::int64_t {
+    return batch <= out.outside_growth_from
+               ? 0
+               : static_cast<std::int64_t>(out.outside_bytes_per_sample *
+                                           static_cast<double>(batch - out.outside_growth_from));
+  };
+
   timeline_fit plan_fit = base_fit;
   {
     Config planning = config;
@@ -206,7 +242,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
       // allocator: the figure the calibration measured (profiling at batch 2
       // would see little of it).
       core::profile_scale_scope scale(static_cast<double>(out.batch_size) / static_cast<double>(profile_batch),
-                                      outside_cpu);
+                                      outside_cpu < 0 ? outside_cpu : outside_cpu + blas_bytes);
       if (out.shape_only) {
         // Profiled shape-only too: the bytes each unit keeps are what a real
         // run allocates; its times are estimated (matrix products' arithmetic
@@ -318,7 +354,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     b.activation_bytes = std::max<std::int64_t>(0, fit.at_mark(0, batch));
     b.transient_bytes = std::max<std::int64_t>(0, allocator - b.parameter_bytes - b.buffer_bytes -
                                                       b.gradient_bytes - b.optimizer_state_bytes - b.activation_bytes);
-    b.outside_allocator_bytes = outside;
+    b.outside_allocator_bytes = outside + blas_at(batch);
     return b;
   };
   out.baseline = breakdown(base_fit, own, out.batch_size);
@@ -359,7 +395,8 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
            << (base_shape_only ? "the resident size's growth over the calibration without the plan, beyond the "
                                 "allocator's (what its real first calls left: code read in, kernels' buffers)"
                               : "the resident high-water mark's growth over the calibration without the plan, "
-                                "beyond the allocator's largest step");
+                                "beyond the allocator's largest step")
+           << (blas_bytes > 0 ? ", plus the BLAS library's buffers for the full batch's matrix products" : "");
   out.method = method.str();
   if (!loss_given)
     out.notes.push_back("no loss_fn: the loss is taken as output.sum(), whose memory is negligible; pass the "

@@ -164,6 +164,7 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
     if (state.tally == nullptr) return;
     state.tally->flops += work.flops;
     state.tally->bytes_moved += work.bytes;
+    if (work.product) state.tally->products.push_back(*work.product);
   };
   const auto real = [&] {
     count(&shape_only_tally::real);

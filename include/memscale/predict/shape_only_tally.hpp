@@ -16,12 +16,15 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include <torch/torch.h>
 #include <torch/version.h>
 
 #include <memscale/device/compute_rates.hpp>
+#include <memscale/predict/blas_workspace.hpp>
 
 namespace memscale::predictor {
 
@@ -46,6 +49,8 @@ struct shape_only_tally {
   /// shape depends on them (nonzero, masked_select, unique): computed from
   /// uninitialised memory, so what follows them may not be the real step's.
   std::int64_t values_read = 0;
+  /// The span's matrix products, in call order (predict/blas_workspace.hpp).
+  std::vector<detail::matrix_product> products;
 };
 
 /// The rates shape-only execution turns an operator's arithmetic and memory
@@ -101,6 +106,7 @@ inline std::int64_t tensor_bytes(const c10::IValue& v) {
 struct operator_work {
   double flops = 0.0;
   double bytes = 0.0;
+  std::optional<matrix_product> product;  ///< a matrix product's shape (one matrix of a batched one)
 };
 inline operator_work work_of(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args,
                              std::int64_t output_bytes) {
@@ -110,8 +116,12 @@ inline operator_work work_of(const c10::FunctionSchema& schema, c10::ArrayRef<c1
                                                                                    : c10::IntArrayRef{};
   };
   double flops = 0.0;
+  std::optional<matrix_product> shape;
   const auto product = [&](c10::IntArrayRef a, c10::IntArrayRef b) {  // [.., M, K] x [.., K, N]
     if (a.size() < 2 || b.size() < 2) return;
+    const auto dtype = args[0].isTensor() && args[0].toTensor().defined() ? args[0].toTensor().scalar_type()
+                                                                          : c10::ScalarType::Float;
+    shape = matrix_product{a[a.size() - 2], a[a.size() - 1], b[b.size() - 1], dtype};
     double batch = 1.0;
     for (std::size_t d = 0; d + 2 < a.size(); ++d) batch *= static_cast<double>(a[d]);
     flops = 2.0 * batch * static_cast<double>(a[a.size() - 2]) * static_cast<double>(a[a.size() - 1]) *
@@ -122,7 +132,7 @@ inline operator_work work_of(const c10::FunctionSchema& schema, c10::ArrayRef<c1
 
   std::int64_t bytes = output_bytes;
   for (const auto& v : args) bytes += tensor_bytes(v);
-  return {flops, static_cast<double>(bytes)};
+  return {flops, static_cast<double>(bytes), shape};
 }
 
 #endif  // TORCH_VERSION_MAJOR < 2

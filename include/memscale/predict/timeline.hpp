@@ -57,6 +57,9 @@ class timeline_fit {
   timeline_fit(const timeline& t1, std::int64_t b1, const timeline& t2, std::int64_t b2)
       : t1_(t1), t2_(t2), b1_(b1), b2_(b2) {}
 
+  [[nodiscard]] std::int64_t first_batch() const noexcept { return b1_; }
+  [[nodiscard]] std::int64_t second_batch() const noexcept { return b2_; }
+
   [[nodiscard]] double value(std::size_t event, std::int64_t batch) const {
     const double v1 = static_cast<double>(t1_.live[event]);
     const double v2 = static_cast<double>(t2_.live[event]);

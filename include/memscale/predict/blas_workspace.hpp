@@ -1,0 +1,185 @@
+// memscale — the BLAS library's packing buffers: what the full batch's matrix
+// products make the process hold outside LibTorch's allocator, which a
+// calibration at batch 2 does not see (predict/run.hpp).
+//
+// OpenBLAS packs an operand of every product into a buffer it allocates once
+// and keeps, and the pages a product touches stay resident. Measured here
+// (OpenBLAS 0.3.21, float, 2 threads): a product [m, k] x [k, n] touches
+// min(k, 384) * m * 4 bytes (for k between 384 and 768, half of k), whatever n
+// is, linearly in m to at least 131072 rows (192 MiB). The example GPT's step
+// at batch 32 holds 5.6 MiB of it more than at batch 2.
+//
+// So predict records the calibration's matrix products (product_recorder), and
+// extrapolates their shapes to the full batch from two calibration batches
+// (products_at). It then runs each distinct product once for real
+// (probe_products), with n cut to 16 columns, and reads the resident size just
+// before and after it, its operands already allocated. The growth is what the
+// full batch's products add. This is measured, not modelled: another BLAS
+// (MKL, or OpenBLAS built otherwise) shows what it does.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include <ATen/record_function.h>
+#include <torch/torch.h>
+
+#include <memscale/device/process_memory.hpp>
+
+namespace memscale::predictor::detail {
+
+/// One matrix product, [m, k] x [k, n] (per matrix for a batched product).
+struct matrix_product {
+  std::int64_t m = 0, k = 0, n = 0;
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  friend bool operator==(const matrix_product&, const matrix_product&) = default;
+};
+
+/// Records the matrix products (aten::mm, addmm, bmm, baddbmm, addbmm) that
+/// run on this thread while it lives, in call order, whether they compute or
+/// run shape-only.
+class product_recorder {
+ public:
+  product_recorder() : previous_(current()) {
+    current() = &products_;
+    handle_ = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&on_call).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+  }
+  product_recorder(const product_recorder&) = delete;
+  product_recorder& operator=(const product_recorder&) = delete;
+  ~product_recorder() {
+    at::removeCallback(handle_);
+    current() = previous_;
+  }
+  [[nodiscard]] std::vector<matrix_product> take() { return std::move(products_); }
+
+ private:
+  static std::vector<matrix_product>*& current() {
+    thread_local std::vector<matrix_product>* products = nullptr;
+    return products;
+  }
+  static std::unique_ptr<at::ObserverContext> on_call(const at::RecordFunction& fn) {
+    auto* products = current();
+    if (products == nullptr || fn.name() == nullptr) return nullptr;
+    const std::string_view name = fn.name();
+    std::size_t first = 0;  // the index of the left operand
+    if (name == "aten::mm" || name == "aten::bmm") first = 0;
+    else if (name == "aten::addmm" || name == "aten::baddbmm" || name == "aten::addbmm") first = 1;
+    else return nullptr;
+    const auto inputs = fn.inputs();
+    if (inputs.size() < first + 2 || !inputs[first].isTensor() || !inputs[first + 1].isTensor()) return nullptr;
+    const auto& a = inputs[first].toTensor();
+    const auto& b = inputs[first + 1].toTensor();
+    if (!a.defined() || !b.defined() || a.dim() < 2 || b.dim() < 2 || !a.device().is_cpu()) return nullptr;
+    products->push_back({a.size(-2), a.size(-1), b.size(-1), a.scalar_type()});
+    return nullptr;
+  }
+
+  std::vector<matrix_product>* previous_;
+  std::vector<matrix_product> products_;
+  at::CallbackHandle handle_ = 0;
+};
+
+/// The products at batch `batch`, each dimension extrapolated linearly from the
+/// same product at batches `batch_a` and `batch_b`; empty when the two lists
+/// differ (another product sequence at the two batches).
+[[nodiscard]] inline std::vector<matrix_product> products_at(const std::vector<matrix_product>& a, std::int64_t batch_a,
+                                                             const std::vector<matrix_product>& b, std::int64_t batch_b,
+                                                             std::int64_t batch) {
+  if (a.size() != b.size() || batch_a == batch_b) return {};
+  const auto at = [&](std::int64_t x, std::int64_t y) {
+    return std::max<std::int64_t>(1, x + (y - x) * (batch - batch_a) / (batch_b - batch_a));
+  };
+  std::vector<matrix_product> out;
+  out.reserve(a.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i].dtype != b[i].dtype) return {};
+    out.push_back({at(a[i].m, b[i].m), at(a[i].k, b[i].k), at(a[i].n, b[i].n), a[i].dtype});
+  }
+  return out;
+}
+
+/// `elements` zeros. On Linux, fresh anonymous pages: reading them maps the
+/// kernel's shared zero page, so a product reads them without the process
+/// holding (or writing) them, where torch::zeros would write every page first
+/// (3.5-4.4 ms for 12 MiB here, more than the product).
+[[nodiscard]] inline torch::Tensor zero_pages(std::int64_t elements, const torch::TensorOptions& options) {
+#if defined(__linux__)
+  const auto bytes = static_cast<std::size_t>(elements) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  void* pages = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (pages != MAP_FAILED)
+    return torch::from_blob(
+        pages, {elements}, [bytes](void* p) { ::munmap(p, bytes); }, options);
+#endif
+  return torch::zeros({elements}, options);
+}
+
+/// What probe_products measured.
+struct workspace_probe {
+  std::int64_t bytes = 0;  ///< the resident growth the products caused
+  int products = 0;        ///< distinct products run
+  bool scaled = false;     ///< a product ran on fewer rows, its growth scaled to all (its operand over the cap)
+};
+
+/// Runs each distinct product of `products` (by element type and k: the
+/// largest m) once for real with 16 columns, and sums the resident size's
+/// growth across each call, its operands allocated and written first. A
+/// product whose left operand would exceed `operand_cap` bytes runs on fewer
+/// rows and its growth is scaled to all of them (linear in the rows, as
+/// measured). Only floating point types, which the BLAS computes.
+[[nodiscard]] inline workspace_probe probe_products(const std::vector<matrix_product>& products,
+                                                    std::int64_t operand_cap = std::int64_t{64} << 20) {
+  std::map<std::pair<c10::ScalarType, std::int64_t>, std::int64_t> rows;  // (dtype, k) -> largest m
+  for (const auto& p : products)
+    if (p.dtype == c10::ScalarType::Float || p.dtype == c10::ScalarType::Double) {
+      auto& m = rows[{p.dtype, p.k}];
+      m = std::max(m, p.m);
+    }
+  workspace_probe out;
+  torch::NoGradGuard no_grad;
+  constexpr std::int64_t columns = 16;
+  const auto rows_run = [&](c10::ScalarType dtype, std::int64_t k, std::int64_t m) {
+    const auto element = static_cast<std::int64_t>(c10::elementSize(dtype));
+    return std::clamp<std::int64_t>(operand_cap / std::max<std::int64_t>(1, k * element), 1, m);
+  };
+  // The operands are views of one zeroed buffer per type, sized for the largest.
+  std::map<c10::ScalarType, std::pair<torch::Tensor, torch::Tensor>> buffers;  // left, right
+  for (const auto& [key, m] : rows) {
+    auto& [left, right] = buffers[key.first];
+    const auto options = torch::TensorOptions().dtype(key.first).device(c10::kCPU);
+    const auto left_elements = rows_run(key.first, key.second, m) * key.second;
+    if (!left.defined() || left.numel() < left_elements) left = zero_pages(left_elements, options);
+    if (!right.defined() || right.numel() < key.second * columns) right = torch::zeros({key.second * columns}, options);
+  }
+  for (const auto& [key, m] : rows) {
+    const auto [dtype, k] = key;
+    const auto run_rows = rows_run(dtype, k, m);
+    const auto& [left_buffer, right_buffer] = buffers[dtype];
+    const auto left = left_buffer.narrow(0, 0, run_rows * k).view({run_rows, k});
+    const auto right = right_buffer.narrow(0, 0, k * columns).view({k, columns});
+    auto result = torch::zeros({run_rows, columns}, left_buffer.options());
+    const auto before = memscale::detail::read_process_memory();
+    at::mm_out(result, left, right);
+    const auto after = memscale::detail::read_process_memory();
+    if (!before || !after) return {};
+    const auto growth = std::max<std::int64_t>(0, after->resident_bytes - before->resident_bytes);
+    out.bytes += run_rows == m ? growth : static_cast<std::int64_t>(static_cast<double>(growth) *
+                                                                     static_cast<double>(m) /
+                                                                     static_cast<double>(run_rows));
+    out.scaled = out.scaled || run_rows < m;
+    ++out.products;
+  }
+  return out;
+}
+
+}  // namespace memscale::predictor::detail
