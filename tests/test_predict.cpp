@@ -580,18 +580,66 @@ TEST_CASE("predict finds the step's matrix products, recorded or shape-only, and
 TEST_CASE("the BLAS probe measures the buffers a product touches once, and OpenBLAS's are its rows times min(k, 384)",
           "[predict][blas]") {
   using memscale::predictor::detail::probe_products;
-  // 20000 rows: more than any other test's products, so its pages are fresh here.
-  const std::vector<matrix_product> products{{20000, 384, 8}, {100, 384, 8}};
+  // ctest runs each case in a process of its own: the rows below are more than
+  // any product this process ran, so their pages are fresh.
+  const bool openblas = dlsym(RTLD_DEFAULT, "openblas_get_config") != nullptr;
+  constexpr double mib = 1 << 20;
+  // Over the operand cap: half the rows it allows, then all of them, and the
+  // rate of the second step extended to the rest. OpenBLAS: 384 x 40000 floats.
+  const auto capped = probe_products({{40000, 384, 8}}, std::int64_t{8} << 20);
+  CHECK(capped.scaled);
+  if (openblas) CHECK(static_cast<double>(capped.bytes) / mib == Approx(58.6).epsilon(0.1));
+  // Whole: one probe per element type and k, at its largest m; 384 x 60000
+  // floats, less the 40000 rows' pages the capped probe touched (8 MiB of them).
+  const std::vector<matrix_product> products{{60000, 384, 8}, {100, 384, 8}};
   const auto first = probe_products(products);
-  CHECK(first.products == 1);  // one per element type and k, at its largest m
+  CHECK(first.products == 1);
   CHECK_FALSE(first.scaled);
+  if (openblas) CHECK(static_cast<double>(first.bytes) / mib == Approx(87.9 - 8.0).epsilon(0.1));
   // What a product touched stays: the same product again adds (almost) nothing.
   const auto again = probe_products(products);
   CHECK(again.bytes <= std::max<std::int64_t>(first.bytes / 8, 1 << 20));
-  // OpenBLAS packs min(k, 384) x rows floats (measured on 0.3.21): 29.3 MiB at
-  // 20000 rows, less what earlier products touched (at most a few MiB).
-  if (dlsym(RTLD_DEFAULT, "openblas_get_config") != nullptr) CHECK(first.bytes >= (20 << 20));
-  // Over the operand cap: fewer rows, the growth scaled to all of them.
-  const auto capped = probe_products({{40000, 256, 8}}, std::int64_t{8} << 20);
-  CHECK(capped.scaled);
+  if (!openblas) SUCCEED("not OpenBLAS: the byte figures are that library's, unchecked");
+}
+
+TEST_CASE("predict counts the BLAS buffers the full batch's products hold, and their growth with the batch",
+          "[predict][blas]") {
+  memory_tracker::install();
+  torch::manual_seed(5);
+  torch::nn::Sequential model(torch::nn::Linear(384, 384), torch::nn::ReLU(), torch::nn::Linear(384, 384));
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+  const auto x = torch::randn({8192, 384});
+  const auto p = memscale::predict(model, x, optimizer, [](const torch::Tensor& y) { return y.pow(2).mean(); },
+                                   test::quiet());
+  INFO(p);
+  bool said = false;
+  for (const auto& note : p.notes) said = said || note.find("BLAS library's buffers hold") != std::string::npos;
+  CHECK(said);
+  REQUIRE(p.outside_growth.size() >= 2);
+  CHECK(p.outside_growth.back().first == 8192);
+  CHECK(p.outside_allocator_bytes_at(8192) == p.baseline.outside_allocator_bytes);
+  CHECK(p.outside_growth_at(p.outside_growth.front().first) == 0);
+  CHECK(p.outside_growth_at(4096) <= p.outside_growth_at(8192));
+  CHECK(p.outside_growth_at(16384) >= p.outside_growth_at(8192));
+  // OpenBLAS: 384 x 8192 floats for the forward products (12 MiB), less what the
+  // calibration at batch 2 touched.
+  if (dlsym(RTLD_DEFAULT, "openblas_get_config") != nullptr)
+    CHECK(p.outside_growth_at(8192) >= std::int64_t{10} << 20);
+}
+
+TEST_CASE("a prediction's outside-allocator growth is linear between its points and past the last",
+          "[predict][blas]") {
+  memscale::Prediction p;
+  p.batch_size = 16;
+  p.baseline.outside_allocator_bytes = 1000 + 300;
+  p.outside_growth = {{2, 0}, {8, 100}, {16, 300}};
+  CHECK(p.outside_growth_at(1) == 0);
+  CHECK(p.outside_growth_at(2) == 0);
+  CHECK(p.outside_growth_at(5) == 50);
+  CHECK(p.outside_growth_at(12) == 200);
+  CHECK(p.outside_growth_at(32) == 700);  // 25 per sample past 16
+  CHECK(p.outside_allocator_bytes_at(32) == 1700);
+  CHECK(p.outside_allocator_bytes_at(2) == 1000);
+  p.outside_growth.clear();
+  CHECK(p.outside_allocator_bytes_at(64) == 1300);
 }

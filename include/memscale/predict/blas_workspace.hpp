@@ -10,12 +10,18 @@
 // at batch 32 holds 5.6 MiB of it more than at batch 2.
 //
 // So predict records the calibration's matrix products (product_recorder), and
-// extrapolates their shapes to the full batch from two calibration batches
-// (products_at). It then runs each distinct product once for real
-// (probe_products), with n cut to 16 columns, and reads the resident size just
-// before and after it, its operands already allocated. The growth is what the
-// full batch's products add. This is measured, not modelled: another BLAS
-// (MKL, or OpenBLAS built otherwise) shows what it does.
+// extrapolates their shapes to other batches from two calibration batches
+// (products_at). It then runs each distinct product for real (probe_products),
+// with n cut to 16 columns, at half the batch and at the batch, and reads the
+// resident size just before and after each, its operands already in place.
+// The growth is what those batches' products add. This is measured, not
+// modelled: another BLAS (MKL, or OpenBLAS built otherwise) shows what it does.
+//
+// Not seen: BLAS calls that are not one of those five operators (a
+// convolution's im2col path, LibTorch 2.x's _addmm_activation and CPU
+// attention kernels), complex products, and the pages the process held before
+// (the growth is relative to now: a second predict() in a process finds most
+// of them held).
 #pragma once
 
 #include <algorithm>
@@ -47,13 +53,14 @@ struct matrix_product {
 
 /// Records the matrix products (aten::mm, addmm, bmm, baddbmm, addbmm) that
 /// run on this thread while it lives, in call order, whether they compute or
-/// run shape-only.
+/// run shape-only. One recorder at a time on a thread (a nested one would see
+/// each product twice).
 class product_recorder {
  public:
   product_recorder() : previous_(current()) {
-    current() = &products_;
     handle_ = at::addThreadLocalCallback(
         at::RecordFunctionCallback(&on_call).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+    current() = &products_;
   }
   product_recorder(const product_recorder&) = delete;
   product_recorder& operator=(const product_recorder&) = delete;
@@ -80,7 +87,9 @@ class product_recorder {
     if (inputs.size() < first + 2 || !inputs[first].isTensor() || !inputs[first + 1].isTensor()) return nullptr;
     const auto& a = inputs[first].toTensor();
     const auto& b = inputs[first + 1].toTensor();
-    if (!a.defined() || !b.defined() || a.dim() < 2 || b.dim() < 2 || !a.device().is_cpu()) return nullptr;
+    if (!a.defined() || !b.defined() || a.dim() < 2 || b.dim() < 2 || !a.device().is_cpu() ||
+        a.layout() != c10::kStrided || b.layout() != c10::kStrided)
+      return nullptr;
     products->push_back({a.size(-2), a.size(-1), b.size(-1), a.scalar_type()});
     return nullptr;
   }
@@ -117,9 +126,14 @@ class product_recorder {
 #if defined(__linux__)
   const auto bytes = static_cast<std::size_t>(elements) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
   void* pages = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (pages != MAP_FAILED)
+  if (pages != MAP_FAILED) {
+#if defined(MADV_NOHUGEPAGE)
+    // Where transparent huge pages map no zero page, a read would allocate one.
+    (void)::madvise(pages, bytes, MADV_NOHUGEPAGE);
+#endif
     return torch::from_blob(
         pages, {elements}, [bytes](void* p) { ::munmap(p, bytes); }, options);
+  }
 #endif
   return torch::zeros({elements}, options);
 }
@@ -128,17 +142,28 @@ class product_recorder {
 struct workspace_probe {
   std::int64_t bytes = 0;  ///< the resident growth the products caused
   int products = 0;        ///< distinct products run
-  bool scaled = false;     ///< a product ran on fewer rows, its growth scaled to all (its operand over the cap)
+  bool scaled = false;     ///< a product ran on fewer rows, its growth extended to all (its operand over the cap)
 };
 
 /// Runs each distinct product of `products` (by element type and k: the
 /// largest m) once for real with 16 columns, and sums the resident size's
-/// growth across each call, its operands allocated and written first. A
-/// product whose left operand would exceed `operand_cap` bytes runs on fewer
-/// rows and its growth is scaled to all of them (linear in the rows, as
-/// measured). Only floating point types, which the BLAS computes.
+/// growth across each call, its operands in place first (the left one zero
+/// pages, read without being held). A product whose left operand would exceed
+/// `operand_cap` bytes runs on half, then all of the rows the cap allows, and
+/// its growth is extended to all rows at the rate of that second step (linear
+/// in the rows, as measured; an under-estimate where the pages of those rows
+/// were held already). Only float and double, which the BLAS computes.
+/// The largest left operand probe_products runs whole: 1 GiB of zero pages on
+/// Linux (they cost the product's arithmetic only), else 64 MiB of zeros.
+inline constexpr std::int64_t probe_operand_cap =
+#if defined(__linux__)
+    std::int64_t{1} << 30;
+#else
+    std::int64_t{64} << 20;
+#endif
+
 [[nodiscard]] inline workspace_probe probe_products(const std::vector<matrix_product>& products,
-                                                    std::int64_t operand_cap = std::int64_t{64} << 20) {
+                                                    std::int64_t operand_cap = probe_operand_cap) {
   std::map<std::pair<c10::ScalarType, std::int64_t>, std::int64_t> rows;  // (dtype, k) -> largest m
   for (const auto& p : products)
     if (p.dtype == c10::ScalarType::Float || p.dtype == c10::ScalarType::Double) {
@@ -152,7 +177,7 @@ struct workspace_probe {
     const auto element = static_cast<std::int64_t>(c10::elementSize(dtype));
     return std::clamp<std::int64_t>(operand_cap / std::max<std::int64_t>(1, k * element), 1, m);
   };
-  // The operands are views of one zeroed buffer per type, sized for the largest.
+  // The operands are views of one buffer per type, sized for the largest.
   std::map<c10::ScalarType, std::pair<torch::Tensor, torch::Tensor>> buffers;  // left, right
   for (const auto& [key, m] : rows) {
     auto& [left, right] = buffers[key.first];
@@ -161,22 +186,33 @@ struct workspace_probe {
     if (!left.defined() || left.numel() < left_elements) left = zero_pages(left_elements, options);
     if (!right.defined() || right.numel() < key.second * columns) right = torch::zeros({key.second * columns}, options);
   }
-  for (const auto& [key, m] : rows) {
-    const auto [dtype, k] = key;
-    const auto run_rows = rows_run(dtype, k, m);
+  // The resident growth of one product of `r` rows; -1 where it cannot be read.
+  const auto growth_of = [&](c10::ScalarType dtype, std::int64_t k, std::int64_t r) -> std::int64_t {
     const auto& [left_buffer, right_buffer] = buffers[dtype];
-    const auto left = left_buffer.narrow(0, 0, run_rows * k).view({run_rows, k});
+    const auto left = left_buffer.narrow(0, 0, r * k).view({r, k});
     const auto right = right_buffer.narrow(0, 0, k * columns).view({k, columns});
-    auto result = torch::zeros({run_rows, columns}, left_buffer.options());
+    auto result = torch::zeros({r, columns}, left_buffer.options());
     const auto before = memscale::detail::read_process_memory();
     at::mm_out(result, left, right);
     const auto after = memscale::detail::read_process_memory();
-    if (!before || !after) return {};
-    const auto growth = std::max<std::int64_t>(0, after->resident_bytes - before->resident_bytes);
-    out.bytes += run_rows == m ? growth : static_cast<std::int64_t>(static_cast<double>(growth) *
-                                                                     static_cast<double>(m) /
-                                                                     static_cast<double>(run_rows));
-    out.scaled = out.scaled || run_rows < m;
+    if (!before || !after) return -1;
+    return std::max<std::int64_t>(0, after->resident_bytes - before->resident_bytes);
+  };
+  for (const auto& [key, m] : rows) {
+    const auto [dtype, k] = key;
+    const auto r = rows_run(dtype, k, m);
+    if (r == m || r < 2) {
+      const auto g = growth_of(dtype, k, m == r ? m : r);
+      if (g < 0) return {};
+      out.bytes += g;
+    } else {
+      const auto first = growth_of(dtype, k, r / 2);
+      const auto second = growth_of(dtype, k, r);
+      if (first < 0 || second < 0) return {};
+      const double per_row = static_cast<double>(second) / static_cast<double>(r - r / 2);
+      out.bytes += first + second + static_cast<std::int64_t>(per_row * static_cast<double>(m - r));
+      out.scaled = true;
+    }
     ++out.products;
   }
   return out;

@@ -13,11 +13,13 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <memscale/device/hardware.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/execute/verify.hpp>
 #include <memscale/predict/blas_workspace.hpp>
@@ -170,6 +172,54 @@ inline std::string fit_shape_only_or_real(calibration& c, calibration::execution
   }
   fit = fit_timelines(c, batches, note, allocator_growth);
   return why;
+}
+
+/// What blas_growth found: the (batch, bytes) points of Prediction::outside_growth
+/// (empty when nothing was measured) and what to say about it.
+struct blas_growth_result {
+  std::vector<std::pair<std::int64_t, std::int64_t>> points;
+  std::string note;
+};
+
+/// The BLAS library's buffers that the step's matrix products hold beyond the
+/// calibration's (predict/blas_workspace.hpp), from the products of the fit's
+/// two calibration batches: measured at half of `batch`, then at `batch` (so
+/// that the pages stay within what a step at `batch` holds anyway), none at
+/// `real_batch` (the largest batch the products ran at for real).
+inline blas_growth_result blas_growth(calibration& c, const timeline_fit& fit, std::int64_t real_batch,
+                                      std::int64_t batch) {
+  blas_growth_result out;
+  if (batch <= real_batch) return out;
+  const auto& at_a = c.products[fit.first_batch()];
+  const auto& at_b = c.products[fit.second_batch()];
+  const auto at = [&](std::int64_t b) { return products_at(at_a, fit.first_batch(), at_b, fit.second_batch(), b); };
+  const auto full = at(batch);
+  if (full.empty()) {
+    if (!at_b.empty())
+      out.note = "the BLAS library's buffers at batch " + std::to_string(batch) +
+                 " are not included: the step's matrix products differ between the calibration batches";
+    return out;
+  }
+  try {
+    const auto half = batch / 2;
+    const auto at_half = half > real_batch ? probe_products(at(half)).bytes : std::int64_t{0};
+    const auto probe = probe_products(full);
+    out.points = {{real_batch, 0}};
+    if (half > real_batch) out.points.emplace_back(half, at_half);
+    out.points.emplace_back(batch, at_half + probe.bytes);
+    out.note = "outside the allocator includes " + memscale::detail::format_bytes(at_half + probe.bytes) +
+               " at batch " + std::to_string(batch) + " that the BLAS library's buffers hold beyond the " +
+               "calibration's: the " + std::to_string(probe.products) + " distinct matrix product(s) of the step, " +
+               "run once for real on 16 columns at half the batch and at the batch" +
+               (probe.scaled ? " (those over the operand cap on fewer rows, extended to all)" : "") +
+               "; for other batches, linear between those and beyond at the rate of the last two (an over-estimate "
+               "where a product's buffer stops growing past this batch)";
+  } catch (const std::exception& e) {
+    out.points.clear();
+    out.note = "the BLAS library's buffers are not included: running the step's matrix products failed (" +
+               memscale::detail::message_of(e) + ")";
+  }
+  return out;
 }
 
 }  // namespace memscale::predictor::detail

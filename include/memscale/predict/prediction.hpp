@@ -4,11 +4,13 @@
 // predict/run.hpp fills it; predict/predict.hpp is the entry point.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <iomanip>
 #include <ostream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <memscale/core/plan.hpp>
@@ -60,19 +62,25 @@ struct Prediction {
   std::int64_t max_batch_size = 0;
 
   /// CPU: the part of outside_allocator_bytes that grows with the batch, the
-  /// BLAS library's buffers (predict/blas_workspace.hpp): this many bytes per
-  /// sample beyond batch `outside_growth_from`, none below it.
-  double outside_bytes_per_sample = 0.0;
-  std::int64_t outside_growth_from = 0;
-  /// What the breakdowns' outside_allocator_bytes would read at batch `batch`
+  /// BLAS library's buffers (predict/blas_workspace.hpp), measured at these
+  /// (batch, bytes) points in increasing batch order: none at or below the
+  /// first, linear between them, and past the last at the rate of the last two.
+  std::vector<std::pair<std::int64_t, std::int64_t>> outside_growth;
+  /// That part at batch `batch`.
+  [[nodiscard]] std::int64_t outside_growth_at(std::int64_t batch) const noexcept {
+    if (outside_growth.size() < 2 || batch <= outside_growth.front().first) return 0;
+    std::size_t i = 1;
+    while (i + 1 < outside_growth.size() && batch > outside_growth[i].first) ++i;
+    const auto [b0, v0] = outside_growth[i - 1];
+    const auto [b1, v1] = outside_growth[i];
+    const double rate = static_cast<double>(v1 - v0) / static_cast<double>(b1 - b0);
+    return std::max<std::int64_t>(0, v0 + static_cast<std::int64_t>(rate * static_cast<double>(batch - b0)));
+  }
+  /// What the breakdown's outside_allocator_bytes would read at batch `batch`
   /// (as the largest-batch search counts it).
   [[nodiscard]] std::int64_t outside_allocator_bytes_at(std::int64_t batch, bool with_plan = false) const noexcept {
-    const auto grown = [&](std::int64_t b) {
-      return b <= outside_growth_from
-                 ? std::int64_t{0}
-                 : static_cast<std::int64_t>(outside_bytes_per_sample * static_cast<double>(b - outside_growth_from));
-    };
-    return (with_plan ? planned : baseline).outside_allocator_bytes - grown(batch_size) + grown(batch);
+    return (with_plan ? planned : baseline).outside_allocator_bytes - outside_growth_at(batch_size) +
+           outside_growth_at(batch);
   }
 
   Report plan;               ///< the plan `config` applies at the full batch

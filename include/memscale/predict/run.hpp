@@ -191,40 +191,16 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   if (!misaligned.empty()) out.notes.push_back("baseline: " + misaligned);
 
   // CPU: the BLAS library's packing buffers, which the full batch's matrix
-  // products touch beyond the calibration's (predict/blas_workspace.hpp):
-  // measured at the full batch, linear in the batch beyond the largest one run
-  // for real.
+  // products touch beyond the calibration's (predict/blas_workspace.hpp).
   std::int64_t blas_bytes = 0;
-  const std::int64_t real_batch = base_shape_only ? detail::first_calibration_batch : base_fit.second_batch();
-  if (device.is_cpu() && outside_cpu >= 0 && out.batch_size > real_batch) {
-    const auto full = detail::products_at(c.products[base_fit.first_batch()], base_fit.first_batch(),
-                                          c.products[base_fit.second_batch()], base_fit.second_batch(),
-                                          out.batch_size);
-    if (full.empty() && !c.products[base_fit.second_batch()].empty()) {
-      out.notes.push_back("the BLAS library's buffers at batch " + std::to_string(out.batch_size) +
-                          " are not included: the step's matrix products differ between the calibration batches");
-    } else if (!full.empty()) {
-      const auto probe = detail::probe_products(full);
-      blas_bytes = probe.bytes;
-      out.notes.push_back(
-          "outside the allocator includes " + memscale::detail::format_bytes(blas_bytes) + " at batch " +
-          std::to_string(out.batch_size) + " that the BLAS library's buffers hold beyond the calibration's: the " +
-          std::to_string(probe.products) + " distinct matrix product(s) of the step at that batch, each run once " +
-          "for real on 16 columns" + (probe.scaled ? " (those over 64 MiB on fewer rows, scaled)" : "") +
-          "; taken as linear in the batch beyond batch " + std::to_string(real_batch));
-    }
+  if (device.is_cpu() && outside_cpu >= 0) {
+    const std::int64_t real_batch = base_shape_only ? detail::first_calibration_batch : base_fit.second_batch();
+    auto blas = detail::blas_growth(c, base_fit, real_batch, out.batch_size);
+    out.outside_growth = std::move(blas.points);
+    blas_bytes = out.outside_growth_at(out.batch_size);
+    if (!blas.note.empty()) out.notes.push_back(std::move(blas.note));
   }
-  if (blas_bytes > 0) {
-    out.outside_growth_from = real_batch;
-    out.outside_bytes_per_sample =
-        static_cast<double>(blas_bytes) / static_cast<double>(out.batch_size - real_batch);
-  }
-  const auto blas_at = [&](std::int64_t batch) -> std::int64_t {
-    return batch <= out.outside_growth_from
-               ? 0
-               : static_cast<std::int64_t>(out.outside_bytes_per_sample *
-                                           static_cast<double>(batch - out.outside_growth_from));
-  };
+  const auto blas_at = [&](std::int64_t batch) { return out.outside_growth_at(batch); };
 
   timeline_fit plan_fit = base_fit;
   {
@@ -276,6 +252,9 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     out.plan = attached->report();
     out.plan_applies = out.plan.checkpointed_segments() + out.plan.offloaded_units() + out.plan.tiled_segments() > 0 ||
                        config.use_mixed_precision;
+    if (blas_bytes > 0 && (out.plan.tiled_segments() > 0 || config.use_mixed_precision))
+      out.notes.push_back("with the plan, the BLAS library's buffers are counted as without it: its tiled or "
+                          "bf16 products hold less (an over-estimate)");
     if (out.plan_applies) {
       // The plan's first training forward does one-time work (each checkpointed
       // segment's probe for the tensors it reads): done here, unrecorded (and
