@@ -139,6 +139,41 @@ TEST_CASE("the plan's recompute is within 5% of the optimum at the same budget",
                                                                   << " of 120 chains re-planned by the optimum)");
 }
 
+TEST_CASE("at the minimum, the optimal schedule one DP level above the greedy's peak replaces it",
+          "[engine][optimal]") {
+  // The benchmark's flat chain in its shape: (Linear 256->1024, GELU, Linear
+  // 1024->256, LayerNorm, Dropout) x 8 on 4 MiB activations; the Linears'
+  // gradients come from their inputs (a run ending at one skips its product).
+  constexpr std::int64_t mib = 1 << 20, narrow = 4 * mib, wide = 16 * mib;
+  std::vector<slot_cost> chain;
+  for (int b = 0; b < 8; ++b) {
+    slot_cost l1{.input_bytes = narrow, .output_bytes = wide, .saves_input = true, .backward_from_input = true,
+                 .forward_seconds = 8e-3};
+    slot_cost gelu{.input_bytes = wide, .output_bytes = wide, .saves_input = true, .forward_seconds = 3e-3};
+    slot_cost l2{.input_bytes = wide, .output_bytes = narrow, .saves_input = true, .backward_from_input = true,
+                 .forward_seconds = 8e-3};
+    slot_cost norm{.input_bytes = narrow, .output_bytes = narrow, .saved_bytes = 32 << 10, .saves_input = true,
+                   .forward_seconds = 0.7e-3};
+    slot_cost dropout{.input_bytes = narrow, .output_bytes = narrow, .saved_bytes = narrow, .forward_seconds = 6e-3};
+    for (const auto& slot : {l1, gelu, l2, norm, dropout}) chain.push_back(slot);
+  }
+  engine_input in{memscale::OptimizationMode::Aggressive, true, false, std::int64_t{1} << 34, 0};
+  const auto plan = decide({chain}, {true}, in);
+  REQUIRE(plan.overrides.size() == 1);
+  const auto& o = plan.overrides.front();
+  // The greedy's whole blocks recompute every Linear; the schedule ends its runs
+  // at Linears, 32 KiB above the greedy's minimum of 92 MiB.
+  CHECK(o.optimal_seconds < 0.85 * o.greedy_seconds);
+  CHECK(o.optimal_peak > o.greedy_peak);
+  CHECK(o.optimal_peak <= o.greedy_peak + o.greedy_peak / 2048);
+  CHECK(plan.planned_peak == o.optimal_peak);
+  CHECK(recompute_seconds(chain, plan.units[0]) == Approx(o.optimal_seconds).epsilon(1e-12));
+  // Balanced with room to spare is not at its minimum: no tolerance there.
+  engine_input balanced{memscale::OptimizationMode::Balanced, true, true, 200 * mib, 0};
+  const auto within = decide({chain}, {true}, balanced);
+  CHECK(within.planned_peak <= within.target_bytes);
+}
+
 TEST_CASE("the engine is deterministic and records a rule for every chain slot", "[engine]") {
   std::mt19937 rng(7);
   auto a = random_chain(rng, 12), b = random_chain(rng, 9);

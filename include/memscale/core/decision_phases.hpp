@@ -87,9 +87,12 @@ constexpr bool better(const candidate& x, const candidate& y) {
 /// less; the chain's decisions then read R11 and plan.overrides records the
 /// greedy's figures beside the optimum's. The DP rounds live bytes up once per
 /// unit: it is asked with that rounding as slack first and, should its plan then
-/// overshoot, without. Earlier chains are final when a later one is re-planned.
+/// overshoot, without. `tolerant` (decide() tries it where the peak to keep is
+/// the greedy's own, Aggressive's minimum): a schedule within one of the DP's
+/// levels (1/2048 of the chain's room) above that peak counts as keeping it.
+/// Earlier chains are final when a later one is re-planned.
 constexpr void assign_optimal(const std::vector<std::vector<slot_cost>>& chains, const std::vector<bool>& supported,
-                              const engine_input& in, engine_plan& plan) {
+                              const engine_input& in, engine_plan& plan, bool tolerant = false) {
   const auto budget = std::max(plan.target_bytes, plan.planned_peak);
   for (int c = 0; c < static_cast<int>(chains.size()); ++c) {
     const auto& s = chains[c];
@@ -101,6 +104,7 @@ constexpr void assign_optimal(const std::vector<std::vector<slot_cost>>& chains,
     if (room <= 0) continue;
     const int limit = static_cast<std::size_t>(c) < in.segment_limit.size() ? in.segment_limit[c] : 0;
     const int buckets = static_cast<int>(std::min<std::int64_t>(room, 2048));
+    const std::int64_t tolerance = tolerant ? room / buckets : 0;
     std::vector<unit> best;
     double best_seconds = greedy_seconds * (1.0 - 1e-9);
     std::int64_t best_peak = 0;
@@ -110,14 +114,14 @@ constexpr void assign_optimal(const std::vector<std::vector<slot_cost>>& chains,
       auto trial = plan.units;
       trial[c] = dp.units;
       const auto peak = project_model_peak(chains, trial, in.static_bytes);
-      if (peak > budget) return;
+      if (peak > budget + tolerance) return;
       best = dp.units;
       best_seconds = dp.recompute_seconds;
       best_peak = peak;
     };
     if (buckets < room && buckets > n + 1)
-      consider(room + (room * (n + 1) + buckets - n - 2) / (buckets - n - 1));
-    if (best.empty()) consider(room);
+      consider(room + tolerance + ((room + tolerance) * (n + 1) + buckets - n - 2) / (buckets - n - 1));
+    if (best.empty()) consider(room + tolerance);
     if (best.empty()) continue;
 
     plan.overrides.push_back({c, greedy_seconds, best_seconds, plan.planned_peak, best_peak, budget});

@@ -229,7 +229,11 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
     note << "chain '" << (path.empty() ? "<root>" : path) << "': the optimal schedule (R11, core/optimal_chain.hpp) "
          << "replaced the greedy rules' segments, recompute " << std::setprecision(3) << o.greedy_seconds * 1e3
          << " -> " << o.optimal_seconds * 1e3 << " ms per step, projected peak " << detail::format_bytes(o.greedy_peak)
-         << " -> " << detail::format_bytes(o.optimal_peak) << " (within " << detail::format_bytes(o.budget) << ")";
+         << " -> " << detail::format_bytes(o.optimal_peak)
+         << (o.optimal_peak > o.budget ? " (" + detail::format_bytes(o.optimal_peak - o.budget) +
+                                             " above the greedy's minimum: within the schedule search's resolution, "
+                                             "1/2048 of the chain's room)"
+                                       : " (within " + detail::format_bytes(o.budget) + ")");
     out.notes.push_back(note.str());
   }
   // A plan's cut reaches the process only if freed blocks leave it: say so on CPU
