@@ -166,7 +166,7 @@ namespace memscale::core {
   // as well, its step peak stays within that resolution of the strict plan's (with
   // offload the strict plan's segments may offload more: there it stays).
   const bool at_minimum = plan.target_bytes < plan.planned_peak;
-  engine_plan tolerant = plan;
+  engine_plan tolerant = plan;  // copied whatever at_minimum: GCC's constant evaluation rejects a conditional copy
   assign_optimal(chains, supported, in, plan);
   assign_tiling(chains, supported, in, plan);
   assign_offload(chains, supported, in, plan);

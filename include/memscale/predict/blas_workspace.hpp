@@ -145,14 +145,6 @@ struct workspace_probe {
   bool scaled = false;     ///< a product ran on fewer rows, its growth extended to all (its operand over the cap)
 };
 
-/// Runs each distinct product of `products` (by element type and k: the
-/// largest m) once for real with 16 columns, and sums the resident size's
-/// growth across each call, its operands in place first (the left one zero
-/// pages, read without being held). A product whose left operand would exceed
-/// `operand_cap` bytes runs on half, then all of the rows the cap allows, and
-/// its growth is extended to all rows at the rate of that second step (linear
-/// in the rows, as measured; an under-estimate where the pages of those rows
-/// were held already). Only float and double, which the BLAS computes.
 /// The largest left operand probe_products runs whole: 1 GiB of zero pages on
 /// Linux (they cost the product's arithmetic only), else 64 MiB of zeros.
 inline constexpr std::int64_t probe_operand_cap =
@@ -162,6 +154,14 @@ inline constexpr std::int64_t probe_operand_cap =
     std::int64_t{64} << 20;
 #endif
 
+/// Runs each distinct product of `products` (by element type and k: the
+/// largest m) once for real with 16 columns, and sums the resident size's
+/// growth across each call, its operands in place first (the left one zero
+/// pages, read without being held). A product whose left operand would exceed
+/// `operand_cap` bytes runs on half, then all of the rows the cap allows, and
+/// its growth is extended to all rows at the rate of that second step (linear
+/// in the rows, as measured; an under-estimate where the pages of those rows
+/// were held already). Only float and double, which the BLAS computes.
 [[nodiscard]] inline workspace_probe probe_products(const std::vector<matrix_product>& products,
                                                     std::int64_t operand_cap = probe_operand_cap) {
   std::map<std::pair<c10::ScalarType, std::int64_t>, std::int64_t> rows;  // (dtype, k) -> largest m
@@ -202,7 +202,7 @@ inline constexpr std::int64_t probe_operand_cap =
     const auto [dtype, k] = key;
     const auto r = rows_run(dtype, k, m);
     if (r == m || r < 2) {
-      const auto g = growth_of(dtype, k, m == r ? m : r);
+      const auto g = growth_of(dtype, k, r);
       if (g < 0) return {};
       out.bytes += g;
     } else {

@@ -200,7 +200,6 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     blas_bytes = out.outside_growth_at(out.batch_size);
     if (!blas.note.empty()) out.notes.push_back(std::move(blas.note));
   }
-  const auto blas_at = [&](std::int64_t batch) { return out.outside_growth_at(batch); };
 
   timeline_fit plan_fit = base_fit;
   {
@@ -333,7 +332,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     b.activation_bytes = std::max<std::int64_t>(0, fit.at_mark(0, batch));
     b.transient_bytes = std::max<std::int64_t>(0, allocator - b.parameter_bytes - b.buffer_bytes -
                                                       b.gradient_bytes - b.optimizer_state_bytes - b.activation_bytes);
-    b.outside_allocator_bytes = outside + blas_at(batch);
+    b.outside_allocator_bytes = outside + out.outside_growth_at(batch);
     return b;
   };
   out.baseline = breakdown(base_fit, own, out.batch_size);
