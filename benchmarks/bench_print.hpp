@@ -59,7 +59,15 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
   os << "\n== " << w.title << " ==\n" << w.description << "\n";
   os << "Balanced budget: memory_budget_gb = " << std::fixed << std::setprecision(4) << w.balanced_budget_gb
      << " (" << mib(w.balanced_budget_gb * gib) << ") = " << std::setprecision(0) << balanced_budget_fraction * 100
-     << "% of the measured baseline total peak " << mib(w.baseline_total) << "\n\n";
+     << "% of the measured baseline total peak " << mib(w.baseline_total) << "\n";
+  if (w.at_hand_budget_gb > 0.0)
+    os << at_hand_row << ": memory_budget_gb = " << std::setprecision(4) << w.at_hand_budget_gb << " ("
+       << mib(w.at_hand_budget_gb * gib)
+       << "), target_gpu_utilization 1: Balanced's target (" << std::setprecision(0)
+       << memscale::core::policy_for(memscale::OptimizationMode::Balanced).target_fraction * 100
+       << "% of it) is the hand-placed row's measured total peak, planned with no reserve outside the "
+          "allocator (both figures are the allocator's)\n";
+  os << "\n";
 
   Table mem({"memory", "ckpt segs", "tiled", "offl units", "peak growth", "vs base", "1st step+plan", "planning", "total peak",
              "projected", "proj/meas"});

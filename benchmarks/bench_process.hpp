@@ -98,7 +98,7 @@ inline bool print_process_rows(const Workload& w, const std::string& part, int s
   std::vector<SoloRow> solo_rows;
   for (const auto& r : w.rows) {
     std::cerr << "[bench] " << w.title << ": " << r.name << " alone in a fresh process\n";
-    solo_rows.push_back(run_solo(part, r.name, steps, w.balanced_budget_gb));
+    solo_rows.push_back(run_solo(part, r.name, steps, r.budget_gb.value_or(w.balanced_budget_gb)));
   }
   const auto& base = solo_rows.front();
   const double base_projected = static_cast<double>(projected_baseline(w));
@@ -135,7 +135,8 @@ inline bool print_process_rows(const Workload& w, const std::string& part, int s
   os << "one process per row: each row alone in a fresh process (this program, --solo), "
      << (solo().default_malloc ? "with glibc's default mmap threshold" : "after fix_malloc_mmap_threshold()")
      << ", its medians over "
-     << steps << " steps after the same warm-up and calibration step; projected (time): as in the table above, "
+     << steps << " steps, each after an unmeasured one as in the turns above, after the same warm-up and "
+        "calibration step; projected (time): as in the table above, "
         "from the plan made in that process (the baseline row: the Conservative row's, which applies nothing); "
         "process growth: a step's resident peak "
         "over its start; process peak: over the process before the model was built (parameters, gradients, AdamW "

@@ -2,8 +2,8 @@
 // trains its own identically seeded model on the same batches, the rows taking
 // turns step by step; each step's peak growth (tracker and process), time and
 // loss are kept, and the optimal-DP yardstick set beside a memscale row's plan.
-// Also the rows each workload runs (mode_rows, offload_rows, and a row that
-// checkpoints each block by hand where the workload gives one) and run_workload.
+// Also run_workload, which builds a workload's rows (bench_rows.hpp; and a row that
+// checkpoints each block by hand where the workload gives one) and runs them.
 #pragma once
 
 #include <algorithm>
@@ -27,6 +27,7 @@
 #include <memscale/memscale.hpp>
 
 #include "bench_common.hpp"
+#include "bench_rows.hpp"
 
 namespace bench {
 
@@ -237,6 +238,7 @@ struct Workload {
   std::vector<RowResult> rows;
   double baseline_total = 0.0;
   double balanced_budget_gb = 0.0;
+  double at_hand_budget_gb = 0.0;  ///< the "Balanced at hand peak" row's budget (0: no hand-placed row)
   std::int64_t dp_min_peak = 0;  ///< lowest projected chain peak the DP reaches (single-chain workloads)
 };
 
@@ -261,55 +263,9 @@ inline std::int64_t dp_min_peak(const std::vector<memscale::slot_cost>& slots) {
 }
 
 /// Builds the baseline row, sets the Balanced budget from its measured total peak,
-/// builds the memscale rows, then measures `steps` rounds in which every row takes
-/// one step in turn (so a change in machine load hits all rows alike).
-/// The memscale rows of a workload, given the Balanced budget (GB) derived from the baseline.
-using row_configs = std::function<std::vector<std::pair<std::string, memscale::Config>>(double)>;
-
-/// A memscale row's Config: `mode`, logging off (the harness prints the plans it needs).
-inline memscale::Config quiet_config(memscale::OptimizationMode mode) {
-  memscale::Config cfg;
-  cfg.enable_logging = false;
-  cfg.mode = mode;
-  return cfg;
-}
-
-/// Conservative (no budget), Balanced (the 60% budget), Aggressive, and Balanced
-/// with force_optimize and no budget.
-inline std::vector<std::pair<std::string, memscale::Config>> mode_rows(double balanced_budget_gb) {
-  std::vector<std::pair<std::string, memscale::Config>> rows;
-  for (auto mode : {memscale::OptimizationMode::Conservative, memscale::OptimizationMode::Balanced,
-                    memscale::OptimizationMode::Aggressive}) {
-    auto cfg = quiet_config(mode);
-    if (mode == memscale::OptimizationMode::Balanced) cfg.memory_budget_gb = balanced_budget_gb;
-    rows.emplace_back(std::string(memscale::to_string(mode)), cfg);
-  }
-  // Balanced forced with no budget, where nothing presses: the light touch.
-  auto forced = quiet_config(memscale::OptimizationMode::Balanced);
-  forced.force_optimize = true;
-  rows.emplace_back("Balanced forced", forced);
-  return rows;
-}
-
-/// The offload rows: Aggressive with checkpointing only, offloading only
-/// (synchronous and async), and both.
-inline std::vector<std::pair<std::string, memscale::Config>> offload_rows(double) {
-  auto cfg = quiet_config(memscale::OptimizationMode::Aggressive);
-  std::vector<std::pair<std::string, memscale::Config>> rows;
-  auto checkpoint = cfg;
-  checkpoint.enable_offloading = false;
-  rows.emplace_back("checkpoint", checkpoint);
-  auto offload = cfg;
-  offload.enable_checkpointing = false;
-  rows.emplace_back("offload sync", offload);
-  offload.async_offload = true;
-  rows.emplace_back("offload async", offload);
-  auto both = cfg;
-  both.async_offload = true;
-  rows.emplace_back("ckpt+offload async", both);
-  return rows;
-}
-
+/// builds the memscale rows (and the hand-placed row with Balanced at its peak),
+/// then measures `steps` rounds in which every row takes a turn (so a change in
+/// machine load hits all rows alike).
 template <class Model>
 Workload run_workload(const std::string& title, const std::string& description,
                       const std::function<Model()>& make_model,
@@ -330,9 +286,16 @@ Workload run_workload(const std::string& title, const std::string& description,
       runners.push_back(std::make_unique<Runner<Model>>(name, make_model, loss_of, data, config));
     else if (name == "hand ckpt/block" && hand_placed)
       runners.push_back(std::make_unique<Runner<Model>>(name, make_model, hand_placed, data, std::nullopt));
+    else if (name == at_hand_row && hand_placed) {
+      memscale::core::profile_scale_scope no_reserve(1.0, 0);  // as in the interleaved run
+      runners.push_back(std::make_unique<Runner<Model>>(name, make_model, loss_of, data, at_hand_config(w.balanced_budget_gb)));
+    }
     else
       throw std::invalid_argument("--solo: " + title + " has no row named '" + name + "'");
-    for (int s = 0; s < steps; ++s) runners.front()->measure();
+    for (int s = 0; s < steps; ++s) {  // the turns of the interleaved run: the same steps, the same losses
+      runners.front()->settle();
+      runners.front()->measure();
+    }
     w.rows.push_back(runners.front()->finish());
     return w;
   }
@@ -351,6 +314,13 @@ Workload run_workload(const std::string& title, const std::string& description,
     std::cerr << "[bench] " << title << ": hand-placed checkpoint per block\n";
     runners.push_back(
         std::make_unique<Runner<Model>>("hand ckpt/block", make_model, hand_placed, data, std::nullopt));
+    const auto& hand = *runners.back();
+    w.at_hand_budget_gb = static_cast<double>(hand.resident + hand.calibration_growth) / gib /
+                          memscale::core::policy_for(memscale::OptimizationMode::Balanced).target_fraction;
+    std::cerr << "[bench] " << title << ": " << at_hand_row << "\n";
+    memscale::core::profile_scale_scope no_reserve(1.0, 0);
+    runners.push_back(
+        std::make_unique<Runner<Model>>(at_hand_row, make_model, loss_of, data, at_hand_config(w.at_hand_budget_gb)));
   }
   for (int s = 0; s < steps; ++s) {
     std::cerr << "[bench] " << title << ": round " << s + 1 << "/" << steps << "\n";

@@ -1,0 +1,75 @@
+// memscale benchmark (bench_memscale.cpp), the rows a workload runs: the modes
+// (Conservative, Balanced at a budget, Aggressive, Balanced forced), Balanced at the
+// hand-placed row's peak, and the offload rows.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <memscale/memscale.hpp>
+
+namespace bench {
+
+/// The memscale rows of a workload, given the Balanced budget (GB) derived from the baseline.
+using row_configs = std::function<std::vector<std::pair<std::string, memscale::Config>>(double)>;
+
+/// A memscale row's Config: `mode`, logging off (the harness prints the plans it needs).
+inline memscale::Config quiet_config(memscale::OptimizationMode mode) {
+  memscale::Config cfg;
+  cfg.enable_logging = false;
+  cfg.mode = mode;
+  return cfg;
+}
+
+/// Conservative (no budget), Balanced (the 60% budget), Aggressive, and Balanced
+/// with force_optimize and no budget.
+inline std::vector<std::pair<std::string, memscale::Config>> mode_rows(double balanced_budget_gb) {
+  std::vector<std::pair<std::string, memscale::Config>> rows;
+  for (auto mode : {memscale::OptimizationMode::Conservative, memscale::OptimizationMode::Balanced,
+                    memscale::OptimizationMode::Aggressive}) {
+    auto cfg = quiet_config(mode);
+    if (mode == memscale::OptimizationMode::Balanced) cfg.memory_budget_gb = balanced_budget_gb;
+    rows.emplace_back(std::string(memscale::to_string(mode)), cfg);
+  }
+  // Balanced forced with no budget, where nothing presses: the light touch.
+  auto forced = quiet_config(memscale::OptimizationMode::Balanced);
+  forced.force_optimize = true;
+  rows.emplace_back("Balanced forced", forced);
+  return rows;
+}
+
+/// Balanced planned at the hand-placed row's memory: all of the budget usable, and
+/// `budget_gb` set (run_workload) so that Balanced's target, its fraction of that,
+/// is the hand row's measured total (resident + a step's growth). Both are the
+/// allocator's share, so the row plans with no reserve outside the allocator (a
+/// process-wide figure, noisy by MiB here): the two compare on time at equal memory.
+inline const std::string at_hand_row = "Balanced at hand peak";
+inline memscale::Config at_hand_config(double budget_gb) {
+  auto cfg = quiet_config(memscale::OptimizationMode::Balanced);
+  cfg.memory_budget_gb = budget_gb;
+  cfg.target_gpu_utilization = 1.0;
+  return cfg;
+}
+
+/// The offload rows: Aggressive with checkpointing only, offloading only
+/// (synchronous and async), and both.
+inline std::vector<std::pair<std::string, memscale::Config>> offload_rows(double) {
+  auto cfg = quiet_config(memscale::OptimizationMode::Aggressive);
+  std::vector<std::pair<std::string, memscale::Config>> rows;
+  auto checkpoint = cfg;
+  checkpoint.enable_offloading = false;
+  rows.emplace_back("checkpoint", checkpoint);
+  auto offload = cfg;
+  offload.enable_checkpointing = false;
+  rows.emplace_back("offload sync", offload);
+  offload.async_offload = true;
+  rows.emplace_back("offload async", offload);
+  auto both = cfg;
+  both.async_offload = true;
+  rows.emplace_back("ckpt+offload async", both);
+  return rows;
+}
+
+}  // namespace bench
