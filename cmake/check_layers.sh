@@ -16,6 +16,7 @@ declare -A layer=(
   [detail]=1 [cuda]=1                            # internals; the kernel declarations
   [device]=2                                     # hardware, memory tracking, process memory
   [offload]=3                                    # offload engine, tiers, I/O pool, saved-tensor hooks
+  [policy]=3                                     # Stage 1: its context, decision, rule and trained policies
   [techniques]=4                                 # checkpoint, offload, tile, precision, 8-bit
   [core]=5                                       # units, profiler, decision engine, plan, optimal chain
   [execute]=6                                    # executor, attach and detach, verify_correctness

@@ -25,6 +25,12 @@ TEST_CASE("every invalid Config field gets a ConfigError naming it", "[api][conf
       {"target_gpu_utilization", [](Config& c) { c.target_gpu_utilization = std::nan(""); }},
       {"warmup_steps", [](Config& c) { c.warmup_steps = -1; }},
       {"log_file", [](Config& c) { c.log_file = ""; }},
+      {"policy", [](Config& c) { c.policy = static_cast<memscale::PolicyKind>(5); }},
+      {"policy_artifact", [](Config& c) { c.policy_artifact = ""; }},
+      {"policy_artifact", [](Config& c) {
+         c.policy = memscale::PolicyKind::rule;
+         c.policy_artifact = "policy.txt";
+       }},
       {"observability_port", [](Config& c) { c.observability_port = 0; }},
       {"observability_port", [](Config& c) { c.observability_port = 70000; }},
       {"async_config.prefetch_depth", [](Config& c) { c.async_config = memscale::AsyncOffloadConfig{.prefetch_depth = 0}; }},

@@ -68,6 +68,12 @@ struct AsyncOffloadConfig {
   }
 };
 
+/// Stage 1's policy, with Config::auto_policy (include/memscale/policy/).
+enum class PolicyKind {
+  trained,  ///< the trained policy: the artifact shipped in the headers, or Config::policy_artifact's
+  rule,     ///< the rule policy (policy/rule_policy.hpp)
+};
+
 struct Config {
   OptimizationMode mode = OptimizationMode::Balanced;
   bool enable_checkpointing = true;
@@ -91,7 +97,12 @@ struct Config {
   bool verify_correctness = false;
   bool async_offload = false;
   std::optional<AsyncOffloadConfig> async_config{};
+  /// Stage 1: choose the mode and the eligible techniques from the profile and the
+  /// memory limit (a GPU or memory_budget_gb), then plan with that effective copy
+  /// of this Config (Report::strategy). Without a limit it keeps this Config.
   bool auto_policy = false;
+  PolicyKind policy = PolicyKind::trained;       ///< with auto_policy: which policy decides
+  std::optional<std::string> policy_artifact{};  ///< a trained policy's artifact to load instead of the shipped one
   /// Explicit device memory budget ("fit in N GB"). Unset: the detected device
   /// memory (or host RAM on a CPU-only host). Makes planning testable on a CPU host.
   std::optional<double> memory_budget_gb{};
@@ -123,6 +134,14 @@ struct Config {
     if (memory_budget_gb && (!std::isfinite(*memory_budget_gb) || *memory_budget_gb <= 0.0))
       throw ConfigError("memory_budget_gb", "must be a finite number of GB > 0 or unset, got " +
                                                 std::to_string(*memory_budget_gb));
+    if (policy != PolicyKind::trained && policy != PolicyKind::rule)
+      throw ConfigError("policy", "must be PolicyKind::trained or PolicyKind::rule, got value " +
+                                      std::to_string(static_cast<int>(policy)));
+    if (policy_artifact && policy_artifact->empty())
+      throw ConfigError("policy_artifact", "must be a file path or unset, got \"\"");
+    if (policy_artifact && policy == PolicyKind::rule)
+      throw ConfigError("policy_artifact", "must be unset with policy = PolicyKind::rule (it names a trained "
+                                           "policy's artifact, which the rule policy would ignore)");
     if (!use_static_profiling && !use_empirical_fallback)
       throw ConfigError("use_empirical_fallback",
                         "at least one of use_static_profiling and use_empirical_fallback must be "

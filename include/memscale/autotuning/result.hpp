@@ -256,12 +256,14 @@ inline void to_json(nlohmann::json& j, const Config& c) {
        {"enable_logging", c.enable_logging},
        {"verify_correctness", c.verify_correctness},
        {"async_offload", c.async_offload},
-       {"auto_policy", c.auto_policy}};
+       {"auto_policy", c.auto_policy},
+       {"policy", c.policy == PolicyKind::rule ? "rule" : "trained"}};
   put_optional(j, "max_cpu_offload_gb", c.max_cpu_offload_gb);
   put_optional(j, "log_file", c.log_file);
   put_optional(j, "observability_port", c.observability_port);
   put_optional(j, "async_config", c.async_config);
   put_optional(j, "memory_budget_gb", c.memory_budget_gb);
+  put_optional(j, "policy_artifact", c.policy_artifact);
 }
 
 inline void from_json(const nlohmann::json& j, Config& c) {
@@ -288,11 +290,17 @@ inline void from_json(const nlohmann::json& j, Config& c) {
   get_if_present(j, "verify_correctness", c.verify_correctness);
   get_if_present(j, "async_offload", c.async_offload);
   get_if_present(j, "auto_policy", c.auto_policy);
+  if (const auto it = j.find("policy"); it != j.end()) {
+    if (!it->is_string() || (*it != "trained" && *it != "rule"))
+      throw ConfigError("policy", "must be \"trained\" or \"rule\", got " + it->dump());
+    c.policy = *it == "rule" ? PolicyKind::rule : PolicyKind::trained;
+  }
   get_optional(j, "max_cpu_offload_gb", c.max_cpu_offload_gb);
   get_optional(j, "log_file", c.log_file);
   get_optional(j, "observability_port", c.observability_port);
   get_optional(j, "async_config", c.async_config);
   get_optional(j, "memory_budget_gb", c.memory_budget_gb);
+  get_optional(j, "policy_artifact", c.policy_artifact);
   c.validate();
 }
 

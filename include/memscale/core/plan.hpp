@@ -17,6 +17,7 @@
 #include <memscale/core/graph.hpp>
 #include <memscale/device/hardware.hpp>
 #include <memscale/core/memory_model.hpp>
+#include <memscale/policy/decision.hpp>
 
 namespace memscale {
 
@@ -75,6 +76,7 @@ struct Report {
   core::engine_plan plan;
   std::vector<std::string> notes;
   std::optional<CorrectnessCheck> verification;  ///< with Config::verify_correctness
+  StrategyDecision strategy;  ///< Stage 1: who chose the mode and techniques, and the Config planned with
 
   [[nodiscard]] std::int64_t static_bytes() const noexcept {
     return parameter_bytes + gradient_bytes + optimizer_reserve_bytes + buffer_bytes + earlier_chains_bytes +
@@ -153,6 +155,7 @@ struct Report {
       print_notes(os);
       return;
     }
+    os << strategy.str() << "\n";
     os << "budget " << format_bytes(budget_bytes) << ", usable " << format_bytes(usable_bytes) << "\n";
     os << "static " << format_bytes(static_bytes()) << " = parameters " << format_bytes(parameter_bytes)
        << " + gradients " << format_bytes(gradient_bytes) << " + optimizer reserve "

@@ -42,6 +42,7 @@
 #include <memscale/device/hardware.hpp>
 #include <memscale/execute/managed_chain.hpp>
 #include <memscale/execute/planning_scope.hpp>
+#include <memscale/execute/stage1.hpp>
 #include <memscale/execute/verify.hpp>
 #include <memscale/offload/engine.hpp>
 #include <memscale/offload/hooks.hpp>
@@ -72,6 +73,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
              technique_set techniques, plan_agreement agree = {},
              std::function<torch::Tensor(const torch::Tensor&)> whole_forward = {})
       : root_(root),
+        caller_config_(config),
         config_(std::move(config)),
         techniques_(techniques),
         agree_(std::move(agree)),
@@ -85,6 +87,9 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/true))
       paths_.emplace(item.value().get(), item.key());
     report_.mode = config_.mode;
+    report_.strategy = as_written(config_, config_.auto_policy
+                                               ? "Stage 1 runs when the first chains are planned"
+                                               : "auto_policy is off: the Config as written");
     report_.hardware = detect_hardware();
     add_technique_notes();
   }
@@ -212,6 +217,12 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     }
   }
 
+  /// Stage 1 (Config::auto_policy), at the first plan: decides the strategy from
+  /// the profiles and the engine's input, narrows `in` and config_ to it, and
+  /// records the decision in `out`.
+  void choose_strategy(const std::vector<chain_profile>& profiles, const std::vector<std::vector<slot_cost>>& costs,
+                       const std::vector<bool>& supported, engine_input& in, const c10::Device& device, Report& out);
+
   /// Profiles chains `which` (inputs indexed by chain) and runs the engine; fills `out`.
   std::vector<std::vector<unit>> plan(const std::vector<std::size_t>& which,
                                       const std::vector<torch::Tensor>& inputs, Report& out);
@@ -305,7 +316,8 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   }
 
   std::weak_ptr<torch::nn::Module> root_;
-  Config config_;
+  const Config caller_config_;  ///< as the caller passed it (Stage 1 starts from it)
+  Config config_;               ///< what planning uses: the caller's, or Stage 1's effective copy
   technique_set techniques_;
   plan_agreement agree_;
   std::function<torch::Tensor(const torch::Tensor&)> whole_forward_;  // empty: forward is not Tensor -> Tensor

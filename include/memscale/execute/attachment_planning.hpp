@@ -81,6 +81,25 @@ inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function
   return inputs;
 }
 
+inline void attachment::choose_strategy(const std::vector<chain_profile>& profiles,
+                                        const std::vector<std::vector<slot_cost>>& costs,
+                                        const std::vector<bool>& supported, engine_input& in,
+                                        const c10::Device& device, Report& out) {
+  const bool call_sites = std::any_of(chains_.begin(), chains_.end(),
+                                      [](const managed_chain& c) { return c.source == chain_source::call_sites; });
+  const auto context = strategy_context(profiles, costs, supported, in, device.is_cuda(),
+                                        caller_config_.memory_budget_gb.has_value(), out.parameter_bytes, call_sites);
+  out.strategy = run_stage1(caller_config_, context);
+  config_ = out.strategy.effective;
+  out.mode = config_.mode;
+  in.mode = config_.mode;
+  in.checkpointing_allowed = in.checkpointing_allowed && config_.enable_checkpointing;
+  in.tiling_allowed = in.tiling_allowed && in.checkpointing_allowed && config_.enable_tiling;
+  in.offload_allowed = in.offload_allowed && config_.enable_offloading;
+  if (config_.enable_logging && out.strategy.decision_source == DecisionSource::rule_fallback)
+    std::clog << "[memscale] warning: " << out.strategy.reason << "\n";
+}
+
 inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::size_t>& which,
                                                        const std::vector<torch::Tensor>& inputs, Report& out) {
   const auto device = inputs[which.front()].device();
@@ -200,6 +219,7 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
     in.offload_bytes_per_second = tiers.second;
     in.offload_min_bytes = engine_options.min_bytes;
   }
+  if (!out.planned && caller_config_.auto_policy) choose_strategy(profiles, costs, supported, in, device, out);
   auto decided = decide(costs, supported, in);
   if (agree_) decided = agree_(profiles, std::move(decided));
 

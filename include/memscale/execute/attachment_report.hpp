@@ -45,9 +45,6 @@ inline void attachment::add_technique_notes() {
     report_.notes.emplace_back("use_8bit_optimizer: build the optimizer with memscale::make_optimizer(config, "
                                "params, options) to get memscale::optim::AdamW8bit (about 2.03 bytes of state per "
                                "parameter instead of AdamW's 8); the plan budgets that state");
-  if (config_.auto_policy)
-    report_.notes.emplace_back("auto_policy: the Stage 1 policy is not implemented in this release; the "
-                               "Config is used as given");
   if (config_.observability_port)
     report_.notes.emplace_back("observability_port: the metrics endpoint is not implemented in this release");
 }

@@ -1,0 +1,201 @@
+// Stage 1 (Config::auto_policy): who decides (user_config, rule, ml,
+// rule_fallback), the caller's Config never changed, the CPU-with-budget path,
+// and the trained policy's artifact loader fed truncated, corrupt, wrong-version
+// and hostile input.
+#include <cstddef>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+
+#include "test_support.hpp"
+
+#include <memscale/policy/trained_policy.hpp>
+
+using memscale::Config;
+using memscale::DecisionSource;
+using memscale::OptimizationMode;
+
+namespace {
+
+/// A valid artifact whose bias makes candidate `k` win whatever the features.
+std::string artifact_choosing(std::size_t k, long schema = memscale::StrategyContext::schema_version) {
+  std::ostringstream os;
+  os << "memscale-policy 1\nschema " << schema << " classes " << memscale::strategy_candidates.size() << " features "
+     << memscale::StrategyContext::feature_count << "\ndataset test-0001\nmean";
+  for (std::size_t f = 0; f < memscale::StrategyContext::feature_count; ++f) os << " 0";
+  os << "\nscale";
+  for (std::size_t f = 0; f < memscale::StrategyContext::feature_count; ++f) os << " 1";
+  os << "\nweights\n";
+  for (std::size_t c = 0; c < memscale::strategy_candidates.size(); ++c) {
+    for (std::size_t f = 0; f < memscale::StrategyContext::feature_count; ++f) os << "0 ";
+    os << (c == k ? 4.0 : 0.0) << "\n";
+  }
+  return os.str();
+}
+
+std::string policy_file(const std::string& name, const std::string& text) {
+  const auto path = std::filesystem::temp_directory_path() / ("memscale_policy_" + name + ".txt");
+  std::ofstream(path, std::ios::binary) << text;
+  return path.string();
+}
+
+/// Plans a flat chain (reserve outside the allocator 0, so budgets are exact) and returns the report.
+memscale::Report policy_plan(const Config& config) {
+  memscale::core::profile_scale_scope no_reserve(1.0, 0);
+  torch::manual_seed(3);
+  auto model = test::flat_chain(4, 64, 256);
+  auto guard = memscale::optimize(model, torch::randn({32, 16, 64}), config);
+  return guard.report();
+}
+
+/// A budget whose Balanced target lies halfway between the chain's checkpoint
+/// floor and its baseline: checkpointing alone reaches it, nothing else is needed.
+double budget_between_floor_and_baseline() {
+  const auto floor = policy_plan(test::quiet({.mode = OptimizationMode::Aggressive, .enable_offloading = false}));
+  const double target = 0.5 * static_cast<double>(floor.planned_peak_bytes() + floor.baseline_peak_bytes());
+  REQUIRE(floor.planned_peak_bytes() < floor.baseline_peak_bytes());
+  return target / memscale::core::policy_for(OptimizationMode::Balanced).target_fraction / (1024.0 * 1024.0 * 1024.0);
+}
+
+}  // namespace
+
+TEST_CASE("auto_policy off, or no memory limit: Stage 1 keeps the Config as written (user_config)", "[policy]") {
+  const auto off = policy_plan(test::quiet({.mode = OptimizationMode::Aggressive}));
+  CHECK(off.strategy.decision_source == DecisionSource::user_config);
+  CHECK(off.strategy.reason.find("auto_policy is off") != std::string::npos);
+  CHECK(off.strategy.effective.mode == OptimizationMode::Aggressive);
+  CHECK(off.mode == OptimizationMode::Aggressive);
+  CHECK_FALSE(off.strategy.context.has_value());
+
+  // A CPU device and no memory_budget_gb: nothing to reason about.
+  const auto no_limit = policy_plan(test::quiet({.mode = OptimizationMode::Aggressive, .auto_policy = true}));
+  CHECK(no_limit.strategy.decision_source == DecisionSource::user_config);
+  CHECK(no_limit.strategy.reason.find("no memory limit") != std::string::npos);
+  CHECK(no_limit.mode == OptimizationMode::Aggressive);
+  CHECK(no_limit.checkpointed_segments() == off.checkpointed_segments());
+  std::ostringstream printed;
+  printed << no_limit;
+  CHECK(printed.str().find("strategy (Stage 1): user_config") != std::string::npos);
+}
+
+TEST_CASE("a CPU with memory_budget_gb: the rule policy chooses, the caller's Config is not changed", "[policy]") {
+  const double budget = budget_between_floor_and_baseline();
+  const Config caller = test::quiet({.mode = OptimizationMode::Aggressive,
+                                     .auto_policy = true,
+                                     .policy = memscale::PolicyKind::rule,
+                                     .memory_budget_gb = budget});
+  const Config copy = caller;
+  const auto report = policy_plan(caller);
+  const auto& s = report.strategy;
+  CHECK(s.decision_source == DecisionSource::rule);
+  INFO(s.str());
+  REQUIRE(s.context.has_value());
+  CHECK(s.context->budget_given);
+  CHECK(s.context->checkpoint_floor_bytes <= s.context->target_bytes);
+  CHECK(s.context->target_bytes < s.context->baseline_peak_bytes);
+  // The least that fits: Balanced, checkpointing only.
+  CHECK(s.choice == memscale::StrategyChoice{OptimizationMode::Balanced, true, false});
+  CHECK(s.effective.mode == OptimizationMode::Balanced);
+  CHECK_FALSE(s.effective.enable_offloading);
+  CHECK(report.mode == OptimizationMode::Balanced);
+  CHECK(report.offloaded_units() == 0);
+  CHECK(report.checkpointed_segments() > 0);
+  CHECK(report.planned_peak_bytes() <= s.context->target_bytes);
+  // The caller's Config, as passed and as recorded, is unchanged.
+  CHECK(s.caller.mode == OptimizationMode::Aggressive);
+  CHECK(s.caller.enable_offloading);
+  CHECK(caller.mode == copy.mode);
+  CHECK(caller.enable_offloading == copy.enable_offloading);
+  std::ostringstream printed;
+  printed << report;
+  CHECK(printed.str().find("effective Config: Balanced, checkpointing, no offloading; the caller's: Aggressive, "
+                           "checkpointing, offloading") != std::string::npos);
+}
+
+TEST_CASE("the trained policy: an artifact chooses (ml); none shipped, or a bad one, falls back to the rules",
+          "[policy]") {
+  const double budget = budget_between_floor_and_baseline();
+  auto config = test::quiet({.auto_policy = true, .memory_budget_gb = budget});
+
+  // No artifact ships yet: rule_fallback, with the reason, never an exception.
+  const auto fallback = policy_plan(config);
+  CHECK(fallback.strategy.decision_source == DecisionSource::rule_fallback);
+  CHECK(fallback.strategy.reason.find("no trained policy ships") != std::string::npos);
+  CHECK(fallback.strategy.choice == memscale::StrategyChoice{OptimizationMode::Balanced, true, false});
+
+  // An artifact that picks Aggressive with both techniques.
+  config.policy_artifact = policy_file("aggressive", artifact_choosing(4));
+  const auto ml = policy_plan(config);
+  CHECK(ml.strategy.decision_source == DecisionSource::ml);
+  CHECK(ml.strategy.choice == memscale::strategy_candidates[4]);
+  REQUIRE(ml.strategy.confidence.has_value());
+  CHECK(*ml.strategy.confidence > 0.9);
+  CHECK(ml.strategy.confidence < 1.0);
+  CHECK(ml.mode == OptimizationMode::Aggressive);
+  CHECK(ml.strategy.reason.find("test-0001") != std::string::npos);
+
+  // Another feature schema, a missing file, a corrupt one: rule_fallback naming why.
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {policy_file("schema", artifact_choosing(4, 99)), "feature schema 99"},
+      {(std::filesystem::temp_directory_path() / "memscale_policy_absent.txt").string(), "cannot be opened"},
+      {policy_file("corrupt", "memscale-policy 1\nschema 1 classes 5 features 16\ndataset x\nmean 0 0 zero"),
+       "not a finite number"}};
+  for (const auto& [path, why] : bad) {
+    config.policy_artifact = path;
+    const auto r = policy_plan(config);
+    INFO(r.strategy.reason);
+    CHECK(r.strategy.decision_source == DecisionSource::rule_fallback);
+    CHECK(r.strategy.reason.find(why) != std::string::npos);
+    CHECK(r.mode == OptimizationMode::Balanced);
+  }
+}
+
+TEST_CASE("the artifact loader, fuzzed: every input parses or throws PolicyFallbackNeeded", "[policy]") {
+  namespace policy = memscale::policy;
+  const auto valid = artifact_choosing(2);
+  REQUIRE_NOTHROW(policy::parse_artifact(valid));
+  memscale::StrategyContext context;
+  context.usable_bytes = 1 << 30;
+  context.baseline_peak_bytes = 3 << 29;
+  int parsed = 0, refused = 0;
+  const auto feed = [&](const std::string& text) {
+    try {
+      const auto a = policy::parse_artifact(text);
+      const auto p = policy::predict_strategy(a, context);
+      CHECK(p.confidence > 0.0);
+      CHECK(p.confidence <= 1.0);
+      ++parsed;
+    } catch (const memscale::PolicyFallbackNeeded& e) {
+      CHECK(std::string(e.what()).find("trained policy") != std::string::npos);
+      ++refused;
+    }
+  };
+  for (std::size_t n = 0; n < valid.size(); ++n) feed(valid.substr(0, n));  // every truncation
+  std::mt19937 rng(20261125);
+  for (int i = 0; i < 2000; ++i) {  // random byte changes, 1 to 4 of them
+    auto text = valid;
+    for (int k = 0, n = 1 + static_cast<int>(rng() % 4); k < n; ++k)
+      text[rng() % text.size()] = static_cast<char>(rng() % 256);
+    feed(text);
+  }
+  for (const char* hostile : {"", "memscale-policy", "memscale-policy 2", "memscale-policy 1 schema -1",
+                              "memscale-policy 99999999999999999999999", "\x7f" "ELF\x02\x01\x01",
+                              "memscale-policy 1 schema 1 classes 5 features 16 dataset d mean 1e400"})
+    feed(hostile);
+  auto huge = valid;
+  huge.append(policy::artifact_max_bytes, ' ');
+  feed(huge);
+  auto nan_scale = valid;
+  nan_scale.replace(nan_scale.find("scale 1"), 7, "scale nan");
+  feed(nan_scale);
+  auto zero_scale = valid;
+  zero_scale.replace(zero_scale.find("scale 1"), 7, "scale 0");
+  feed(zero_scale);
+  auto overflowing = valid;  // finite weights whose logits overflow
+  overflowing.replace(overflowing.rfind("4\n"), 1, "1e308");
+  feed(overflowing);
+  CHECK(parsed > 0);
+  CHECK(static_cast<std::size_t>(refused) > valid.size());
+}
