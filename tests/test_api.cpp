@@ -637,3 +637,17 @@ TEST_CASE("verify_correctness needs an example input and a Tensor -> Tensor forw
   CHECK_FALSE(memscale::is_optimized(seq));
   CHECK(test::slot_identity(*seq) == slots);
 }
+
+TEST_CASE("an example forward that runs out of memory throws that, not an unsupported-model error", "[api]") {
+  memscale::memory_tracker::install();
+  torch::manual_seed(0);
+  auto model = test::flat_chain(2, 64, 256);
+  const auto x = torch::randn({4096, 64});  // each hidden activation 4 MiB
+  const auto before = test::parameter_identity(*model);
+  {
+    memscale::memory_tracker::hard_limit_scope limit(memscale::memory_tracker::current_bytes() + (1 << 20));
+    CHECK_THROWS_AS(memscale::wrap(model, x, test::quiet()), c10::OutOfMemoryError);
+  }
+  CHECK_FALSE(memscale::is_optimized(model));
+  CHECK(test::parameter_identity(*model) == before);
+}

@@ -119,11 +119,15 @@ TEST_CASE("the trained policy: an artifact chooses (ml); none shipped, or a bad 
   const double budget = budget_between_floor_and_baseline();
   auto config = test::quiet({.auto_policy = true, .memory_budget_gb = budget});
 
-  // No artifact ships yet: rule_fallback, with the reason, never an exception.
-  const auto fallback = policy_plan(config);
-  CHECK(fallback.strategy.decision_source == DecisionSource::rule_fallback);
-  CHECK(fallback.strategy.reason.find("no trained policy ships") != std::string::npos);
-  CHECK(fallback.strategy.choice == memscale::StrategyChoice{OptimizationMode::Balanced, true, false});
+  // The artifact shipped in the headers: the trained policy chooses.
+  const auto shipped = policy_plan(config);
+  INFO(shipped.strategy.str());
+  CHECK(shipped.strategy.decision_source == DecisionSource::ml);
+  CHECK(shipped.strategy.reason.find("fnv1a64-") != std::string::npos);
+  REQUIRE(shipped.strategy.confidence.has_value());
+  CHECK(*shipped.strategy.confidence > 0.0);
+  CHECK(*shipped.strategy.confidence <= 1.0);
+  CHECK(shipped.mode == shipped.strategy.choice.mode);
 
   // An artifact that picks Aggressive with both techniques.
   config.policy_artifact = policy_file("aggressive", artifact_choosing(4));
@@ -150,6 +154,17 @@ TEST_CASE("the trained policy: an artifact chooses (ml); none shipped, or a bad 
     CHECK(r.strategy.reason.find(why) != std::string::npos);
     CHECK(r.mode == OptimizationMode::Balanced);
   }
+}
+
+TEST_CASE("the shipped artifact loads and names the dataset kept in the repository", "[policy]") {
+  const auto text = memscale::policy::shipped_artifact();
+  REQUIRE(text.has_value());
+  const auto artifact = memscale::policy::parse_artifact(*text);
+  // tests/ -> the repository (a unity build keeps each file's own path in __FILE__).
+  const auto dataset = std::filesystem::path(__FILE__).parent_path().parent_path() / "benchmarks/policy/dataset.csv";
+  std::ifstream in(dataset, std::ios::binary);
+  REQUIRE(in.good());
+  CHECK(artifact.dataset == memscale::policy::dataset_hash(in));
 }
 
 TEST_CASE("the artifact loader, fuzzed: every input parses or throws PolicyFallbackNeeded", "[policy]") {

@@ -59,6 +59,8 @@ inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function
     detail::buffer_restore keep_buffers(*root);
     try {
       forward();
+    } catch (const c10::OutOfMemoryError&) {
+      throw;  // the example forward did not fit: not a model memscale cannot attach to
     } catch (const c10::Error& e) {
       throw UnsupportedModelError(
           "memscale: running the example input through the model failed: " +

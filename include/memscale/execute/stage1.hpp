@@ -119,8 +119,7 @@ enum class unit_kind { linear, conv, norm, block, other };
       const auto artifact = [&] {
         if (caller.policy_artifact) return policy::load_artifact(*caller.policy_artifact);
         if (const auto shipped = policy::shipped_artifact()) return policy::parse_artifact(*shipped);
-        throw PolicyFallbackNeeded("no trained policy ships with this build (its corpus is not measured yet) and "
-                                   "Config::policy_artifact names none");
+        throw PolicyFallbackNeeded("no trained policy ships with this build and Config::policy_artifact names none");
       }();
       const auto p = policy::predict_strategy(artifact, c);
       d.decision_source = DecisionSource::ml;

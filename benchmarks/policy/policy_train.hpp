@@ -1,0 +1,183 @@
+// memscale_policy train: the softmax-linear policy fitted on the corpus's smaller
+// models, evaluated on the largest size of each family against the rule policy and
+// every fixed strategy; writes the artifact, the header that ships it, the table.
+#pragma once
+
+#include "policy_common.hpp"
+
+namespace policy_tool {
+
+inline std::vector<corpus_row> read_corpus(const std::string& path, std::string& header) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("cannot read " + path + " (run: memscale_policy corpus)");
+  std::vector<corpus_row> rows;
+  std::string line;
+  std::getline(in, header);
+  std::getline(in, line);  // the column names
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    std::vector<std::string> cell;
+    std::istringstream fields(line);
+    for (std::string c; std::getline(fields, c, ',');) cell.push_back(c);
+    if (cell.size() != 7 + features + 1 + 3 * classes) throw std::runtime_error("malformed row in " + path + ": " + line);
+    corpus_row r;
+    r.s = {cell[0], std::stoi(cell[1]), std::stoll(cell[2]), std::stoll(cell[3]), std::stoll(cell[4])};
+    r.fraction = std::stod(cell[5]);
+    r.budget = std::stoll(cell[6]);
+    for (std::size_t f = 0; f < features; ++f) r.x[f] = std::stod(cell[7 + f]);
+    r.rule = std::stoi(cell[7 + features]);
+    for (std::size_t k = 0; k < classes; ++k) {
+      const auto at = 8 + features + 3 * k;
+      r.candidates[k] = {std::stoll(cell[at]), std::stod(cell[at + 1]), cell[at + 2] == "1"};
+    }
+    rows.push_back(r);
+  }
+  return rows;
+}
+
+/// The candidate a policy should pick: the fastest that fits; where none fits, the lowest peak.
+inline int best_of(const corpus_row& r) {
+  int best = -1;
+  for (std::size_t k = 0; k < classes; ++k)
+    if (r.candidates[k].fits && (best < 0 || r.candidates[k].seconds < r.candidates[static_cast<std::size_t>(best)].seconds))
+      best = static_cast<int>(k);
+  if (best >= 0) return best;
+  for (std::size_t k = 0; k < classes; ++k)
+    if (r.candidates[k].peak > 0 &&
+        (best < 0 || r.candidates[k].peak < r.candidates[static_cast<std::size_t>(best)].peak))
+      best = static_cast<int>(k);
+  return std::max(best, 0);
+}
+
+inline bool held_out(const corpus_row& r, const std::map<std::string, int>& largest) { return r.s.size == largest.at(r.s.family); }
+
+struct fitted {
+  std::array<double, features> mean{}, scale{};
+  std::array<std::array<double, features + 1>, classes> weights{};
+};
+
+inline fitted train_softmax(const std::vector<const corpus_row*>& train) {
+  const auto n = static_cast<std::int64_t>(train.size());
+  auto x = torch::empty({n, static_cast<std::int64_t>(features)}, torch::kDouble);
+  auto y = torch::empty({n}, torch::kLong);
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::size_t f = 0; f < features; ++f) x[i][static_cast<std::int64_t>(f)] = train[static_cast<std::size_t>(i)]->x[f];
+    y[i] = best_of(*train[static_cast<std::size_t>(i)]);
+  }
+  fitted out;
+  const auto mean = x.mean(0), scale = x.std(0).clamp_min(1e-6);
+  const auto z = (x - mean) / scale;
+  torch::manual_seed(5);
+  auto w = torch::zeros({static_cast<std::int64_t>(classes), static_cast<std::int64_t>(features)},
+                        torch::TensorOptions(torch::kDouble).requires_grad(true));
+  auto b = torch::zeros({static_cast<std::int64_t>(classes)}, torch::TensorOptions(torch::kDouble).requires_grad(true));
+  torch::optim::LBFGS lbfgs({w, b}, torch::optim::LBFGSOptions(1.0).max_iter(500).line_search_fn("strong_wolfe"));
+  constexpr double l2 = 1e-2;  // the corpus is small: keep the weights small
+  lbfgs.step([&] {
+    lbfgs.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(torch::matmul(z, w.t()) + b, y) + l2 * w.pow(2).sum();
+    loss.backward();
+    return loss;
+  });
+  for (std::size_t f = 0; f < features; ++f) {
+    out.mean[f] = mean[static_cast<std::int64_t>(f)].item<double>();
+    out.scale[f] = scale[static_cast<std::int64_t>(f)].item<double>();
+  }
+  for (std::size_t k = 0; k < classes; ++k) {
+    for (std::size_t f = 0; f < features; ++f)
+      out.weights[k][f] = w[static_cast<std::int64_t>(k)][static_cast<std::int64_t>(f)].item<double>();
+    out.weights[k][features] = b[static_cast<std::int64_t>(k)].item<double>();
+  }
+  return out;
+}
+
+inline std::string artifact_text(const fitted& m, const std::string& dataset_hash) {
+  std::ostringstream os;
+  os << std::setprecision(17) << memscale::policy::artifact_magic << ' ' << memscale::policy::artifact_version
+     << "\nschema " << memscale::StrategyContext::schema_version << " classes " << classes << " features " << features
+     << "\ndataset " << dataset_hash << "\nmean";
+  for (double v : m.mean) os << ' ' << v;
+  os << "\nscale";
+  for (double v : m.scale) os << ' ' << v;
+  os << "\nweights\n";
+  for (const auto& row : m.weights) {
+    for (std::size_t f = 0; f <= features; ++f) os << (f ? " " : "") << row[f];
+    os << "\n";
+  }
+  return os.str();
+}
+
+/// Fit rate and regret of a policy (a choice per row) over `rows`.
+struct score {
+  int rows = 0, fits = 0, regret_rows = 0;
+  double regret_sum = 0.0, regret_worst = 1.0;
+};
+
+inline score score_of(const std::vector<const corpus_row*>& rows, const std::function<int(const corpus_row&)>& choose) {
+  score s;
+  for (const auto* r : rows) {
+    ++s.rows;
+    const auto& chosen = r->candidates[static_cast<std::size_t>(choose(*r))];
+    if (!chosen.fits) continue;
+    ++s.fits;
+    const auto& best = r->candidates[static_cast<std::size_t>(best_of(*r))];
+    const double regret = chosen.seconds / best.seconds;
+    ++s.regret_rows;
+    s.regret_sum += regret;
+    s.regret_worst = std::max(s.regret_worst, regret);
+  }
+  return s;
+}
+
+inline int train_and_evaluate(const std::string& dataset, const std::string& artifact_path, const std::string& header_path,
+                       const std::string& evaluation_path) {
+  std::string header;
+  const auto rows = read_corpus(dataset, header);
+  std::map<std::string, int> largest;
+  for (const auto& r : rows) largest[r.s.family] = std::max(largest[r.s.family], r.s.size);
+  std::vector<const corpus_row*> train, test;
+  for (const auto& r : rows) (held_out(r, largest) ? test : train).push_back(&r);
+  if (train.empty() || test.empty()) throw std::runtime_error("the corpus needs at least two sizes per family");
+  const auto model = train_softmax(train);
+  std::ifstream dataset_bytes(dataset, std::ios::binary);
+  const auto hash = memscale::policy::dataset_hash(dataset_bytes);
+  const auto text = artifact_text(model, hash);
+  const auto artifact = memscale::policy::parse_artifact(text);  // what ships must load
+  const auto trained = [&](const corpus_row& r) {
+    return candidate_index(memscale::policy::predict_from_features(artifact, r.x).choice);
+  };
+  std::ofstream(artifact_path) << text;
+  {
+    std::ofstream h(header_path);
+    h << "// memscale — the trained Stage 1 policy that ships in the headers. Generated by\n"
+         "// `memscale_policy train` (scripts/regenerate-policy.sh) from benchmarks/policy/dataset.csv\n"
+         "// (" << hash << "); do not edit: regenerate.\n#pragma once\n\n#include <string_view>\n\n"
+         "namespace memscale::policy {\n\ninline constexpr std::string_view shipped_artifact_text = R\"memscale("
+      << text << ")memscale\";\n\n}  // namespace memscale::policy\n";
+  }
+  std::ostringstream eval;
+  eval << "Dataset: `" << dataset << "` (" << rows.size() << " rows, " << hash << "); " << header.substr(2) << ".\n\n"
+       << "Held out (the largest size of each family):";
+  for (const auto& [family, size] : largest) eval << ' ' << family << " size " << size;
+  eval << "; " << train.size() << " rows train, " << test.size() << " rows test.\n\n"
+       << "| policy | rows | fits | fit rate | mean regret (fitting rows) | worst regret |\n|---|---|---|---|---|---|\n";
+  const auto line = [&](const std::string& name, const score& s) {
+    eval << "| " << name << " | " << s.rows << " | " << s.fits << " | " << std::fixed << std::setprecision(3)
+         << static_cast<double>(s.fits) / s.rows << " | "
+         << (s.regret_rows ? s.regret_sum / s.regret_rows : 0.0) << "x | " << s.regret_worst << "x |\n";
+  };
+  for (const auto& [name, set] : {std::pair<std::string, const std::vector<const corpus_row*>*>{"test", &test},
+                                  {"train", &train}}) {
+    line("trained (" + name + ")", score_of(*set, trained));
+    line("rule (" + name + ")", score_of(*set, [](const corpus_row& r) { return r.rule; }));
+    for (std::size_t k = 0; k < classes; ++k)
+      line(memscale::to_string(memscale::strategy_candidates[k]) + " (" + name + ")",
+           score_of(*set, [k](const corpus_row&) { return static_cast<int>(k); }));
+    line("best (" + name + ")", score_of(*set, best_of));
+  }
+  std::ofstream(evaluation_path) << eval.str();
+  std::cout << eval.str();
+  return 0;
+}
+
+}  // namespace policy_tool
