@@ -11,6 +11,8 @@
 
 #include "test_support.hpp"
 
+#include "resnet.hpp"
+
 #include <memscale/policy/trained_policy.hpp>
 
 using memscale::Config;
@@ -78,6 +80,38 @@ TEST_CASE("auto_policy off, or no memory limit: Stage 1 keeps the Config as writ
   std::ostringstream printed;
   printed << no_limit;
   CHECK(printed.str().find("strategy (Stage 1): user_config") != std::string::npos);
+}
+
+TEST_CASE("auto_policy off on the benchmark models' kinds: Stage 1 is not entered, under a budget too", "[policy]") {
+  // The plan is the caller's Config's: the attachment plans with it as given and
+  // never builds a StrategyContext (Stage 1 runs only with auto_policy).
+  const auto check = [](auto& model, const torch::Tensor& x) {
+    memscale::core::profile_scale_scope no_reserve(1.0, 0);
+    for (const bool on : {false, true}) {
+      const Config caller = test::quiet({.mode = OptimizationMode::Aggressive,
+                                         .auto_policy = on,
+                                         .policy = memscale::PolicyKind::rule,
+                                         .memory_budget_gb = 0.01});
+      auto guard = memscale::optimize(model, x, caller);
+      const auto& s = guard.report().strategy;
+      CHECK(s.context.has_value() == on);
+      if (on) continue;
+      CHECK(s.decision_source == DecisionSource::user_config);
+      CHECK(guard.report().mode == OptimizationMode::Aggressive);
+      CHECK(s.effective.mode == caller.mode);
+      CHECK(s.effective.enable_checkpointing == caller.enable_checkpointing);
+      CHECK(s.effective.enable_offloading == caller.enable_offloading);
+      CHECK(s.effective.enable_tiling == caller.enable_tiling);
+      CHECK(s.effective.memory_budget_gb == caller.memory_budget_gb);
+    }
+  };
+  torch::manual_seed(4);
+  auto flat = test::flat_chain(4, 64, 256);
+  check(flat, torch::randn({32, 16, 64}));
+  gpt::GPT decoder(test::small_gpt());
+  check(decoder, torch::randint(256, {4, 64}, torch::kLong));
+  resnet::ResNet cnn(2, 16);
+  check(cnn, torch::randn({4, 3, 16, 16}));
 }
 
 TEST_CASE("a CPU with memory_budget_gb: the rule policy chooses, the caller's Config is not changed", "[policy]") {
