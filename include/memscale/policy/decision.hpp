@@ -158,7 +158,8 @@ struct StrategyDecision {
     };
     os << "strategy (Stage 1): " << to_string(decision_source) << ": " << reason;
     if (confidence) os << " (confidence " << std::fixed << std::setprecision(2) << *confidence << ")";
-    os << "\n  effective Config: " << techniques(effective) << "; the caller's: " << techniques(caller);
+    if (decision_source != DecisionSource::user_config)  // otherwise the two are the same
+      os << "\n  effective Config: " << techniques(effective) << "; the caller's: " << techniques(caller);
     return os.str();
   }
 };
