@@ -120,7 +120,6 @@ TEST_CASE("a CPU with memory_budget_gb: the rule policy chooses, the caller's Co
                                      .auto_policy = true,
                                      .policy = memscale::PolicyKind::rule,
                                      .memory_budget_gb = budget});
-  const Config copy = caller;
   const auto report = policy_plan(caller);
   const auto& s = report.strategy;
   CHECK(s.decision_source == DecisionSource::rule);
@@ -140,8 +139,6 @@ TEST_CASE("a CPU with memory_budget_gb: the rule policy chooses, the caller's Co
   // The caller's Config, as passed and as recorded, is unchanged.
   CHECK(s.caller.mode == OptimizationMode::Aggressive);
   CHECK(s.caller.enable_offloading);
-  CHECK(caller.mode == copy.mode);
-  CHECK(caller.enable_offloading == copy.enable_offloading);
   std::ostringstream printed;
   printed << report;
   CHECK(printed.str().find("effective Config: Balanced, checkpointing, no offloading; the caller's: Aggressive, "
@@ -170,14 +167,17 @@ TEST_CASE("the trained policy: an artifact chooses (ml); none shipped, or a bad 
   CHECK(ml.strategy.choice == memscale::strategy_candidates[4]);
   REQUIRE(ml.strategy.confidence.has_value());
   CHECK(*ml.strategy.confidence > 0.9);
-  CHECK(ml.strategy.confidence < 1.0);
+  CHECK(*ml.strategy.confidence < 1.0);
   CHECK(ml.mode == OptimizationMode::Aggressive);
   CHECK(ml.strategy.reason.find("test-0001") != std::string::npos);
 
   // Another feature schema, a missing file, a corrupt one: rule_fallback naming why.
   const std::vector<std::pair<std::string, std::string>> bad = {
       {policy_file("schema", artifact_choosing(4, 99)), "feature schema 99"},
-      {(std::filesystem::temp_directory_path() / "memscale_policy_absent.txt").string(), "cannot be opened"},
+      {(std::filesystem::temp_directory_path() / "memscale_policy_absent.txt").string(), "not a regular file"},
+      {std::filesystem::temp_directory_path().string(), "not a regular file"},
+      {policy_file("hostile_hash", "memscale-policy 1\nschema 1 classes 5 features 16\ndataset \x1b[2J\nmean 0"),
+       "dataset hash"},
       {policy_file("corrupt", "memscale-policy 1\nschema 1 classes 5 features 16\ndataset x\nmean 0 0 zero"),
        "not a finite number"}};
   for (const auto& [path, why] : bad) {

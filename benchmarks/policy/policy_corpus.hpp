@@ -36,9 +36,9 @@ inline void measure_model(const shape& s, M& model, const torch::Tensor& x,
   memscale::Config quiet;
   quiet.enable_logging = false;
   {
-    // Two plain training steps first: what the process comes to hold outside the
-    // allocator at this size exists then, so the projections below are a trained
-    // process's (as the budgets a user sets are), not a cold one's.
+    // Two forward and backward passes first (no optimizer step: the model is not
+    // changed): what the process comes to hold outside the allocator at this size
+    // exists then, so the projections below are a warm process's, not a cold one's.
     torch::optim::AdamW warm(model->parameters(), torch::optim::AdamWOptions(3e-4));
     for (int i = 0; i < 2; ++i) {
       warm.zero_grad();
@@ -86,7 +86,9 @@ inline void measure_model(const shape& s, M& model, const torch::Tensor& x,
     for (std::size_t k = 0; k < classes; ++k) row.candidates[k] = trial_of(result, memscale::strategy_candidates[k]);
     std::cerr << "[policy] " << s.family << " width " << s.width << " depth " << s.depth << " batch " << s.batch
               << " budget " << std::fixed << std::setprecision(2) << fraction << ": rule "
-              << memscale::to_string(memscale::strategy_candidates[static_cast<std::size_t>(row.rule)]) << "\n";
+              << (row.rule >= 0 ? memscale::to_string(memscale::strategy_candidates[static_cast<std::size_t>(row.rule)])
+                                : std::string("not a candidate"))
+              << "\n";
     out.push_back(row);
   }
 }

@@ -26,6 +26,7 @@ inline std::vector<corpus_row> read_corpus(const std::string& path, std::string&
     r.budget = std::stoll(cell[6]);
     for (std::size_t f = 0; f < features; ++f) r.x[f] = std::stod(cell[7 + f]);
     r.rule = std::stoi(cell[7 + features]);
+    if (r.rule < 0 || r.rule >= static_cast<int>(classes)) throw std::runtime_error("a row's rule choice is not a candidate: " + line);
     for (std::size_t k = 0; k < classes; ++k) {
       const auto at = 8 + features + 3 * k;
       r.candidates[k] = {std::stoll(cell[at]), std::stod(cell[at + 1]), cell[at + 2] == "1"};
@@ -35,18 +36,25 @@ inline std::vector<corpus_row> read_corpus(const std::string& path, std::string&
   return rows;
 }
 
-/// The candidate a policy should pick: the fastest that fits; where none fits, the lowest peak.
+/// The strategy that minimizes the peak, what a policy should pick where nothing fits.
+constexpr int lowest_peak = 4;
+static_assert(memscale::strategy_candidates[lowest_peak] ==
+              memscale::StrategyChoice{memscale::OptimizationMode::Aggressive, true, true});
+
+inline bool anything_fits(const corpus_row& r) {
+  return std::any_of(r.candidates.begin(), r.candidates.end(), [](const measured& m) { return m.fits; });
+}
+
+/// The candidate a policy should pick: the fastest that fits. Where none fits, the
+/// trials measured no peak (each ran out of memory under the budget's hard limit):
+/// then the one that minimizes the peak, Aggressive with both techniques (as the
+/// rule policy does), so that a policy learns to press hardest where memory is shortest.
 inline int best_of(const corpus_row& r) {
   int best = -1;
   for (std::size_t k = 0; k < classes; ++k)
     if (r.candidates[k].fits && (best < 0 || r.candidates[k].seconds < r.candidates[static_cast<std::size_t>(best)].seconds))
       best = static_cast<int>(k);
-  if (best >= 0) return best;
-  for (std::size_t k = 0; k < classes; ++k)
-    if (r.candidates[k].peak > 0 &&
-        (best < 0 || r.candidates[k].peak < r.candidates[static_cast<std::size_t>(best)].peak))
-      best = static_cast<int>(k);
-  return std::max(best, 0);
+  return best >= 0 ? best : lowest_peak;
 }
 
 inline bool held_out(const corpus_row& r, const std::map<std::string, int>& largest) { return r.s.size == largest.at(r.s.family); }
@@ -110,6 +118,7 @@ inline std::string artifact_text(const fitted& m, const std::string& dataset_has
 /// Fit rate and regret of a policy (a choice per row) over `rows`.
 struct score {
   int rows = 0, fits = 0, regret_rows = 0;
+  int infeasible = 0, pressed = 0;  ///< rows where nothing fits; of them, where it chose the lowest peak
   double regret_sum = 0.0, regret_worst = 1.0;
 };
 
@@ -117,7 +126,12 @@ inline score score_of(const std::vector<const corpus_row*>& rows, const std::fun
   score s;
   for (const auto* r : rows) {
     ++s.rows;
-    const auto& chosen = r->candidates[static_cast<std::size_t>(choose(*r))];
+    const int choice = choose(*r);
+    if (!anything_fits(*r)) {
+      ++s.infeasible;
+      s.pressed += choice == lowest_peak ? 1 : 0;
+    }
+    const auto& chosen = r->candidates[static_cast<std::size_t>(choice)];
     if (!chosen.fits) continue;
     ++s.fits;
     const auto& best = r->candidates[static_cast<std::size_t>(best_of(*r))];
@@ -160,11 +174,12 @@ inline int train_and_evaluate(const std::string& dataset, const std::string& art
        << "Held out (the largest size of each family):";
   for (const auto& [family, size] : largest) eval << ' ' << family << " size " << size;
   eval << "; " << train.size() << " rows train, " << test.size() << " rows test.\n\n"
-       << "| policy | rows | fits | fit rate | mean regret (fitting rows) | worst regret |\n|---|---|---|---|---|---|\n";
+       << "| policy | rows | fits | fit rate | mean regret (fitting rows) | worst regret | nothing fits: lowest-peak choice |\n|---|---|---|---|---|---|---|\n";
   const auto line = [&](const std::string& name, const score& s) {
     eval << "| " << name << " | " << s.rows << " | " << s.fits << " | " << std::fixed << std::setprecision(3)
          << static_cast<double>(s.fits) / s.rows << " | "
-         << (s.regret_rows ? s.regret_sum / s.regret_rows : 0.0) << "x | " << s.regret_worst << "x |\n";
+         << (s.regret_rows ? s.regret_sum / s.regret_rows : 0.0) << "x | " << s.regret_worst << "x | " << s.pressed
+         << " of " << s.infeasible << " |\n";
   };
   for (const auto& [name, set] : {std::pair<std::string, const std::vector<const corpus_row*>*>{"test", &test},
                                   {"train", &train}}) {
@@ -178,7 +193,7 @@ inline int train_and_evaluate(const std::string& dataset, const std::string& art
   // A second split, by family: fitted on the other two families, scored on the one
   // left out (each family in turn); the rule policy and Conservative beside it.
   eval << "\nLeave one family out (fitted on the other two families, scored on this one):\n\n"
-       << "| policy | rows | fits | fit rate | mean regret (fitting rows) | worst regret |\n|---|---|---|---|---|---|\n";
+       << "| policy | rows | fits | fit rate | mean regret (fitting rows) | worst regret | nothing fits: lowest-peak choice |\n|---|---|---|---|---|---|---|\n";
   for (const auto& [family, size] : largest) {
     (void)size;
     std::vector<const corpus_row*> others, own;

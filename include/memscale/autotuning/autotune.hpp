@@ -112,6 +112,7 @@ inline std::vector<Config> candidate_configs(const Config& base, const TuneOptio
         c.use_mixed_precision = mixed;
         c.use_8bit_optimizer = eight_bit;
         c.verify_correctness = false;
+        c.auto_policy = false;  // each candidate is the strategy tried: Stage 1 must not replace it
         out.push_back(c);
       }
     }

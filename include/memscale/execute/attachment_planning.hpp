@@ -92,6 +92,10 @@ inline void attachment::choose_strategy(const std::vector<chain_profile>& profil
   const auto context = strategy_context(profiles, costs, supported, in, device.is_cuda(),
                                         caller_config_.memory_budget_gb.has_value(), out.parameter_bytes, call_sites);
   out.strategy = run_stage1(caller_config_, context);
+  if (out.strategy.context && chains_.size() > profiles.size())
+    out.strategy.reason += " (decided from the " + std::to_string(profiles.size()) + " of " +
+                           std::to_string(chains_.size()) +
+                           " chains planned first; the chains planned later follow this choice)";
   config_ = out.strategy.effective;
   out.mode = config_.mode;
   in.mode = config_.mode;
@@ -192,8 +196,10 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
   in.force_optimize = config_.force_optimize;
   in.usable_bytes = out.usable_bytes;
   in.static_bytes = out.static_bytes();
-  in.tiling_allowed = in.checkpointing_allowed && static_cast<bool>(techniques_.tile);
-  in.offload_allowed = static_cast<bool>(techniques_.offload);
+  // config_ is Stage 1's effective copy once it has run: its narrowing holds for
+  // every chain planned after the first too.
+  in.tiling_allowed = in.checkpointing_allowed && config_.enable_tiling && static_cast<bool>(techniques_.tile);
+  in.offload_allowed = config_.enable_offloading && static_cast<bool>(techniques_.offload);
   for (auto c : which) in.segment_limit.push_back(chains_[c].source == chain_source::sequential ? 0 : 1);
   if (chains_[which.front()].source == chain_source::whole_model) {  // the only chain then
     in.checkpointing_allowed = in.tiling_allowed = false;

@@ -13,10 +13,14 @@
 //   weights <n rows of m weights then a bias>
 #pragma once
 
+#include <algorithm>
 #include <array>
+#include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <istream>
@@ -24,6 +28,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <vector>
 
 #include <memscale/errors.hpp>
@@ -58,14 +63,11 @@ inline void expect_word(std::istream& in, std::string_view word) {
 inline double read_number(std::istream& in, std::string_view what) {
   std::string token;
   if (!(in >> token)) unusable("ends inside its " + std::string(what));
-  std::size_t used = 0;
+  // from_chars: the C locale's format whatever the process's LC_NUMERIC says.
+  const char* first = token.data() + (token.size() > 1 && token[0] == '+' ? 1 : 0);
   double value = 0.0;
-  try {
-    value = std::stod(token, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != token.size() || used == 0 || !std::isfinite(value))
+  const auto [end, error] = std::from_chars(first, token.data() + token.size(), value);
+  if (error != std::errc{} || end != token.data() + token.size() || !std::isfinite(value))
     unusable("has '" + token.substr(0, 40) + "' in its " + std::string(what) + " (not a finite number)");
   return value;
 }
@@ -103,6 +105,10 @@ inline long read_int(std::istream& in, std::string_view what) {
   trained_artifact a;
   artifact_text::expect_word(in, "dataset");
   if (!(in >> a.dataset)) artifact_text::unusable("ends before its dataset hash");
+  if (a.dataset.size() > 64 || !std::all_of(a.dataset.begin(), a.dataset.end(), [](char ch) {
+        return std::isalnum(static_cast<unsigned char>(ch)) || ch == '-' || ch == '_' || ch == '.';
+      }))
+    artifact_text::unusable("has a dataset hash that is not 1-64 letters, digits, '-', '_' or '.'");
   artifact_text::expect_word(in, "mean");
   for (auto& v : a.mean) v = artifact_text::read_number(in, "feature means");
   artifact_text::expect_word(in, "scale");
@@ -119,6 +125,10 @@ inline long read_int(std::istream& in, std::string_view what) {
 
 /// Reads and parses the artifact at `path`.
 [[nodiscard]] inline trained_artifact load_artifact(const std::string& path) {
+  // Only a regular file: a FIFO or a terminal would block the read, a directory misleads.
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec))
+    artifact_text::unusable("'" + path + "' is not a regular file" + (ec ? " (" + ec.message() + ")" : ""));
   std::ifstream file(path, std::ios::binary);
   if (!file) artifact_text::unusable("'" + path + "' cannot be opened");
   std::string text(artifact_max_bytes + 1, '\0');
