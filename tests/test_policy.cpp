@@ -114,6 +114,54 @@ TEST_CASE("auto_policy off on the benchmark models' kinds: Stage 1 is not entere
   check(cnn, torch::randn({4, 3, 16, 16}));
 }
 
+TEST_CASE("auto_policy off: the plan is the rule engine's for the caller's Config, on each benchmark model's kind",
+          "[policy]") {
+  // Re-runs core::decide on the report's own profile with the engine input the
+  // caller's Config gives (checkpointing only, so no offload room to rebuild):
+  // the plan applied is exactly that, so Stage 1 changed nothing.
+  const auto same_plan = [](auto& model, const torch::Tensor& x, int segment_limit) {
+    memscale::core::profile_scale_scope no_reserve(1.0, 0);
+    double budget_gb = 0.0;  // the static bytes and half the step's growth above them: the budget presses
+    {
+      auto unpressed = memscale::optimize(model, x, test::quiet({.mode = OptimizationMode::Conservative}));
+      const auto r = unpressed.report();
+      budget_gb = (static_cast<double>(r.static_bytes()) +
+                   0.5 * static_cast<double>(r.baseline_peak_bytes() - r.static_bytes())) / (1024.0 * 1024.0 * 1024.0);
+    }
+    for (const auto mode : {OptimizationMode::Balanced, OptimizationMode::Aggressive}) {
+      const Config caller = test::quiet({.mode = mode, .enable_offloading = false, .memory_budget_gb = budget_gb});
+      auto guard = memscale::optimize(model, x, caller);
+      const auto r = guard.report();
+      REQUIRE(r.planned);
+      memscale::core::engine_input in;
+      in.mode = mode;
+      in.usable_bytes = r.usable_bytes;
+      in.static_bytes = r.static_bytes();
+      std::vector<std::vector<memscale::slot_cost>> costs;
+      std::vector<bool> supported;
+      for (const auto& chain : r.chains) {
+        costs.push_back(chain.slots);
+        supported.push_back(chain.supported);
+        in.segment_limit.push_back(segment_limit);
+      }
+      const auto expected = memscale::core::decide(costs, supported, in);
+      INFO(r);
+      CHECK(r.strategy.decision_source == DecisionSource::user_config);
+      REQUIRE(expected.units.size() == r.plan.units.size());
+      for (std::size_t c = 0; c < expected.units.size(); ++c) CHECK(expected.units[c] == r.plan.units[c]);
+      CHECK(expected.planned_peak == r.plan.planned_peak);
+      CHECK(r.checkpointed_segments() > 0);  // the budget presses: a plan to compare
+    }
+  };
+  torch::manual_seed(6);
+  auto flat = test::flat_chain(4, 64, 256);
+  same_plan(flat, torch::randn({32, 16, 64}), 0);
+  gpt::GPT decoder(test::small_gpt());
+  same_plan(decoder, torch::randint(256, {4, 64}, torch::kLong), 1);
+  resnet::ResNet cnn(2, 16);
+  same_plan(cnn, torch::randn({8, 3, 32, 32}), 1);
+}
+
 TEST_CASE("a CPU with memory_budget_gb: the rule policy chooses, the caller's Config is not changed", "[policy]") {
   const double budget = budget_between_floor_and_baseline();
   const Config caller = test::quiet({.mode = OptimizationMode::Aggressive,
