@@ -162,9 +162,16 @@ class Runner {
     resident = memscale::memory_tracker::current_bytes() - live_before_model;
   }
 
-  /// One unmeasured step (its loss is kept: every row takes the same steps).
-  void settle() { row.losses.push_back(step()); }
+  /// A row's turn: two steps, the second measured. It starts from the heap its own
+  /// row's step left, as in a training loop, not from a row of smaller peak (whose
+  /// follower paid the faults of growing the heap back: RESULTS.md). Both losses
+  /// are kept: every row takes the same steps.
+  void take_turn() {
+    row.losses.push_back(step());
+    measure();
+  }
 
+ private:
   /// One measured step.
   void measure() {
     memscale::memory_tracker::process_peak_scope process;
@@ -179,6 +186,7 @@ class Runner {
     }
   }
 
+ public:
   /// Medians, detach, yardstick.
   RowResult finish() {
     if (guard_) row.offload = guard_->offload_stats();
@@ -292,10 +300,7 @@ Workload run_workload(const std::string& title, const std::string& description,
     }
     else
       throw std::invalid_argument("--solo: " + title + " has no row named '" + name + "'");
-    for (int s = 0; s < steps; ++s) {  // the turns of the interleaved run: the same steps, the same losses
-      runners.front()->settle();
-      runners.front()->measure();
-    }
+    for (int s = 0; s < steps; ++s) runners.front()->take_turn();  // the interleaved run's turns, alone
     w.rows.push_back(runners.front()->finish());
     return w;
   }
@@ -325,14 +330,7 @@ Workload run_workload(const std::string& title, const std::string& description,
   for (int s = 0; s < steps; ++s) {
     std::cerr << "[bench] " << title << ": round " << s + 1 << "/" << steps << "\n";
     // Each round starts at the next row: what a position costs falls on every row alike.
-    // A turn is two steps, the second measured: it starts from the heap its own
-    // row's step left, as in a training loop, not from a row of smaller peak
-    // (whose follower paid the faults of growing the heap back: RESULTS.md).
-    for (std::size_t i = 0; i < runners.size(); ++i) {
-      auto& runner = *runners[(i + static_cast<std::size_t>(s)) % runners.size()];
-      runner.settle();
-      runner.measure();
-    }
+    for (std::size_t i = 0; i < runners.size(); ++i) runners[(i + static_cast<std::size_t>(s)) % runners.size()]->take_turn();
   }
   for (auto& r : runners) w.rows.push_back(r->finish());
   for (const auto& r : w.rows)

@@ -59,12 +59,9 @@ inline int best_of(const corpus_row& r) {
 
 inline bool held_out(const corpus_row& r, const std::map<std::string, int>& largest) { return r.s.size == largest.at(r.s.family); }
 
-struct fitted {
-  std::array<double, features> mean{}, scale{};
-  std::array<std::array<double, features + 1>, classes> weights{};
-};
-
-inline fitted train_softmax(const std::vector<const corpus_row*>& train) {
+/// The softmax-linear policy fitted on `train`, as the artifact that ships it
+/// (its dataset hash left for the caller).
+inline memscale::policy::trained_artifact train_softmax(const std::vector<const corpus_row*>& train) {
   const auto n = static_cast<std::int64_t>(train.size());
   auto x = torch::empty({n, static_cast<std::int64_t>(features)}, torch::kDouble);
   auto y = torch::empty({n}, torch::kLong);
@@ -72,7 +69,7 @@ inline fitted train_softmax(const std::vector<const corpus_row*>& train) {
     for (std::size_t f = 0; f < features; ++f) x[i][static_cast<std::int64_t>(f)] = train[static_cast<std::size_t>(i)]->x[f];
     y[i] = best_of(*train[static_cast<std::size_t>(i)]);
   }
-  fitted out;
+  memscale::policy::trained_artifact out;
   const auto mean = x.mean(0), scale = x.std(0).clamp_min(1e-6);
   const auto z = (x - mean) / scale;
   torch::manual_seed(5);
@@ -97,22 +94,6 @@ inline fitted train_softmax(const std::vector<const corpus_row*>& train) {
     out.weights[k][features] = b[static_cast<std::int64_t>(k)].item<double>();
   }
   return out;
-}
-
-inline std::string artifact_text(const fitted& m, const std::string& dataset_hash) {
-  std::ostringstream os;
-  os << std::setprecision(17) << memscale::policy::artifact_magic << ' ' << memscale::policy::artifact_version
-     << "\nschema " << memscale::StrategyContext::schema_version << " classes " << classes << " features " << features
-     << "\ndataset " << dataset_hash << "\nmean";
-  for (double v : m.mean) os << ' ' << v;
-  os << "\nscale";
-  for (double v : m.scale) os << ' ' << v;
-  os << "\nweights\n";
-  for (const auto& row : m.weights) {
-    for (std::size_t f = 0; f <= features; ++f) os << (f ? " " : "") << row[f];
-    os << "\n";
-  }
-  return os.str();
 }
 
 /// Fit rate and regret of a policy (a choice per row) over `rows`.
@@ -152,10 +133,11 @@ inline int train_and_evaluate(const std::string& dataset, const std::string& art
   std::vector<const corpus_row*> train, test;
   for (const auto& r : rows) (held_out(r, largest) ? test : train).push_back(&r);
   if (train.empty() || test.empty()) throw std::runtime_error("the corpus needs at least two sizes per family");
-  const auto model = train_softmax(train);
   std::ifstream dataset_bytes(dataset, std::ios::binary);
   const auto hash = memscale::policy::dataset_hash(dataset_bytes);
-  const auto text = artifact_text(model, hash);
+  auto model = train_softmax(train);
+  model.dataset = hash;
+  const auto text = memscale::policy::format_artifact(model);
   const auto artifact = memscale::policy::parse_artifact(text);  // what ships must load
   const auto trained = [&](const corpus_row& r) {
     return candidate_index(memscale::policy::predict_from_features(artifact, r.x).choice);
@@ -198,7 +180,7 @@ inline int train_and_evaluate(const std::string& dataset, const std::string& art
     (void)size;
     std::vector<const corpus_row*> others, own;
     for (const auto& r : rows) (r.s.family == family ? own : others).push_back(&r);
-    const auto a = memscale::policy::parse_artifact(artifact_text(train_softmax(others), hash));
+    const auto a = train_softmax(others);
     line("trained (" + family + ")", score_of(own, [&](const corpus_row& r) {
            return candidate_index(memscale::policy::predict_from_features(a, r.x).choice);
          }));

@@ -175,13 +175,8 @@ namespace memscale::core {
     if (!tolerant.overrides.empty()) {
       assign_tiling(chains, supported, in, tolerant);
       assign_offload(chains, supported, in, tolerant);
-      const auto recompute = [&](const engine_plan& p) {
-        double total = 0.0;
-        for (std::size_t c = 0; c < chains.size(); ++c) total += recompute_seconds(chains[c], p.units[c]);
-        return total;
-      };
       if (tolerant.planned_peak <= plan.planned_peak + plan.planned_peak / 2048 &&
-          recompute(tolerant) < recompute(plan))
+          recompute_seconds(chains, tolerant.units) < recompute_seconds(chains, plan.units))
         return tolerant;
     }
   }

@@ -253,6 +253,14 @@ struct range_projection {
   return seconds;
 }
 
+/// The same over every chain of a model (`units` indexed like `chains`).
+[[nodiscard]] constexpr double recompute_seconds(const std::vector<std::vector<slot_cost>>& chains,
+                                                 const std::vector<std::vector<unit>>& units) {
+  double seconds = 0.0;
+  for (std::size_t c = 0; c < chains.size() && c < units.size(); ++c) seconds += recompute_seconds(chains[c], units[c]);
+  return seconds;
+}
+
 /// Replaces the units covering [first, last] by one checkpointed unit (not
 /// offloaded). The range must not overlap another checkpointed unit.
 [[nodiscard]] constexpr std::vector<unit> with_checkpoint(std::span<const unit> units, int first, int last) {

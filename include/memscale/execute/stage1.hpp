@@ -77,8 +77,7 @@ enum class unit_kind { linear, conv, norm, block, other };
   const auto checkpointed = decide(costs, supported, floor_in);
   c.baseline_peak_bytes = checkpointed.baseline_peak;
   c.checkpoint_floor_bytes = checkpointed.planned_peak;
-  for (std::size_t k = 0; k < costs.size() && k < checkpointed.units.size(); ++k)
-    c.recompute_floor_seconds += recompute_seconds(costs[k], checkpointed.units[k]);
+  c.recompute_floor_seconds = recompute_seconds(costs, checkpointed.units);
   c.offload_floor_bytes = c.checkpoint_floor_bytes;
   if (in.offload_allowed) {
     floor_in.offload_allowed = true;

@@ -11,6 +11,7 @@
 //   dataset <hash of the dataset it was fitted on>
 //   mean <m numbers> scale <m numbers>      (the features' standardization)
 //   weights <n rows of m weights then a bias>
+// (format_artifact writes it.)
 #pragma once
 
 #include <algorithm>
@@ -121,6 +122,24 @@ inline long read_int(std::istream& in, std::string_view what) {
     for (auto& w : row) w = artifact_text::read_number(in, "weights");
   if (std::string extra; in >> extra) artifact_text::unusable("has text after its weights ('" + extra.substr(0, 40) + "')");
   return a;
+}
+
+/// The artifact's text, what parse_artifact reads back (every number to 17
+/// significant digits, so the weights come back exactly).
+[[nodiscard]] inline std::string format_artifact(const trained_artifact& a) {
+  std::ostringstream os;
+  os << std::setprecision(17) << artifact_magic << ' ' << artifact_version << "\nschema "
+     << StrategyContext::schema_version << " classes " << strategy_candidates.size() << " features "
+     << StrategyContext::feature_count << "\ndataset " << a.dataset << "\nmean";
+  for (double v : a.mean) os << ' ' << v;
+  os << "\nscale";
+  for (double v : a.scale) os << ' ' << v;
+  os << "\nweights\n";
+  for (const auto& row : a.weights) {
+    for (std::size_t f = 0; f < row.size(); ++f) os << (f ? " " : "") << row[f];
+    os << "\n";
+  }
+  return os.str();
 }
 
 /// Reads and parses the artifact at `path`.
