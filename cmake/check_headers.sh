@@ -16,7 +16,8 @@
 # what compiling it alone does (see "Chains" below); a chain that fails is
 # checked again header by header. 89 headers make about 30 units.
 # Environment: CXX (g++), MEMSCALE_CHECK_JOBS (2), MEMSCALE_CHECK_FLAGS (extra
-# flags, e.g. -Werror), MEMSCALE_THIRD_PARTY_DIR (vendored range-v3, nlohmann-json),
+# flags, e.g. -Werror), MEMSCALE_THIRD_PARTY_DIR (vendored range-v3, nlohmann-json,
+# spdlog, fmt, cpp-httplib),
 # MEMSCALE_CHECK_ONLY (an extended regex: check only the files it matches),
 # MEMSCALE_CHECK_SOURCES (1; 0: headers only, for the LibTorch the build itself
 # compiles the sources against, which checks them in full). GCC only for the
@@ -41,11 +42,19 @@ flags+=(-isystem "$torch_root/torch/csrc/api/include")
 # Debian's 1.13 lacks dist-autograd's context.h, which c10d's reducer.hpp includes:
 # memscale's stand-in, as the memscale::distributed target adds it (after the real one).
 flags+=(-idirafter "$repo/include/memscale/distributed/c10d_shim")
-for vendored in range-v3 nlohmann-json; do
+for vendored in range-v3 nlohmann-json spdlog fmt cpp-httplib; do
   if [[ -d "$third_party/$vendored/include" ]]; then
     flags+=(-isystem "$third_party/$vendored/include")
   fi
 done
+[[ -d "$third_party/fmt/include" ]] && flags+=(-DFMT_HEADER_ONLY=1)
+# The metrics endpoint's code compiles only with cpp-httplib: check it where it is.
+if [[ -f "$third_party/cpp-httplib/include/httplib.h" ]]; then
+  flags+=(-DMEMSCALE_WITH_HTTP=1)
+elif command -v pkg-config > /dev/null && pkg-config --exists cpp-httplib; then
+  read -r -a httplib_flags <<< "$(pkg-config --cflags cpp-httplib)"
+  flags+=("${httplib_flags[@]}" -DMEMSCALE_WITH_HTTP=1)
+fi
 read -r -a extra <<< "${MEMSCALE_CHECK_FLAGS:-}"
 flags+=("${extra[@]}")
 

@@ -15,11 +15,13 @@ declare -A layer=(
   [version.hpp]=0 [errors.hpp]=0 [config.hpp]=0  # facts every layer may use
   [detail]=1 [cuda]=1                            # internals; the kernel declarations
   [device]=2                                     # hardware, memory tracking, process memory
+  [observability]=2                              # logging (spdlog), metrics, telemetry, Config as JSON
   [offload]=3                                    # offload engine, tiers, I/O pool, saved-tensor hooks
   [policy]=3                                     # Stage 1: its context, decision, rule and trained policies
   [techniques]=4                                 # checkpoint, offload, tile, precision, 8-bit
   [core]=5                                       # units, profiler, decision engine, plan, optimal chain
   [execute]=6                                    # executor, attach and detach, verify_correctness
+  [report]=6                                     # the Report as JSON and HTML (beside execute, not on it)
   [predict]=7                                    # the OOM predictor
   [autotuning]=8 [distributed]=8                 # the AutoTuner; data parallel
   [api.hpp]=9 [memscale.hpp]=9 [distributed.hpp]=9  # the public surface

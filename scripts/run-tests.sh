@@ -38,7 +38,7 @@ run_ctest() {
   return "$status"
 }
 
-stage setup-deps ./scripts/setup-deps.sh
+stage setup-deps ./scripts/setup-deps.sh --tests
 stage configure cmake --preset default
 if ((${#failures[@]} == 0)); then stage build cmake --build --preset default -j "$jobs"; fi
 if ((${#failures[@]})); then summary; fi

@@ -4,7 +4,13 @@
 # will get, since the reference BLAS makes training ~10x slower.
 set -euo pipefail
 
-packages=(cmake g++ make libtorch-dev libgloo-dev catch2 librange-v3-dev nlohmann-json3-dev libopenblas0-pthread)
+packages=(cmake g++ make pkg-config libtorch-dev libgloo-dev catch2 librange-v3-dev nlohmann-json3-dev libspdlog-dev
+          libcpp-httplib-dev libopenblas0-pthread)
+# --tests: what the tests run against besides the build: a Prometheus server
+# and promtool (the metrics endpoint), headless Chromium (the HTML report).
+if [[ "${1:-}" == "--tests" ]]; then
+  packages+=(prometheus chromium)
+fi
 
 missing=()
 for package in "${packages[@]}"; do

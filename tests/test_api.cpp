@@ -31,7 +31,8 @@ TEST_CASE("every invalid Config field gets a ConfigError naming it", "[api][conf
          c.policy = memscale::PolicyKind::rule;
          c.policy_artifact = "policy.txt";
        }},
-      {"observability_port", [](Config& c) { c.observability_port = 0; }},
+      {"observability_port", [](Config& c) { c.observability_port = -1; }},
+      {"observability_bind_address", [](Config& c) { c.observability_bind_address.clear(); }},
       {"observability_port", [](Config& c) { c.observability_port = 70000; }},
       {"async_config.prefetch_depth", [](Config& c) { c.async_config = memscale::AsyncOffloadConfig{.prefetch_depth = 0}; }},
       {"async_config.pinned_pool_mb", [](Config& c) { c.async_config = memscale::AsyncOffloadConfig{.pinned_pool_mb = -5}; }},

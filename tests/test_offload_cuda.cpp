@@ -16,7 +16,6 @@ void require_gpu() { REQUIRE(torch::cuda::is_available()); }
 
 engine_options cuda_options(bool async) {
   engine_options o;
-  o.log_warnings = false;
   o.min_bytes = 0;
   o.async = async;
   return o;

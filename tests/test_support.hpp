@@ -61,6 +61,16 @@ inline void before_replacing_the_engine() {
   (x * 2).sum().backward();
 }
 
+/// `steps` SGD steps of the loss mean(output^2) on `x`.
+inline void train_sgd(torch::nn::Sequential& model, const torch::Tensor& x, int steps) {
+  torch::optim::SGD opt(model->parameters(), 0.01);
+  for (int i = 0; i < steps; ++i) {
+    opt.zero_grad();
+    model->forward(x).pow(2).mean().backward();
+    opt.step();
+  }
+}
+
 inline memscale::Config quiet(memscale::Config c = {}) {
   c.enable_logging = false;
   return c;

@@ -91,9 +91,17 @@ struct Config {
   bool use_static_profiling = true;
   bool use_empirical_fallback = true;
   int warmup_steps = 2;  ///< instrumented passes per layer when profiling empirically
+  /// memscale's log (spdlog's logger "memscale", to stderr at info): a summary at
+  /// each plan, the per-layer plan at debug, warnings. false: this wrap logs nothing.
   bool enable_logging = true;
+  /// Also append this wrap's log, from debug up (the whole plan), to this file
+  /// (missing directories are created); one that cannot be opened is a ConfigError.
   std::optional<std::string> log_file{};
+  /// While the guard is active, serve Prometheus metrics at
+  /// http://<observability_bind_address>:<port>/metrics (0: any free port; the
+  /// Report's metrics_endpoint says which). A port that cannot be bound is a warning.
   std::optional<int> observability_port{};
+  std::string observability_bind_address = "127.0.0.1";  ///< loopback only unless changed
   bool verify_correctness = false;
   bool async_offload = false;
   std::optional<AsyncOffloadConfig> async_config{};
@@ -127,9 +135,12 @@ struct Config {
       throw ConfigError("warmup_steps", "must be >= 0, got " + std::to_string(warmup_steps));
     if (log_file && log_file->empty())
       throw ConfigError("log_file", "must be a file path or unset, got \"\"");
-    if (observability_port && (*observability_port < 1 || *observability_port > 65535))
-      throw ConfigError("observability_port", "must be in [1, 65535] or unset, got " +
+    if (observability_port && (*observability_port < 0 || *observability_port > 65535))
+      throw ConfigError("observability_port", "must be in [0, 65535] (0: any free port) or unset, got " +
                                                   std::to_string(*observability_port));
+    if (observability_bind_address.empty())
+      throw ConfigError("observability_bind_address",
+                        "must be an address to bind, such as \"127.0.0.1\" (the default) or \"0.0.0.0\", got \"\"");
     if (async_config) async_config->validate();
     if (memory_budget_gb && (!std::isfinite(*memory_budget_gb) || *memory_budget_gb <= 0.0))
       throw ConfigError("memory_budget_gb", "must be a finite number of GB > 0 or unset, got " +

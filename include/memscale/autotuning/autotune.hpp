@@ -54,6 +54,7 @@ inline Config with_callers_fields(Config tuned, const Config& base) {
   tuned.enable_logging = base.enable_logging;
   tuned.log_file = base.log_file;
   tuned.observability_port = base.observability_port;
+  tuned.observability_bind_address = base.observability_bind_address;
   tuned.verify_correctness = base.verify_correctness;
   return tuned;
 }

@@ -117,6 +117,7 @@ struct cache_key {
   search.enable_logging = true;
   search.log_file.reset();
   search.observability_port.reset();
+  search.observability_bind_address = Config{}.observability_bind_address;
   search.verify_correctness = false;
   nlohmann::json modes = nlohmann::json::array();
   for (auto m : options.modes) modes.push_back(m);

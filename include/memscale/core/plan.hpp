@@ -10,6 +10,7 @@
 #include <ostream>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <memscale/config.hpp>
@@ -77,6 +78,7 @@ struct Report {
   std::vector<std::string> notes;
   std::optional<CorrectnessCheck> verification;  ///< with Config::verify_correctness
   StrategyDecision strategy;  ///< Stage 1: who chose the mode and techniques, and the Config planned with
+  std::string metrics_endpoint;  ///< with Config::observability_port: the URL serving Prometheus metrics ("" if none)
 
   [[nodiscard]] std::int64_t static_bytes() const noexcept {
     return parameter_bytes + gradient_bytes + optimizer_reserve_bytes + buffer_bytes + earlier_chains_bytes +
@@ -146,6 +148,81 @@ struct Report {
   /// Prints through a string, so the caller's stream formatting stays as it was.
   friend std::ostream& operator<<(std::ostream& os, const Report& r) { return os << r.str(); }
 
+  /// Every field, each plan line as str() prints it and the figures str()
+  /// derives, as JSON (schema "memscale.report", version 1: report/report_json.hpp,
+  /// which memscale.hpp includes, defines it; a template only so that it can).
+  template <class Self = Report>
+  [[nodiscard]] std::string to_json(int indent = 2) const {
+    return report_json(static_cast<const Self&>(*this), indent);
+  }
+  /// The Report to_json() wrote; throws memscale::Error naming what is wrong.
+  template <class Self = Report>
+  [[nodiscard]] static Self from_json(std::string_view text) {
+    return report_from_json(text, static_cast<const Self*>(nullptr));
+  }
+
+  /// A decision's line of the plan, after its slots, technique and rule: what it
+  /// frees or moves, for what, and the peak before and after.
+  [[nodiscard]] std::string decision_text(const core::segment_decision& d) const {
+    using detail::format_bytes;
+    if (d.chain < 0 || static_cast<std::size_t>(d.chain) >= chains.size()) return {};
+    std::ostringstream os;
+    os << std::fixed;
+    const auto& chain = chains[static_cast<std::size_t>(d.chain)];
+    switch (d.rule) {
+      case core::rule_id::checkpoint_segment:
+      case core::rule_id::refine_segment:
+        os << "frees " << format_bytes(d.freed_bytes) << " for " << std::setprecision(3)
+           << d.recompute_seconds * 1e3 << " ms recompute; peak " << format_bytes(d.peak_before) << " -> "
+           << format_bytes(d.peak_after) << linear_tail_note(chain, d);
+        break;
+      case core::rule_id::optimal_schedule:
+        if (d.checkpointed)
+          os << "optimal schedule: frees " << format_bytes(d.freed_bytes) << " for " << std::setprecision(3)
+             << d.recompute_seconds * 1e3 << " ms recompute; peak " << format_bytes(d.peak_before) << " -> "
+             << format_bytes(d.peak_after) << linear_tail_note(chain, d);
+        else
+          os << "optimal schedule: kept, the budget holds without recomputing it";
+        break;
+      case core::rule_id::keep_no_gain:
+        os << "would free " << format_bytes(d.freed_bytes) << " but the peak stays "
+           << format_bytes(d.peak_before);
+        break;
+      case core::rule_id::keep_fits:
+        os << "projected peak " << format_bytes(d.peak_before) << " <= target " << format_bytes(plan.target_bytes);
+        break;
+      case core::rule_id::low_pressure_skip:
+        os << "pressure " << std::setprecision(2) << plan.pressure << " < "
+           << core::policy_for(mode).act_at_pressure << " (" << mode << "); force_optimize is off";
+        break;
+      case core::rule_id::checkpointing_disabled:
+        os << "checkpointing excluded by Config::enable_checkpointing or the Strategy";
+        break;
+      case core::rule_id::unsupported_chain: os << chain.unsupported_reason; break;
+      case core::rule_id::tile_segment:
+        os << d.tiles << " chunks of input dimension " << d.tile_dim << ": one chunk's intermediates live in "
+           << "backward, saves " << format_bytes(d.freed_bytes) << "; peak " << format_bytes(d.peak_before)
+           << " -> " << format_bytes(d.peak_after);
+        break;
+      case core::rule_id::offload_segment:
+      case core::rule_id::offload_no_room:
+        os << (d.rule == core::rule_id::offload_no_room ? "would move " : "moves ") << format_bytes(d.freed_bytes)
+           << " (" << std::setprecision(3) << d.recompute_seconds * 1e3 << " ms transfer behind "
+           << d.compute_seconds * 1e3 << " ms compute); peak " << format_bytes(d.peak_before) << " -> "
+           << format_bytes(d.peak_after)
+           << (d.rule == core::rule_id::offload_no_room ? ", but the offload tiers have no room left" : "");
+        break;
+    }
+    return os.str();
+  }
+
+  /// "checkpoint", "ckpt+offl", "offload", "tile" or "none".
+  [[nodiscard]] static const char* technique_of(const core::segment_decision& d) {
+    return d.rule == core::rule_id::tile_segment ? "tile"
+           : d.checkpointed                      ? (d.offloaded ? "ckpt+offl" : "checkpoint")
+                                                 : (d.offloaded ? "offload" : "none");
+  }
+
  private:
   void print(std::ostream& os) const {
     using detail::format_bytes;
@@ -182,6 +259,7 @@ struct Report {
 
   /// Prints through a string, so the caller's stream formatting stays as it was.
   void print_notes(std::ostream& os) const {
+    if (!metrics_endpoint.empty()) os << "metrics: " << metrics_endpoint << "\n";
     for (const auto& note : notes) os << "note: " << note << "\n";
   }
 
@@ -219,56 +297,8 @@ struct Report {
       std::ostringstream slots;
       slots << d.first;
       if (d.last != d.first) slots << ".." << d.last;
-      const char* applied = d.rule == core::rule_id::tile_segment ? "tile"
-                            : d.checkpointed ? (d.offloaded ? "ckpt+offl" : "checkpoint")
-                                             : (d.offloaded ? "offload" : "none");
-      os << "    slots " << std::left << std::setw(8) << slots.str() << std::setw(11) << applied
-         << std::setw(26) << to_string(d.rule) << std::right;
-      switch (d.rule) {
-        case core::rule_id::checkpoint_segment:
-        case core::rule_id::refine_segment:
-          os << "frees " << format_bytes(d.freed_bytes) << " for " << std::setprecision(3)
-             << d.recompute_seconds * 1e3 << " ms recompute; peak " << format_bytes(d.peak_before) << " -> "
-             << format_bytes(d.peak_after) << linear_tail_note(chain, d);
-          break;
-        case core::rule_id::optimal_schedule:
-          if (d.checkpointed)
-            os << "optimal schedule: frees " << format_bytes(d.freed_bytes) << " for " << std::setprecision(3)
-               << d.recompute_seconds * 1e3 << " ms recompute; peak " << format_bytes(d.peak_before) << " -> "
-               << format_bytes(d.peak_after) << linear_tail_note(chain, d);
-          else
-            os << "optimal schedule: kept, the budget holds without recomputing it";
-          break;
-        case core::rule_id::keep_no_gain:
-          os << "would free " << format_bytes(d.freed_bytes) << " but the peak stays "
-             << format_bytes(d.peak_before);
-          break;
-        case core::rule_id::keep_fits:
-          os << "projected peak " << format_bytes(d.peak_before) << " <= target " << format_bytes(plan.target_bytes);
-          break;
-        case core::rule_id::low_pressure_skip:
-          os << "pressure " << std::setprecision(2) << plan.pressure << " < "
-             << core::policy_for(mode).act_at_pressure << " (" << mode << "); force_optimize is off";
-          break;
-        case core::rule_id::checkpointing_disabled:
-          os << "checkpointing excluded by Config::enable_checkpointing or the Strategy";
-          break;
-        case core::rule_id::unsupported_chain: os << chain.unsupported_reason; break;
-        case core::rule_id::tile_segment:
-          os << d.tiles << " chunks of input dimension " << d.tile_dim << ": one chunk's intermediates live in "
-             << "backward, saves " << format_bytes(d.freed_bytes) << "; peak " << format_bytes(d.peak_before)
-             << " -> " << format_bytes(d.peak_after);
-          break;
-        case core::rule_id::offload_segment:
-        case core::rule_id::offload_no_room:
-          os << (d.rule == core::rule_id::offload_no_room ? "would move " : "moves ") << format_bytes(d.freed_bytes)
-             << " (" << std::setprecision(3) << d.recompute_seconds * 1e3 << " ms transfer behind "
-             << d.compute_seconds * 1e3 << " ms compute); peak " << format_bytes(d.peak_before) << " -> "
-             << format_bytes(d.peak_after)
-             << (d.rule == core::rule_id::offload_no_room ? ", but the offload tiers have no room left" : "");
-          break;
-      }
-      os << "\n";
+      os << "    slots " << std::left << std::setw(8) << slots.str() << std::setw(11) << technique_of(d)
+         << std::setw(26) << to_string(d.rule) << std::right << decision_text(d) << "\n";
     }
   }
 };

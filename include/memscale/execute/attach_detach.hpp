@@ -31,6 +31,8 @@
 namespace memscale::core {
 
 inline void attachment::restore() noexcept {
+  // First, and outside the locks: a scrape in flight reads the report under mutex_.
+  if (endpoint_) endpoint_->stop();
   std::lock_guard<std::mutex> planning(plan_mutex_);
   sites_ = sites_state::off;
   stop_listening();
@@ -53,6 +55,9 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
                                           std::function<torch::Tensor(const torch::Tensor&)> whole_forward = {},
                                           const torch::Tensor* example = nullptr) {
   config.validate();
+  if (config.observability_port && !observability::http_available)
+    throw ConfigError("observability_port", std::string(observability::http_unavailable_reason) +
+                                                "; leave it unset, or rebuild memscale with cpp-httplib");
   if (!root) throw UnsupportedModelError("memscale: the model is empty (a null module holder)");
   if (config.verify_correctness && example == nullptr)
     throw ConfigError("verify_correctness",
@@ -114,6 +119,7 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
     }
     box.reset();  // gradients, buffers and the RNG as they were
     registry::global().add(root, attached);
+    attached->start_metrics_endpoint();  // noexcept
     // Profiling ran the units at the full batch; with glibc's dynamic threshold
     // the heap would keep what it freed, near the baseline's peak, whatever the plan.
     if (outside && !fixed_malloc_mmap_threshold()) memscale::detail::release_free_heap();

@@ -44,6 +44,8 @@
 #include <memscale/execute/planning_scope.hpp>
 #include <memscale/execute/stage1.hpp>
 #include <memscale/execute/verify.hpp>
+#include <memscale/observability/endpoint.hpp>
+#include <memscale/observability/log.hpp>
 #include <memscale/offload/engine.hpp>
 #include <memscale/offload/hooks.hpp>
 #include <memscale/techniques/offload.hpp>
@@ -75,6 +77,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
       : root_(root),
         caller_config_(config),
         config_(std::move(config)),
+        log_(observability::log_channel::open(config_)),
         techniques_(techniques),
         agree_(std::move(agree)),
         whole_forward_(std::move(whole_forward)) {
@@ -138,6 +141,10 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     std::lock_guard<std::mutex> lock(mutex_);
     return engine_;
   }
+
+  /// With Config::observability_port: serves this model's metrics until
+  /// restore(). A port it cannot bind is a warning and a note; never throws.
+  void start_metrics_endpoint() noexcept;
 
   /// Runs `forward` once (no grad, no visible RNG draws, buffers restored) to learn
   /// what each chain receives. Chains the forward never reaches get no input.
@@ -240,7 +247,11 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   /// The engine offloaded units share; created at the first plan that offloads.
   std::shared_ptr<offload::engine> engine_for_plan() {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!engine_) engine_ = std::make_shared<offload::engine>(offload::options_from(config_));
+    if (!engine_) {
+      auto options = offload::options_from(config_);
+      options.log = log_;
+      engine_ = std::make_shared<offload::engine>(std::move(options));
+    }
     return engine_;
   }
 
@@ -318,6 +329,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   std::weak_ptr<torch::nn::Module> root_;
   const Config caller_config_;  ///< as the caller passed it (Stage 1 starts from it)
   Config config_;               ///< what planning uses: the caller's, or Stage 1's effective copy
+  observability::log_channel log_;  ///< Config::enable_logging and log_file
   technique_set techniques_;
   plan_agreement agree_;
   std::function<torch::Tensor(const torch::Tensor&)> whole_forward_;  // empty: forward is not Tensor -> Tensor
@@ -342,6 +354,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   std::atomic<std::int64_t> diverged_forwards_{0};
   std::atomic<std::int64_t> short_forwards_{0};
   std::shared_ptr<offload::engine> engine_;  // guarded by mutex_
+  std::unique_ptr<observability::metrics_endpoint> endpoint_;  // set by attach(), stopped by restore()
   outside_allocator_probe* outside_probe_ = nullptr;  // attach()'s, while it runs (outside_probe_binding)
   mutable std::mutex mutex_;  // guards report_ and engine_
   std::mutex plan_mutex_;     // serializes lazy planning and restore

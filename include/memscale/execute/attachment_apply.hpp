@@ -138,7 +138,7 @@ inline void attachment::commit_plan(const std::vector<std::size_t>& ready, const
   {
     std::lock_guard<std::mutex> lock(mutex_);
     std::swap(report_, next);
-    observability::log_report(config_, report_);  // noexcept
+    observability::log_report(log_, report_);  // noexcept
   }
 }
 

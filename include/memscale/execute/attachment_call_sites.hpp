@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <functional>
-#include <iostream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -260,13 +259,13 @@ inline call_ticket attachment::next_call(const torch::nn::Module& module, int de
   if (cursor_ >= sequence_.size() || sequence_[cursor_].module != &module) {
     diverged_ = true;
     const auto n = ++diverged_forwards_;
-    if (config_.enable_logging && n <= 5)
-      std::clog << "[memscale] warning: memscale::forward call " << cursor_ << " of this forward is '"
-                << path_of(&module) << "', but the plan recorded "
-                << (cursor_ < sequence_.size() ? "'" + path_of(sequence_[cursor_].module) + "'"
-                                               : std::to_string(sequence_.size()) + " calls")
-                << "; the rest of this forward runs unoptimized"
-                << (n == 5 ? " (further occurrences are only counted in the report)" : "") << "\n";
+    if (n <= 5 && log_.wants(spdlog::level::warn))
+      log_.warn("memscale::forward call " + std::to_string(cursor_) + " of this forward is '" + path_of(&module) +
+                "', but the plan recorded " +
+                (cursor_ < sequence_.size() ? "'" + path_of(sequence_[cursor_].module) + "'"
+                                            : std::to_string(sequence_.size()) + " calls") +
+                "; the rest of this forward runs unoptimized" +
+                (n == 5 ? " (further occurrences are only counted in the report)" : ""));
     return {};
   }
   return {sequence_[cursor_++].runner};

@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <functional>
 #include <iomanip>
-#include <iostream>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -102,8 +101,7 @@ inline void attachment::choose_strategy(const std::vector<chain_profile>& profil
   in.checkpointing_allowed = in.checkpointing_allowed && config_.enable_checkpointing;
   in.tiling_allowed = in.tiling_allowed && in.checkpointing_allowed && config_.enable_tiling;
   in.offload_allowed = in.offload_allowed && config_.enable_offloading;
-  if (config_.enable_logging && out.strategy.decision_source == DecisionSource::rule_fallback)
-    std::clog << "[memscale] warning: " << out.strategy.reason << "\n";
+  if (out.strategy.decision_source == DecisionSource::rule_fallback) log_.warn(out.strategy.reason);
 }
 
 inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::size_t>& which,
@@ -213,7 +211,7 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
       in.offload_allowed = false;
       const auto note = "offload disabled: " + why + "; the plan uses the other techniques only";
       if (std::find(out.notes.begin(), out.notes.end(), note) == out.notes.end()) out.notes.push_back(note);
-      if (config_.enable_logging) std::clog << "[memscale] warning: " << note << "\n";
+      log_.warn(note);
     }
   }
   if (in.offload_allowed) {

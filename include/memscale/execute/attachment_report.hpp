@@ -7,7 +7,6 @@
 
 #include <exception>
 #include <iomanip>
-#include <iostream>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -20,6 +19,7 @@
 #include <memscale/detail/assert.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/execute/attachment.hpp>
+#include <memscale/execute/metrics_page.hpp>
 #include <memscale/execute/verify.hpp>
 
 namespace memscale::core {
@@ -45,8 +45,32 @@ inline void attachment::add_technique_notes() {
     report_.notes.emplace_back("use_8bit_optimizer: build the optimizer with memscale::make_optimizer(config, "
                                "params, options) to get memscale::optim::AdamW8bit (about 2.03 bytes of state per "
                                "parameter instead of AdamW's 8); the plan budgets that state");
-  if (config_.observability_port)
-    report_.notes.emplace_back("observability_port: the metrics endpoint is not implemented in this release");
+}
+
+inline void attachment::start_metrics_endpoint() noexcept {
+  if (!config_.observability_port) return;
+  try {
+    std::weak_ptr<attachment> weak = weak_from_this();
+    endpoint_ = std::make_unique<observability::metrics_endpoint>(
+        config_.observability_bind_address, *config_.observability_port, [weak] {
+          const auto self = weak.lock();
+          if (!self) throw Error("memscale: the model was detached");
+          const auto engine = self->offload_engine();
+          return observability::metrics_page(self->report(),
+                                             engine ? std::optional(engine->stats()) : std::nullopt);
+        });
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (endpoint_->bound()) {
+      report_.metrics_endpoint = endpoint_->url();
+      log_.info("metrics at " + report_.metrics_endpoint);
+    } else {
+      const auto note = "observability_port: no metrics endpoint: " + endpoint_->error() + "; training goes on";
+      report_.notes.push_back(note);
+      log_.warn(note);
+    }
+  } catch (...) {
+    // no endpoint: training goes on
+  }
 }
 
 inline void attachment::run_native_warmup(const torch::Tensor& example) {
@@ -84,12 +108,7 @@ inline void attachment::judge_verification(const verify::sandbox& box, const ver
     std::lock_guard<std::mutex> lock(mutex_);
     report_.verification = outcome.check;
   }
-  if (config_.enable_logging) {
-    try {
-      std::clog << "[memscale] " << outcome.check.str() << "\n";
-    } catch (...) {
-    }
-  }
+  log_.log(outcome.check.passed ? spdlog::level::info : spdlog::level::err, outcome.check.str());
   if (!outcome.first_mismatch) return;
   const auto& [what, how] = *outcome.first_mismatch;
   std::ostringstream message;

@@ -9,7 +9,6 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <iostream>
 #include <mutex>
 #include <string>
 
@@ -58,7 +57,7 @@ class engine_core {
     std::lock_guard<std::mutex> lock(mutex_);
     if (std::find(stats_.warnings.begin(), stats_.warnings.end(), message) != stats_.warnings.end()) return;
     stats_.warnings.push_back(message);
-    if (options.log_warnings) std::clog << "[memscale] warning: " << message << "\n";
+    options.log.warn(message);
   }
 
   /// Backpressure for async writes: waits while `bytes` more would exceed

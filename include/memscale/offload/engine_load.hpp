@@ -98,7 +98,7 @@ inline at::Tensor engine::fetch(stored_tensor& rec) {
           ++s.prefetch_misses;
           s.wait_seconds += took;
           s.transfer_seconds += took;
-          s.bytes_read += rec.layout_.bytes;
+          s.add_read(tier::disk, rec.layout_.bytes);
         });
       }
       break;
@@ -125,7 +125,7 @@ inline at::Tensor engine::to_device(stored_tensor& rec, const at::Tensor& host) 
   core_->update([&](engine_stats& s) {
     s.wait_seconds += took;
     s.transfer_seconds += took;
-    s.bytes_read += rec.layout_.bytes;
+    s.add_read(rec.where_, rec.layout_.bytes);
   });
   return out;
 }
@@ -184,7 +184,7 @@ inline void engine::prefetch_before(int group) {
       }
       core->update([&](engine_stats& s) {
         s.transfer_seconds += took;
-        s.bytes_read += rec->layout_.bytes;
+        s.add_read(tier::disk, rec->layout_.bytes);
       });
     };
     try {

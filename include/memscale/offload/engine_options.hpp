@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <memscale/config.hpp>
+#include <memscale/observability/log.hpp>
 #include <memscale/device/hardware.hpp>
 #include <memscale/offload/tiers.hpp>
 
@@ -34,7 +35,9 @@ struct engine_options {
   int io_threads = 2;
   int prefetch_depth = 2;                       ///< groups fetched ahead of backward
   std::int64_t max_inflight_bytes = 256LL << 20;  ///< async: bytes queued for writing before store() waits
-  bool log_warnings = true;                     ///< also print each distinct warning once to stderr
+  /// Where each distinct warning is also logged once (at warn); silent by
+  /// default: the attachment that makes the engine lends its wrap's channel.
+  observability::log_channel log{};
 };
 
 inline std::int64_t physical_host_bytes() {
@@ -72,7 +75,6 @@ inline engine_options options_from(const Config& config) {
   o.io_threads = async.io_threads;
   o.prefetch_depth = async.prefetch_depth;
   o.max_inflight_bytes = o.pinned_bytes;  // the staging memory the engine may hold, pinned or queued
-  o.log_warnings = config.enable_logging;
   return o;
 }
 
@@ -80,6 +82,8 @@ struct tier_usage {
   std::int64_t bytes = 0;    ///< held now
   std::int64_t peak = 0;     ///< most ever held at once
   std::int64_t tensors = 0;  ///< tensors ever placed here
+  std::int64_t written = 0;  ///< bytes ever copied here (offload)
+  std::int64_t read = 0;     ///< bytes ever copied back from here
 };
 
 struct engine_stats {
@@ -99,6 +103,16 @@ struct engine_stats {
   std::vector<std::string> warnings;           ///< each distinct warning once
 
   [[nodiscard]] const tier_usage& at(tier t) const { return tiers[static_cast<std::size_t>(t)]; }
+  /// Counts a copy to tier `t` (in the totals and the tier's own).
+  void add_written(tier t, std::int64_t bytes) {
+    bytes_written += bytes;
+    tiers[static_cast<std::size_t>(t)].written += bytes;
+  }
+  /// Counts a copy back from tier `t`.
+  void add_read(tier t, std::int64_t bytes) {
+    bytes_read += bytes;
+    tiers[static_cast<std::size_t>(t)].read += bytes;
+  }
   /// Share of the transfer time nobody waited for (1 when nothing was transferred).
   [[nodiscard]] double hidden_fraction() const {
     if (transfer_seconds <= 0.0) return 1.0;

@@ -134,7 +134,7 @@ inline bool engine::to_disk(const stored_handle& rec, const at::Tensor& t) {
       if (error.empty()) {
         rec->held_ = at::Tensor();  // the bytes are on disk: the memory goes
         core->update([&](engine_stats& s) {
-          s.bytes_written += rec->layout_.bytes;
+          s.add_written(tier::disk, rec->layout_.bytes);
           s.transfer_seconds += took;
         });
       } else {

@@ -64,7 +64,7 @@ inline stored_handle engine::store(const at::Tensor& tensor, std::optional<tier>
   if (!written_by_job) {
     const double took = detail::seconds_since(start);
     core_->update([&](engine_stats& s) {
-      s.bytes_written += rec->layout_.bytes;
+      s.add_written(*placed, rec->layout_.bytes);
       if (!async_copy) {
         s.transfer_seconds += took;
         s.wait_seconds += took;  // an inline copy is time the forward waited for

@@ -24,6 +24,8 @@
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 #include <torch/torch.h>
 
+#include <memscale/observability/metrics.hpp>
+
 namespace memscale::offload {
 
 namespace detail {
@@ -77,11 +79,15 @@ class hooks_engine final : public torch::autograd::Engine {
 
   /// Counts every backward this engine runs (backward(), autograd::grad, a
   /// checkpoint's internal grad): call sites use it to tell training steps apart.
+  /// One that starts outside any other backward or recompute of its thread is a
+  /// training step for the metrics (observability/metrics.hpp).
   torch::autograd::variable_list execute(const torch::autograd::edge_list& roots,
                                          const torch::autograd::variable_list& inputs, bool keep_graph,
                                          bool create_graph, bool accumulate_grad,
                                          const torch::autograd::edge_list& outputs = {}) override {
     backwards_.fetch_add(1, std::memory_order_relaxed);
+    const observability::nesting_scope nested;
+    if (nested.top_level()) observability::counters().step_started();
     return torch::autograd::Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
   }
   [[nodiscard]] std::uint64_t backwards() const noexcept { return backwards_.load(std::memory_order_relaxed); }

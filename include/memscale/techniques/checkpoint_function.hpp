@@ -25,6 +25,7 @@
 #include <memscale/detail/fault_injection.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
+#include <memscale/observability/metrics.hpp>
 #include <memscale/techniques/checkpoint_recompute.hpp>
 
 namespace memscale {
@@ -95,6 +96,7 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     std::vector<torch::Tensor> outputs;
     recompute_scope recompute;
     {
+      const observability::recompute_timer timed;  // the forward run again: memscale_recompute_seconds_total
       rng_fork keep_training_stream(context->devices);  // backward must not shift the RNG sequence
       if (!technique_fault_injected(technique_fault::checkpoint_skips_rng_restore)) restore_rng(context->state);
       compat::autocast_as same_casts(context->autocast);

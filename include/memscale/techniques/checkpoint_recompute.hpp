@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <functional>
-#include <iostream>
 #include <memory>
 #include <optional>
 #include <string>
@@ -27,6 +26,8 @@
 #include <memscale/detail/compat.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
+#include <memscale/observability/log.hpp>
+#include <memscale/observability/metrics.hpp>
 #include <memscale/offload/hooks.hpp>
 
 namespace memscale {
@@ -101,7 +102,7 @@ struct forward_context : torch::CustomClassHolder {
 /// that called it.
 class recompute_scope {
  public:
-  recompute_scope() : previous_(current()) { current() = this; }
+  recompute_scope() : previous_(current()) { current() = this; }  // nested_: a backward in it is no new step
   recompute_scope(const recompute_scope&) = delete;
   recompute_scope& operator=(const recompute_scope&) = delete;
   ~recompute_scope() {
@@ -124,6 +125,7 @@ class recompute_scope {
 
  private:
   recompute_scope* previous_;
+  observability::nesting_scope nested_;
   std::vector<std::unique_ptr<buffer_restore>> restores_;
   std::vector<const torch::nn::Module*> registered_;
 };
@@ -282,9 +284,9 @@ inline bool adopt_reads(checkpoint_body& body, const torch::Tensor& probe, std::
   auto reads = leaves_read_by(body, {probe}, params, slots);
   for (auto& leaf : reads.leaves) params.push_back(std::move(leaf));
   if (reads.outer_history)
-    std::clog << "[memscale] warning: a " << technique << " segment (" << slot_names(slots)
-              << ") reads a tensor computed before it that needs a gradient; its gradient cannot flow back "
-                 "through a recompute, so the segment runs as it is\n";
+    observability::warn(std::string("a ") + technique + " segment (" + slot_names(slots) +
+                        ") reads a tensor computed before it that needs a gradient; its gradient cannot flow back "
+                        "through a recompute, so the segment runs as it is");
   return reads.outer_history;
 }
 

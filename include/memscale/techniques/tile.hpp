@@ -19,6 +19,7 @@
 #include <torch/torch.h>
 
 #include <memscale/errors.hpp>
+#include <memscale/observability/metrics.hpp>
 #include <memscale/techniques/checkpoint.hpp>
 #include <memscale/techniques/concepts.hpp>
 
@@ -119,6 +120,7 @@ struct tile_function : torch::autograd::Function<tile_function> {
       if (input_grad) chunk.requires_grad_(true);
       torch::Tensor y;
       {
+        const observability::recompute_timer timed;
         compat::autocast_as same_casts(context->autocast);  // the recompute casts as forward did
         torch::AutoGradMode grad_on(true);
         y = body->fn({chunk})[0];

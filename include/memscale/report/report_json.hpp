@@ -1,0 +1,194 @@
+// memscale — the Report as JSON (Report::to_json, Report::from_json): every
+// field of the Report, each decision's line as the text report prints it, and a
+// summary of the figures the text derives (static bytes, recompute time, units
+// per technique), under a schema name and version. Reading takes back what
+// writing wrote (the summary and the lines are derived, and ignored); a
+// document of another schema or version is refused with an Error saying which.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include <memscale/config.hpp>
+#include <memscale/core/decisions.hpp>
+#include <memscale/core/graph.hpp>
+#include <memscale/core/memory_model.hpp>
+#include <memscale/core/plan.hpp>
+#include <memscale/device/hardware.hpp>
+#include <memscale/errors.hpp>
+#include <memscale/observability/config_json.hpp>
+#include <memscale/policy/decision.hpp>
+#include <memscale/version.hpp>
+
+namespace memscale {
+
+inline constexpr const char* report_json_schema = "memscale.report";
+inline constexpr int report_json_schema_version = 1;
+
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(gpu_info, index, name, total_bytes, free_bytes)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(HardwareInfo, host_total_bytes, host_available_bytes, cpu_threads, gpus)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(slot_cost, input_bytes, output_bytes, output_is_view, saved_bytes, saves_input,
+                                   saves_output, mutates_input, backward_from_input, workspace_bytes,
+                                   backward_workspace_bytes, forward_seconds, backward_seconds, row_dims,
+                                   input_extents)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(chain_profile, path, slot_names, slots, sources, notes, input_shape, supported,
+                                   unsupported_reason, caveats)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CorrectnessCheck, passed, tolerance, tolerance_reason, parameters, buffers,
+                                   loss_baseline, loss_optimized, max_relative_difference, largest_at)
+NLOHMANN_JSON_SERIALIZE_ENUM(profile_source, {{profile_source::static_rule, "static"},
+                                              {profile_source::empirical, "empirical"}})
+NLOHMANN_JSON_SERIALIZE_ENUM(DeviceKind, {{DeviceKind::cpu, "cpu"}, {DeviceKind::cuda, "cuda"},
+                                          {DeviceKind::other, "other"}})
+NLOHMANN_JSON_SERIALIZE_ENUM(DecisionSource, {{DecisionSource::user_config, "user_config"},
+                                              {DecisionSource::rule, "rule"},
+                                              {DecisionSource::ml, "ml"},
+                                              {DecisionSource::rule_fallback, "rule_fallback"}})
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(StrategyContext, device, budget_given, usable_bytes, parameter_bytes,
+                                   static_bytes, baseline_peak_bytes, target_bytes, checkpoint_floor_bytes,
+                                   offload_floor_bytes, step_seconds, recompute_floor_seconds,
+                                   offload_bytes_per_second, batch_size, units, linear_units, conv_units,
+                                   norm_units, block_units, other_units, call_sites)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(StrategyChoice, mode, checkpoint, offload)
+
+namespace core {
+NLOHMANN_JSON_SERIALIZE_ENUM(rule_id, {{rule_id::low_pressure_skip, "low_pressure_skip"},
+                                       {rule_id::checkpointing_disabled, "checkpointing_disabled"},
+                                       {rule_id::unsupported_chain, "unsupported_chain"},
+                                       {rule_id::checkpoint_segment, "checkpoint_segment"},
+                                       {rule_id::keep_fits, "keep_fits"},
+                                       {rule_id::keep_no_gain, "keep_no_gain"},
+                                       {rule_id::refine_segment, "refine_segment"},
+                                       {rule_id::offload_segment, "offload_segment"},
+                                       {rule_id::offload_no_room, "offload_no_room"},
+                                       {rule_id::tile_segment, "tile_segment"},
+                                       {rule_id::optimal_schedule, "optimal_schedule"}})
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(unit, first, last, checkpointed, offloaded, tiles, tile_dim)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(segment_decision, chain, first, last, checkpointed, rule, freed_bytes,
+                                   recompute_seconds, peak_before, peak_after, offloaded, compute_seconds, tiles,
+                                   tile_dim)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(optimal_override, chain, greedy_seconds, optimal_seconds, greedy_peak,
+                                   optimal_peak, budget)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(engine_plan, pressure, baseline_peak, planned_peak, target_bytes, overall, units,
+                                   segment_length, decisions, overrides)
+}  // namespace core
+
+inline void to_json(nlohmann::json& j, const StrategyDecision& d) {
+  j = {{"decision_source", d.decision_source}, {"choice", d.choice}, {"reason", d.reason},
+       {"caller", d.caller}, {"effective", d.effective}};
+  detail::put_optional(j, "confidence", d.confidence);
+  j["context"] = d.context ? nlohmann::json(*d.context) : nlohmann::json(nullptr);
+}
+
+inline void from_json(const nlohmann::json& j, StrategyDecision& d) {
+  j.at("decision_source").get_to(d.decision_source);
+  j.at("choice").get_to(d.choice);
+  j.at("reason").get_to(d.reason);
+  j.at("caller").get_to(d.caller);
+  j.at("effective").get_to(d.effective);
+  detail::get_optional(j, "confidence", d.confidence);
+  detail::get_optional(j, "context", d.context);
+}
+
+/// The JSON document of a Report (Report::to_json writes it with an indent).
+[[nodiscard]] inline nlohmann::json report_document(const Report& r) {
+  nlohmann::json j = {{"schema", report_json_schema},
+                      {"schema_version", report_json_schema_version},
+                      {"memscale_version", version_string},
+                      {"hardware", r.hardware},
+                      {"mode", r.mode},
+                      {"device", r.device},
+                      {"planned", r.planned},
+                      {"budget_bytes", r.budget_bytes},
+                      {"usable_bytes", r.usable_bytes},
+                      {"parameter_bytes", r.parameter_bytes},
+                      {"gradient_bytes", r.gradient_bytes},
+                      {"optimizer_reserve_bytes", r.optimizer_reserve_bytes},
+                      {"buffer_bytes", r.buffer_bytes},
+                      {"earlier_chains_bytes", r.earlier_chains_bytes},
+                      {"outside_allocator_bytes", r.outside_allocator_bytes},
+                      {"offload_async", r.offload_async},
+                      {"chains", r.chains},
+                      {"plan", r.plan},
+                      {"notes", r.notes},
+                      {"strategy", r.strategy},
+                      {"metrics_endpoint", r.metrics_endpoint}};
+  j["verification"] = r.verification ? nlohmann::json(*r.verification) : nlohmann::json(nullptr);
+  // Derived: what the text report computes, and each decision's line.
+  std::vector<std::vector<slot_cost>> costs;
+  for (const auto& chain : r.chains) costs.push_back(chain.slots);
+  j["summary"] = {{"static_bytes", r.static_bytes()},
+                  {"memory_pressure", r.memory_pressure()},
+                  {"baseline_peak_bytes", r.baseline_peak_bytes()},
+                  {"planned_peak_bytes", r.planned_peak_bytes()},
+                  {"checkpointed_segments", r.checkpointed_segments()},
+                  {"tiled_segments", r.tiled_segments()},
+                  {"offloaded_units", r.offloaded_units()},
+                  {"offloaded_bytes_per_step", core::offloaded_bytes(costs, r.plan.units)},
+                  {"recompute_seconds", r.recompute_seconds()},
+                  {"profiled_step_seconds", r.profiled_step_seconds()},
+                  {"offload_wait_seconds", r.offload_wait_seconds()}};
+  auto lines = nlohmann::json::array();
+  for (const auto& d : r.plan.decisions)
+    lines.push_back({{"chain", d.chain},
+                     {"first", d.first},
+                     {"last", d.last},
+                     {"technique", Report::technique_of(d)},
+                     {"rule", std::string(core::to_string(d.rule))},
+                     {"text", r.decision_text(d)}});
+  j["decision_lines"] = std::move(lines);
+  return j;
+}
+
+/// Report::to_json's work (found by argument-dependent lookup).
+[[nodiscard]] inline std::string report_json(const Report& r, int indent) {
+  // A note may quote an exception's text, which need not be UTF-8.
+  return report_document(r).dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+/// Report::from_json's work: throws memscale::Error on text that is not a
+/// Report document of this schema version, naming what is wrong.
+[[nodiscard]] inline Report report_from_json(std::string_view text, const Report* /*tag*/) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(std::string("memscale: Report::from_json: not JSON: ") + e.what());
+  }
+  if (!j.is_object() || j.value("schema", "") != report_json_schema)
+    throw Error(std::string("memscale: Report::from_json: not a Report document (\"schema\" must be \"") +
+                report_json_schema + "\")");
+  if (j.value("schema_version", 0) != report_json_schema_version)
+    throw Error("memscale: Report::from_json: schema_version " + j.value("schema_version", nlohmann::json()).dump() +
+                ", this memscale reads " + std::to_string(report_json_schema_version));
+  Report r;
+  try {
+    j.at("hardware").get_to(r.hardware);
+    j.at("mode").get_to(r.mode);
+    j.at("device").get_to(r.device);
+    j.at("planned").get_to(r.planned);
+    j.at("budget_bytes").get_to(r.budget_bytes);
+    j.at("usable_bytes").get_to(r.usable_bytes);
+    j.at("parameter_bytes").get_to(r.parameter_bytes);
+    j.at("gradient_bytes").get_to(r.gradient_bytes);
+    j.at("optimizer_reserve_bytes").get_to(r.optimizer_reserve_bytes);
+    j.at("buffer_bytes").get_to(r.buffer_bytes);
+    j.at("earlier_chains_bytes").get_to(r.earlier_chains_bytes);
+    j.at("outside_allocator_bytes").get_to(r.outside_allocator_bytes);
+    j.at("offload_async").get_to(r.offload_async);
+    j.at("chains").get_to(r.chains);
+    j.at("plan").get_to(r.plan);
+    j.at("notes").get_to(r.notes);
+    j.at("strategy").get_to(r.strategy);
+    j.at("metrics_endpoint").get_to(r.metrics_endpoint);
+    detail::get_optional(j, "verification", r.verification);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(std::string("memscale: Report::from_json: ") + e.what());
+  }
+  return r;
+}
+
+}  // namespace memscale
