@@ -8,6 +8,7 @@
 //             [--budget-gb X] [--batch B] [--layers L] [--context T]
 //             [--d-model C] [--heads H]
 //             [--world-size N [--rank R --store FILE|tcp:HOST:PORT] [--bind ADDR] [--timeout-s S]]
+//             [--html FILE]  (default memscale_report.html; the plan as a page, and as .json beside it)
 //
 // With --world-size N both runs train data parallel over N processes (c10d:
 // Gloo, gradients all-reduced by c10d's Reducer during backward), each rank on
@@ -74,6 +75,7 @@ struct Args {
   std::string store;         ///< FILE or tcp:HOST:PORT, the same on every rank
   std::string bind = "127.0.0.1";  ///< the address this rank's Gloo listens on
   int timeout_s = 300;             ///< how long a rank waits for the others
+  std::string html = "memscale_report.html";  ///< the plan as a page (and, beside it, as .json); "" for none
 };
 
 [[noreturn]] void usage(const char* argv0, int code) {
@@ -82,6 +84,7 @@ struct Args {
       << " [--steps N] [--mode conservative|balanced|aggressive] [--budget-gb X]\n"
          "       [--batch B] [--layers L] [--context T] [--d-model C] [--heads H]\n"
          "       [--world-size N [--rank R --store FILE|tcp:HOST:PORT] [--bind ADDR] [--timeout-s S]]\n"
+         "       [--html FILE]\n"
          "Trains a small GPT for N steps (default 8) without and with memscale and compares\n"
          "peak memory growth, step time and losses. Default mode: aggressive; with --budget-gb\n"
          "(sets Config::memory_budget_gb, per rank) the default mode is balanced.\n"
@@ -152,6 +155,7 @@ Args parse_args(int argc, char** argv) {
     else if (flag == "--store") a.store = value;
     else if (flag == "--bind") a.bind = value;
     else if (flag == "--timeout-s") a.timeout_s = parse_number<int>(flag, value);
+    else if (flag == "--html") a.html = value;
     else {
       std::cerr << "train_gpt: unknown option " << flag << "\n";
       usage(argv[0], 2);
@@ -479,6 +483,14 @@ int run(const Args& args) {
       return 1;
     }
     offload = guard.offload_stats();
+    if (!args.html.empty() && rank == 0) {
+      // The plan with what was measured while training: memory timeline, plan table, offload traffic.
+      const auto trained = guard.report();
+      std::ofstream(args.html) << trained.to_html();
+      const auto json = std::filesystem::path(args.html).replace_extension(".json");
+      std::ofstream(json) << trained.to_json() << "\n";
+      std::cout << "report: " << args.html << " (and " << json.string() << ")\n";
+    }
   }  // the guard detaches model2 here
   const bool still_optimized = memscale::is_optimized(model2);
 

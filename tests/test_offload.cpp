@@ -65,6 +65,7 @@ std::vector<torch::Tensor> hooks_step(hooks_model& m, const torch::Tensor& x) {
 /// Engine options for tests: no stderr warnings, and every tensor offloaded
 /// unless the test sets min_bytes itself.
 engine_options quiet_options(engine_options o = {}) {
+  o.log = {};  // silent
   if (o.min_bytes == engine_options{}.min_bytes) o.min_bytes = 0;
   return o;
 }

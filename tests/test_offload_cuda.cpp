@@ -16,6 +16,7 @@ void require_gpu() { REQUIRE(torch::cuda::is_available()); }
 
 engine_options cuda_options(bool async) {
   engine_options o;
+  o.log = {};  // silent
   o.min_bytes = 0;
   o.async = async;
   return o;

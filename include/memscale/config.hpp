@@ -102,6 +102,16 @@ struct Config {
   /// Report's metrics_endpoint says which). A port that cannot be bound is a warning.
   std::optional<int> observability_port{};
   std::string observability_bind_address = "127.0.0.1";  ///< loopback only unless changed
+  /// Opt-in telemetry (observability/telemetry.hpp): bucketed, non-identifying
+  /// events (architecture class, parameter-count bucket, techniques, versions),
+  /// sent asynchronously; never a name, path, host or shape. Also on with the
+  /// environment's MEMSCALE_TELEMETRY=1.
+  bool telemetry = false;
+  /// Where events go: a JSON-lines file (default: $XDG_STATE_HOME or
+  /// ~/.local/state, memscale/telemetry.jsonl; or MEMSCALE_TELEMETRY_FILE) ...
+  std::optional<std::string> telemetry_file{};
+  /// ... or an http:// URL each event is POSTed to (or MEMSCALE_TELEMETRY_ENDPOINT).
+  std::optional<std::string> telemetry_endpoint{};
   bool verify_correctness = false;
   bool async_offload = false;
   std::optional<AsyncOffloadConfig> async_config{};
@@ -114,6 +124,21 @@ struct Config {
   /// Explicit device memory budget ("fit in N GB"). Unset: the detected device
   /// memory (or host RAM on a CPU-only host). Makes planning testable on a CPU host.
   std::optional<double> memory_budget_gb{};
+
+  /// "http://" and a host (without user info or spaces); the port, if any, 1-65535.
+  [[nodiscard]] static bool telemetry_endpoint_valid(const std::string& url) {
+    constexpr std::string_view scheme = "http://";
+    if (url.rfind(scheme, 0) != 0) return false;
+    const auto authority = url.substr(scheme.size(), url.find('/', scheme.size()) - scheme.size());
+    const auto colon = authority.rfind(':');
+    const auto host = authority.substr(0, colon);
+    if (host.empty() || host.find_first_of("@ \t") != std::string::npos) return false;
+    if (colon == std::string::npos) return true;
+    const auto digits = authority.substr(colon + 1);
+    if (digits.empty() || digits.size() > 5 || digits.find_first_not_of("0123456789") != std::string::npos) return false;
+    const int port = std::stoi(digits);
+    return port >= 1 && port <= 65535;
+  }
 
   /// Throws ConfigError naming the first field outside its valid range.
   void validate() const {
@@ -141,6 +166,13 @@ struct Config {
     if (observability_bind_address.empty())
       throw ConfigError("observability_bind_address",
                         "must be an address to bind, such as \"127.0.0.1\" (the default) or \"0.0.0.0\", got \"\"");
+    if (telemetry_file && telemetry_file->empty())
+      throw ConfigError("telemetry_file", "must be a file path or unset, got \"\"");
+    if (telemetry_endpoint && telemetry_file)
+      throw ConfigError("telemetry_endpoint", "and telemetry_file are two sinks; set one of them");
+    if (telemetry_endpoint && !telemetry_endpoint_valid(*telemetry_endpoint))
+      throw ConfigError("telemetry_endpoint", "must be a URL of the form http://host[:port][/path], got \"" +
+                                                  *telemetry_endpoint + "\"");
     if (async_config) async_config->validate();
     if (memory_budget_gb && (!std::isfinite(*memory_budget_gb) || *memory_budget_gb <= 0.0))
       throw ConfigError("memory_budget_gb", "must be a finite number of GB > 0 or unset, got " +

@@ -13,6 +13,7 @@
 #include <memscale/core/plan.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/predict/predict.hpp>
+#include <memscale/report/report_html.hpp>
 #include <memscale/report/report_json.hpp>
 #include <memscale/techniques/checkpoint.hpp>
 #include <memscale/techniques/concepts.hpp>

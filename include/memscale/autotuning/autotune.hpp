@@ -42,6 +42,8 @@
 #include <memscale/device/memory_tracker.hpp>
 #include <memscale/execute/verify.hpp>
 #include <memscale/errors.hpp>
+#include <memscale/observability/metrics.hpp>
+#include <memscale/observability/telemetry.hpp>
 #include <memscale/predict/optimizer_state.hpp>
 #include <memscale/predict/predict.hpp>
 
@@ -55,6 +57,9 @@ inline Config with_callers_fields(Config tuned, const Config& base) {
   tuned.log_file = base.log_file;
   tuned.observability_port = base.observability_port;
   tuned.observability_bind_address = base.observability_bind_address;
+  tuned.telemetry = base.telemetry;
+  tuned.telemetry_file = base.telemetry_file;
+  tuned.telemetry_endpoint = base.telemetry_endpoint;
   tuned.verify_correctness = base.verify_correctness;
   return tuned;
 }
@@ -150,13 +155,27 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
   const auto elapsed = [&] { return memscale::detail::seconds_since(started); };
   base.validate();
   options.validate();
+  // autotune_finished for the caller; the trials' own wraps send nothing.
+  const auto events = telemetry::channel::open(base);
+  const telemetry::mute_scope trials_send_nothing;
+  const observability::own_work_scope trials_are_no_training_steps;
+  c10::Device device = c10::kCPU;
+  const auto finished = [&](const TuneResult& r) {
+    if (!events.on()) return;
+    auto e = telemetry::event("autotune_finished", device.is_cuda() ? "cuda" : device.is_cpu() ? "cpu" : "other");
+    e["found"] = r.found;
+    e["from_cache"] = r.from_cache;
+    e["trials_bucket"] = telemetry::count_bucket(static_cast<std::int64_t>(r.trials.size()));
+    e["chosen_mode"] = r.best.mode;
+    events.emit(e);
+  };
   const auto inputs =
       predictor::detail::training_inputs(model, example_input, "memscale::autotune()", "detach it first");
   const auto& root = inputs.first;
   const auto& forward = inputs.second;
   const auto own = predictor::sizing_of(optimizer);  // throws for a type it cannot run, before anything changes
   const auto parameters = root->parameters();
-  const auto device = predictor::detail::model_device(parameters, example_input);
+  device = predictor::detail::model_device(parameters, example_input);
 
   TuneResult result;
   trial_context context{forward, loss_fn, &optimizer, parameters, device};
@@ -194,6 +213,7 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
         cached->cache_key = result.cache_key;
         cached->notes.insert(cached->notes.begin(), result.notes.begin(), result.notes.end());
         cached->seconds = elapsed();
+        finished(*cached);
         return *cached;
       }
       if (!problem.empty()) result.notes.push_back(problem);
@@ -310,6 +330,7 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
     else if (const auto problem = store(result.cache_file, key, result); !problem.empty())
       result.notes.push_back(problem);
   }
+  finished(result);
   return result;
 }
 

@@ -118,6 +118,9 @@ struct cache_key {
   search.log_file.reset();
   search.observability_port.reset();
   search.observability_bind_address = Config{}.observability_bind_address;
+  search.telemetry = false;
+  search.telemetry_file.reset();
+  search.telemetry_endpoint.reset();
   search.verify_correctness = false;
   nlohmann::json modes = nlohmann::json::array();
   for (auto m : options.modes) modes.push_back(m);

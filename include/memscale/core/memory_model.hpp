@@ -128,12 +128,22 @@ struct range_projection {
   return std::max(peak, end + s[b].output_bytes + output_grad + s[b].input_bytes + s[b].backward_extra_bytes());
 }
 
+/// One unit's forward or backward in a projected step: the bytes live while it
+/// runs at most (`peak`) and once it is done (`after`), from the chain's start.
+struct step_point {
+  int unit = 0;
+  bool backward = false;
+  std::int64_t peak = 0;
+  std::int64_t after = 0;
+};
+
 /// Projects one chain under a plan. `units` must cover the slots in order.
 /// Offloaded units keep nothing on the device after their forward but their
 /// output; in backward their saved bytes return, and (prefetching) so do those
-/// of the offloaded unit before them.
-[[nodiscard]] constexpr chain_projection project_chain(std::span<const slot_cost> s,
-                                                       std::span<const unit> units) {
+/// of the offloaded unit before them. `trace`: also each unit's step_points,
+/// forward in order, then backward in reverse (the Report's timeline).
+[[nodiscard]] constexpr chain_projection project_chain(std::span<const slot_cost> s, std::span<const unit> units,
+                                                       std::vector<step_point>* trace = nullptr) {
   std::int64_t live = 0;
   std::int64_t peak = 0;
   std::int64_t moved = 0;
@@ -144,6 +154,8 @@ struct range_projection {
   for (std::size_t i = 0; i < units.size(); ++i) {
     const auto& u = units[i];
     before[i] = live;
+    const auto peak_before_unit = peak;
+    peak = 0;  // this unit's own, merged below
     if (u.checkpointed) {
       // Tiled: the whole output is allocated up front, one chunk's work at a time.
       const auto extra = u.tiles > 1 ? s[u.last].output_bytes + checkpointed_forward_extra(s, u.first, u.last) / u.tiles
@@ -174,11 +186,15 @@ struct range_projection {
       }
     }
     moved += restored[i];
+    if (trace) trace->push_back({static_cast<int>(i), false, std::max(peak, live), live});
+    peak = std::max(peak, peak_before_unit);
   }
   const std::int64_t forward_end = live;
   for (std::size_t i = units.size(); i-- > 0;) {
     const auto& u = units[i];
     const std::int64_t prefetched = (i > 0 && units[i - 1].offloaded) ? returned[i - 1] : 0;
+    const auto peak_before_unit = peak;
+    peak = 0;
     if (u.checkpointed) {
       // Backward of a checkpoint recomputes the run with grad, then runs its
       // backward; before[i] counts its input, offloaded or not (it is back).
@@ -197,6 +213,8 @@ struct range_projection {
       peak = std::max(peak, after + returned[i] + prefetched + s[k].output_bytes + s[k].input_bytes +
                                 s[k].backward_extra_bytes());
     }
+    if (trace) trace->push_back({static_cast<int>(i), true, peak, before[i]});
+    peak = std::max(peak, peak_before_unit);
   }
   return {forward_end, peak, moved};
 }

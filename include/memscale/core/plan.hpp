@@ -18,6 +18,7 @@
 #include <memscale/core/graph.hpp>
 #include <memscale/device/hardware.hpp>
 #include <memscale/core/memory_model.hpp>
+#include <memscale/offload/engine_options.hpp>
 #include <memscale/policy/decision.hpp>
 
 namespace memscale {
@@ -79,6 +80,10 @@ struct Report {
   std::optional<CorrectnessCheck> verification;  ///< with Config::verify_correctness
   StrategyDecision strategy;  ///< Stage 1: who chose the mode and techniques, and the Config planned with
   std::string metrics_endpoint;  ///< with Config::observability_port: the URL serving Prometheus metrics ("" if none)
+  // Measured so far, filled each time a live attachment's Report is read:
+  std::optional<offload::engine_stats> offload;  ///< the offload engine's traffic by tier (unset: it has none)
+  std::int64_t measured_peak_bytes = -1;  ///< the allocator's peak on the device so far (CUDA; CPU with the counting allocator); -1: unknown
+  std::int64_t process_peak_bytes = -1;   ///< CPU: the process's resident high-water mark (VmHWM); -1: unknown
 
   [[nodiscard]] std::int64_t static_bytes() const noexcept {
     return parameter_bytes + gradient_bytes + optimizer_reserve_bytes + buffer_bytes + earlier_chains_bytes +
@@ -154,6 +159,13 @@ struct Report {
   template <class Self = Report>
   [[nodiscard]] std::string to_json(int indent = 2) const {
     return report_json(static_cast<const Self&>(*this), indent);
+  }
+  /// One self-contained HTML page (no network): the step's memory unit by unit,
+  /// baseline and planned, the plan table, offload traffic, hardware and Config
+  /// (report/report_html.hpp, which memscale.hpp includes, defines it).
+  template <class Self = Report>
+  [[nodiscard]] std::string to_html() const {
+    return report_html(static_cast<const Self&>(*this));
   }
   /// The Report to_json() wrote; throws memscale::Error naming what is wrong.
   template <class Self = Report>

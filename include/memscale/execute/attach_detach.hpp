@@ -27,6 +27,7 @@
 #include <memscale/execute/planning_scope.hpp>
 #include <memscale/execute/registry.hpp>
 #include <memscale/execute/verify.hpp>
+#include <memscale/observability/metrics.hpp>
 
 namespace memscale::core {
 
@@ -45,6 +46,23 @@ inline void attachment::restore() noexcept {
   }
 }
 
+/// The kind of error a wrap threw, as telemetry names it (never its message).
+inline const char* telemetry_outcome(const std::exception_ptr& error) noexcept {
+  try {
+    std::rethrow_exception(error);
+  } catch (const ConfigError&) {
+    return "config";
+  } catch (const UnsupportedModelError&) {
+    return "unsupported_model";
+  } catch (const CorrectnessError&) {
+    return "correctness";
+  } catch (const c10::OutOfMemoryError&) {
+    return "out_of_memory";
+  } catch (...) {
+    return "error";
+  }
+}
+
 /// The pipeline behind wrap(): validate, find chains, listen to call sites,
 /// (capture), profile, plan, apply, register. `forward`: runs the example input
 /// through the model, or empty. `whole_forward`: the model's Tensor -> Tensor
@@ -58,6 +76,9 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
   if (config.observability_port && !observability::http_available)
     throw ConfigError("observability_port", std::string(observability::http_unavailable_reason) +
                                                 "; leave it unset, or rebuild memscale with cpp-httplib");
+  if (config.telemetry_endpoint && !observability::http_available)
+    throw ConfigError("telemetry_endpoint", std::string(observability::http_unavailable_reason) +
+                                                "; use telemetry_file, or rebuild memscale with cpp-httplib");
   if (!root) throw UnsupportedModelError("memscale: the model is empty (a null module holder)");
   if (config.verify_correctness && example == nullptr)
     throw ConfigError("verify_correctness",
@@ -80,6 +101,7 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
                                     "it); detach that model first");
   auto attached = std::make_shared<attachment>(root, std::move(chains), config, techniques, std::move(agree),
                                                std::move(whole_forward));
+  const observability::own_work_scope wrapping;  // its warm-up, verification and profiling are no training steps
   try {
     attached->listen_to_call_sites();
     // CPU: what the process comes to hold beyond the allocator, from the first
@@ -118,15 +140,17 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
       attached->judge_verification(*box, *unoptimized, optimized, example->device());
     }
     box.reset();  // gradients, buffers and the RNG as they were
+    attached->start_metrics_endpoint();  // noexcept; before add(), so that a detach() stops it
     registry::global().add(root, attached);
-    attached->start_metrics_endpoint();  // noexcept
     // Profiling ran the units at the full batch; with glibc's dynamic threshold
     // the heap would keep what it freed, near the baseline's peak, whatever the plan.
     if (outside && !fixed_malloc_mmap_threshold()) memscale::detail::release_free_heap();
   } catch (...) {
     attached->restore();
+    attached->wrap_finished(telemetry_outcome(std::current_exception()));
     throw;
   }
+  attached->wrap_finished("ok");
   return attached;
 }
 
@@ -141,6 +165,7 @@ inline bool detach(const torch::nn::Module* root, const attachment* only = nullp
   }
   if (!found) return false;
   found->restore();
+  found->detached();
   return true;
 }
 

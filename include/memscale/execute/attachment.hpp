@@ -26,6 +26,7 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -41,11 +42,14 @@
 #include <memscale/detail/fault_injection.hpp>
 #include <memscale/device/hardware.hpp>
 #include <memscale/execute/managed_chain.hpp>
+#include <memscale/execute/metrics_page.hpp>
 #include <memscale/execute/planning_scope.hpp>
 #include <memscale/execute/stage1.hpp>
+#include <memscale/execute/telemetry_events.hpp>
 #include <memscale/execute/verify.hpp>
 #include <memscale/observability/endpoint.hpp>
 #include <memscale/observability/log.hpp>
+#include <memscale/observability/telemetry.hpp>
 #include <memscale/offload/engine.hpp>
 #include <memscale/offload/hooks.hpp>
 #include <memscale/techniques/offload.hpp>
@@ -78,6 +82,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
         caller_config_(config),
         config_(std::move(config)),
         log_(observability::log_channel::open(config_)),
+        telemetry_(telemetry::channel::open(config_)),
         techniques_(techniques),
         agree_(std::move(agree)),
         whole_forward_(std::move(whole_forward)) {
@@ -94,6 +99,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
                                                ? "Stage 1 runs when the first chains are planned"
                                                : "auto_policy is off: the Config as written");
     report_.hardware = detect_hardware();
+    if (telemetry_.on()) facts_ = telemetry::facts_of(*root);
     add_technique_notes();
   }
 
@@ -105,10 +111,14 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
 
   [[nodiscard]] Report report() const {
     Report r;
+    std::shared_ptr<offload::engine> engine;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       r = report_;
+      engine = engine_;
     }
+    if (engine) r.offload = engine->stats();
+    std::tie(r.measured_peak_bytes, r.process_peak_bytes) = observability::measured_peaks(r.device);
     const auto diverged = diverged_forwards_.load();
     const auto short_ones = short_forwards_.load();
     if (diverged != 0 || short_ones != 0)
@@ -140,6 +150,14 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   [[nodiscard]] std::shared_ptr<offload::engine> offload_engine() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return engine_;
+  }
+
+  /// Telemetry's wrap_called (outcome "ok" or the kind of error) and detach_called; never throw.
+  void wrap_finished(const char* outcome) const noexcept {
+    if (telemetry_.on()) telemetry_.emit(telemetry::wrap_called(facts_, caller_config_, outcome));
+  }
+  void detached() const noexcept {
+    if (telemetry_.on()) telemetry_.emit(telemetry::detach_called(facts_));
   }
 
   /// With Config::observability_port: serves this model's metrics until
@@ -330,6 +348,8 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   const Config caller_config_;  ///< as the caller passed it (Stage 1 starts from it)
   Config config_;               ///< what planning uses: the caller's, or Stage 1's effective copy
   observability::log_channel log_;  ///< Config::enable_logging and log_file
+  telemetry::channel telemetry_;    ///< Config::telemetry (off: sends nothing)
+  telemetry::model_facts facts_;    ///< what its events say about the model
   technique_set techniques_;
   plan_agreement agree_;
   std::function<torch::Tensor(const torch::Tensor&)> whole_forward_;  // empty: forward is not Tensor -> Tensor

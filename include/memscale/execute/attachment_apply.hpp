@@ -26,6 +26,7 @@
 #include <memscale/execute/attachment_planning.hpp>
 #include <memscale/execute/managed_chain.hpp>
 #include <memscale/execute/plan_log.hpp>
+#include <memscale/observability/metrics.hpp>
 #include <memscale/execute/planning_scope.hpp>
 #include <memscale/offload/hooks.hpp>
 #include <memscale/techniques/checkpoint.hpp>
@@ -36,6 +37,7 @@
 namespace memscale::core {
 
 inline void attachment::plan_and_apply(std::vector<torch::Tensor> inputs) {
+  const observability::own_work_scope planning;  // profiling's backwards are no training steps
   inputs.resize(chains_.size());
   std::vector<std::size_t> ready;
   for (std::size_t c = 0; c < chains_.size(); ++c)
@@ -139,6 +141,7 @@ inline void attachment::commit_plan(const std::vector<std::size_t>& ready, const
     std::lock_guard<std::mutex> lock(mutex_);
     std::swap(report_, next);
     observability::log_report(log_, report_);  // noexcept
+    if (telemetry_.on()) telemetry_.emit(telemetry::plan_applied(facts_, config_, report_));  // noexcept
   }
 }
 

@@ -102,6 +102,8 @@ inline void attachment::choose_strategy(const std::vector<chain_profile>& profil
   in.tiling_allowed = in.tiling_allowed && in.checkpointing_allowed && config_.enable_tiling;
   in.offload_allowed = in.offload_allowed && config_.enable_offloading;
   if (out.strategy.decision_source == DecisionSource::rule_fallback) log_.warn(out.strategy.reason);
+  if (telemetry_.on() && out.strategy.decision_source != DecisionSource::user_config)
+    telemetry_.emit(telemetry::policy_decided(facts_, out.strategy));
 }
 
 inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::size_t>& which,

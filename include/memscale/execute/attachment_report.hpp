@@ -55,9 +55,7 @@ inline void attachment::start_metrics_endpoint() noexcept {
         config_.observability_bind_address, *config_.observability_port, [weak] {
           const auto self = weak.lock();
           if (!self) throw Error("memscale: the model was detached");
-          const auto engine = self->offload_engine();
-          return observability::metrics_page(self->report(),
-                                             engine ? std::optional(engine->stats()) : std::nullopt);
+          return observability::metrics_page(self->report());
         });
     std::lock_guard<std::mutex> lock(mutex_);
     if (endpoint_->bound()) {

@@ -5,8 +5,10 @@
 // the recompute time (observability/metrics.hpp), in the Prometheus text format.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -21,7 +23,7 @@
 
 namespace memscale::observability {
 
-namespace detail {
+namespace page_detail {
 
 /// "pinned host" -> "pinned_host": a label value as Prometheus users write them.
 inline std::string tier_label(offload::tier t) {
@@ -59,10 +61,27 @@ inline void memory_samples(exposition& out, const std::string& device, bool peak
 #endif
 }
 
-}  // namespace detail
+}  // namespace page_detail
 
-/// The page for one wrapped model (`stats`: its offload engine's, when it has one).
-inline std::string metrics_page(const Report& r, const std::optional<offload::engine_stats>& stats) {
+/// The allocator's peak on `device` so far (CUDA; CPU with the counting
+/// allocator installed) and, on CPU, the process's resident peak; -1 where unknown.
+inline std::pair<std::int64_t, std::int64_t> measured_peaks(const std::string& device) noexcept {
+  std::pair<std::int64_t, std::int64_t> peaks{-1, -1};
+  try {
+    const c10::Device d(device);
+    if (d.is_cpu()) {
+      if (memory_tracker::installed()) peaks.first = memory_tracker::peak_bytes(d);
+      if (const auto m = memscale::detail::read_process_memory()) peaks.second = m->peak_bytes;
+    } else if (d.is_cuda()) {
+      peaks.first = memory_tracker::peak_bytes(d);
+    }
+  } catch (...) {
+  }
+  return peaks;
+}
+
+/// The page for one wrapped model (its Report as a live attachment gives it: offload traffic included).
+inline std::string metrics_page(const Report& r) {
   exposition out;
   const exposition::labels device{{"device", r.device}};
 
@@ -78,13 +97,13 @@ inline std::string metrics_page(const Report& r, const std::optional<offload::en
 
   out.family("memscale_memory_bytes", "gauge", "Memory measured now, by kind (allocated, reserved, process_resident)");
   try {
-    detail::memory_samples(out, r.device, /*peak=*/false);
+    page_detail::memory_samples(out, r.device, /*peak=*/false);
   } catch (...) {
   }
   out.family("memscale_memory_peak_bytes", "gauge",
              "Memory measured at its peak so far, by kind (allocated, reserved, process_resident)");
   try {
-    detail::memory_samples(out, r.device, /*peak=*/true);
+    page_detail::memory_samples(out, r.device, /*peak=*/true);
   } catch (...) {
   }
 
@@ -106,19 +125,19 @@ inline std::string metrics_page(const Report& r, const std::optional<offload::en
   out.family("memscale_recompute_seconds_total", "counter", "Time spent running those forwards again");
   out.sample("memscale_recompute_seconds_total", {}, c.recompute_seconds());
 
-  const offload::engine_stats s = stats.value_or(offload::engine_stats{});
+  const offload::engine_stats s = r.offload.value_or(offload::engine_stats{});
   constexpr offload::tier tiers[] = {offload::tier::pinned_host, offload::tier::pageable_host, offload::tier::disk};
   out.family("memscale_offload_bytes_total", "counter",
              "Bytes the offload engine copied out to a tier (direction out) and back (direction in)");
   for (const auto t : tiers) {
-    out.sample("memscale_offload_bytes_total", {{"direction", "out"}, {"tier", detail::tier_label(t)}},
+    out.sample("memscale_offload_bytes_total", {{"direction", "out"}, {"tier", page_detail::tier_label(t)}},
                static_cast<double>(s.at(t).written));
-    out.sample("memscale_offload_bytes_total", {{"direction", "in"}, {"tier", detail::tier_label(t)}},
+    out.sample("memscale_offload_bytes_total", {{"direction", "in"}, {"tier", page_detail::tier_label(t)}},
                static_cast<double>(s.at(t).read));
   }
   out.family("memscale_offload_held_bytes", "gauge", "Bytes the offload engine holds in each tier now");
   for (const auto t : tiers)
-    out.sample("memscale_offload_held_bytes", {{"tier", detail::tier_label(t)}}, static_cast<double>(s.at(t).bytes));
+    out.sample("memscale_offload_held_bytes", {{"tier", page_detail::tier_label(t)}}, static_cast<double>(s.at(t).bytes));
   out.family("memscale_offload_transfer_seconds_total", "counter", "Time the offload engine spent copying");
   out.sample("memscale_offload_transfer_seconds_total", {}, s.transfer_seconds);
   out.family("memscale_offload_wait_seconds_total", "counter", "Time training waited on offload copies");

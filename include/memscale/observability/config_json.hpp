@@ -75,6 +75,7 @@ inline void to_json(nlohmann::json& j, const Config& c) {
        {"warmup_steps", c.warmup_steps},
        {"enable_logging", c.enable_logging},
        {"observability_bind_address", c.observability_bind_address},
+       {"telemetry", c.telemetry},
        {"verify_correctness", c.verify_correctness},
        {"async_offload", c.async_offload},
        {"auto_policy", c.auto_policy},
@@ -82,6 +83,8 @@ inline void to_json(nlohmann::json& j, const Config& c) {
   put_optional(j, "max_cpu_offload_gb", c.max_cpu_offload_gb);
   put_optional(j, "log_file", c.log_file);
   put_optional(j, "observability_port", c.observability_port);
+  put_optional(j, "telemetry_file", c.telemetry_file);
+  put_optional(j, "telemetry_endpoint", c.telemetry_endpoint);
   put_optional(j, "async_config", c.async_config);
   put_optional(j, "memory_budget_gb", c.memory_budget_gb);
   put_optional(j, "policy_artifact", c.policy_artifact);
@@ -109,6 +112,7 @@ inline void from_json(const nlohmann::json& j, Config& c) {
   get_if_present(j, "warmup_steps", c.warmup_steps);
   get_if_present(j, "enable_logging", c.enable_logging);
   get_if_present(j, "observability_bind_address", c.observability_bind_address);
+  get_if_present(j, "telemetry", c.telemetry);
   get_if_present(j, "verify_correctness", c.verify_correctness);
   get_if_present(j, "async_offload", c.async_offload);
   get_if_present(j, "auto_policy", c.auto_policy);
@@ -120,6 +124,8 @@ inline void from_json(const nlohmann::json& j, Config& c) {
   get_optional(j, "max_cpu_offload_gb", c.max_cpu_offload_gb);
   get_optional(j, "log_file", c.log_file);
   get_optional(j, "observability_port", c.observability_port);
+  get_optional(j, "telemetry_file", c.telemetry_file);
+  get_optional(j, "telemetry_endpoint", c.telemetry_endpoint);
   get_optional(j, "async_config", c.async_config);
   get_optional(j, "memory_budget_gb", c.memory_budget_gb);
   get_optional(j, "policy_artifact", c.policy_artifact);

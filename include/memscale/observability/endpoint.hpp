@@ -51,6 +51,12 @@ class metrics_endpoint {
     server.set_keep_alive_timeout(2);
     server.set_keep_alive_max_count(16);
     server.set_payload_max_length(4096);  // a scrape has no body
+    // httplib's default is SO_REUSEPORT, which lets a second server bind a port in
+    // use (scrapes then go to either at random): SO_REUSEADDR only, so a busy port fails.
+    server.set_socket_options([](auto sock) {
+      int yes = 1;
+      ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+    });
     std::weak_ptr<shared> weak = state;
     server.Get("/metrics", [weak](const httplib::Request&, httplib::Response& response) {
       const auto s = weak.lock();

@@ -38,13 +38,16 @@ inline std::shared_ptr<spdlog::logger> logger() {
   static std::shared_ptr<spdlog::logger> made;
   std::lock_guard<std::mutex> lock(mutex);
   if (auto registered = spdlog::get(logger_name)) return registered;
-  // memscale's own, made once: re-registered if the program dropped it.
-  if (!made) {
-    made = std::make_shared<spdlog::logger>(logger_name, std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
-    made->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%n] [%^%l%$] %v");
-  }
   try {
-    spdlog::register_logger(made);
+    if (!made) {
+      // memscale's own, made once. initialize_logger gives it the levels the
+      // program set before (spdlog::set_level, SPDLOG_LEVEL) and registers it.
+      made = std::make_shared<spdlog::logger>(logger_name, std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
+      spdlog::initialize_logger(made);
+      made->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%n] [%^%l%$] %v");
+    } else {
+      spdlog::register_logger(made);  // the program dropped it: back in the registry
+    }
   } catch (const spdlog::spdlog_ex&) {
     // registered by another thread just now
     if (auto registered = spdlog::get(logger_name)) return registered;
@@ -57,6 +60,13 @@ inline std::shared_ptr<spdlog::logger> logger() {
 class log_channel {
  public:
   log_channel() = default;  ///< silent
+
+  /// To the "memscale" logger only (what code outside a wrap uses).
+  static log_channel process() {
+    log_channel channel;
+    channel.enabled_ = true;
+    return channel;
+  }
 
   /// Throws ConfigError("log_file") when the file cannot be opened for appending
   /// (before anything else of the wrap happens).

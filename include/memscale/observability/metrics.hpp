@@ -5,10 +5,13 @@
 // execute/metrics_page.hpp).
 //
 // A training step is one top-level backward pass that memscale's autograd
-// engine runs (offload/hooks.hpp): a backward started inside another one, or
-// inside a checkpoint's recompute, is part of that step. Its period is the time
-// from one step's backward start to the next one's: the training loop's step
-// time, data loading and the optimizer included.
+// engine runs (offload/hooks.hpp): one started outside any other backward (a
+// backward inside another, such as a checkpoint's recompute, is part of that
+// step), and outside memscale's own work (own_work_scope: profiling,
+// verification, the AutoTuner's trials). Its period is the time from one step's
+// backward start to the next one's: the training loop's step time, data
+// loading and the optimizer included. Recompute time is host time: on CUDA, the
+// time to launch the recomputed kernels, which run asynchronously.
 #pragma once
 
 #include <array>
@@ -101,25 +104,28 @@ inline process_counters& counters() {
   return instance;
 }
 
-/// This thread's depth inside backwards and recomputes: a backward that starts
-/// at depth 0 is a training step.
-inline int& nesting_depth() {
-  thread_local int depth = 0;
-  return depth;
-}
-
-/// Open while a backward or a recompute runs on this thread.
-class nesting_scope {
+/// Open on this thread for its lifetime, nested scopes counted: `depth()` > 0
+/// while any scope of the same Tag is open on the calling thread.
+template <class Tag>
+class thread_scope {
  public:
-  nesting_scope() : top_(nesting_depth()++ == 0) {}
-  nesting_scope(const nesting_scope&) = delete;
-  nesting_scope& operator=(const nesting_scope&) = delete;
-  ~nesting_scope() { --nesting_depth(); }
-  [[nodiscard]] bool top_level() const noexcept { return top_; }
+  thread_scope() { ++depth_ref(); }
+  thread_scope(const thread_scope&) = delete;
+  thread_scope& operator=(const thread_scope&) = delete;
+  ~thread_scope() { --depth_ref(); }
+  [[nodiscard]] static int depth() noexcept { return depth_ref(); }
 
  private:
-  bool top_;
+  static int& depth_ref() noexcept {
+    thread_local int depth = 0;
+    return depth;
+  }
 };
+
+/// Open while memscale runs the model for its own purposes (wrap's profiling and
+/// verification step, lazy planning, predict(), the AutoTuner's trials): the
+/// backwards run there are no training steps.
+using own_work_scope = thread_scope<struct own_work_tag>;
 
 /// Times a recompute: adds its seconds to counters() when it closes.
 class recompute_timer {

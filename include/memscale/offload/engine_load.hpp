@@ -115,6 +115,7 @@ inline at::Tensor engine::to_device(stored_tensor& rec, const at::Tensor& host) 
     auto done = detail::copy_to_device_async(host, out, rec.ready_);  // after the offload copy
     detail::stream_waits(done, rec.device_.index());
     rec.last_read_ = done;
+    core_->update([&](engine_stats& s) { s.add_read(tier::pinned_host, rec.layout_.bytes); });
     return out;
   }
   detail::host_waits(rec.ready_);
@@ -125,7 +126,8 @@ inline at::Tensor engine::to_device(stored_tensor& rec, const at::Tensor& host) 
   core_->update([&](engine_stats& s) {
     s.wait_seconds += took;
     s.transfer_seconds += took;
-    s.add_read(rec.where_, rec.layout_.bytes);
+    // From disk, fetch() counted the read already; this is its host-to-device copy.
+    if (rec.where_ != tier::disk) s.add_read(rec.where_, rec.layout_.bytes);
   });
   return out;
 }
@@ -152,6 +154,7 @@ inline void engine::prefetch_before(int group) {
         rec->prefetch_ready_ = detail::copy_to_device_async(rec->held_, out, rec->ready_);
         rec->last_read_ = rec->prefetch_ready_;
         rec->prefetched_ = out;
+        core_->update([&](engine_stats& s) { s.add_read(tier::pinned_host, rec->layout_.bytes); });
         continue;
       }
 #endif

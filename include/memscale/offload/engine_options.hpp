@@ -35,9 +35,9 @@ struct engine_options {
   int io_threads = 2;
   int prefetch_depth = 2;                       ///< groups fetched ahead of backward
   std::int64_t max_inflight_bytes = 256LL << 20;  ///< async: bytes queued for writing before store() waits
-  /// Where each distinct warning is also logged once (at warn); silent by
-  /// default: the attachment that makes the engine lends its wrap's channel.
-  observability::log_channel log{};
+  /// Where each distinct warning is also logged once (at warn): the "memscale"
+  /// logger; an attachment lends its wrap's channel (enable_logging, log_file).
+  observability::log_channel log = observability::log_channel::process();
 };
 
 inline std::int64_t physical_host_bytes() {

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 #include <torch/torch.h>
 
@@ -86,8 +87,10 @@ class hooks_engine final : public torch::autograd::Engine {
                                          bool create_graph, bool accumulate_grad,
                                          const torch::autograd::edge_list& outputs = {}) override {
     backwards_.fetch_add(1, std::memory_order_relaxed);
-    const observability::nesting_scope nested;
-    if (nested.top_level()) observability::counters().step_started();
+    // Top level: outside any graph task (a reentrant backward, on CPU or on a
+    // CUDA device thread, runs inside one), and outside memscale's own work.
+    if (torch::autograd::get_current_graph_task_exec_info() == nullptr && observability::own_work_scope::depth() == 0)
+      observability::counters().step_started();
     return torch::autograd::Engine::execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
   }
   [[nodiscard]] std::uint64_t backwards() const noexcept { return backwards_.load(std::memory_order_relaxed); }

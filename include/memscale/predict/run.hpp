@@ -22,6 +22,8 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <memscale/observability/metrics.hpp>
+#include <memscale/observability/telemetry.hpp>
 #include <memscale/config.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/device/hardware.hpp>
@@ -102,6 +104,8 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
                std::function<torch::Tensor(const torch::Tensor&)> loss_fn, bool loss_given, const Config& config) {
   const auto started = std::chrono::steady_clock::now();
   config.validate();
+  const telemetry::mute_scope sizing_sends_nothing;  // its wraps are memscale's own
+  const observability::own_work_scope sizing_trains_nothing;
   const auto inputs = detail::training_inputs(model, example_input, "memscale::predict()",
                                               "predict() sizes a model as it is without memscale and with a plan: "
                                               "detach it first");

@@ -21,6 +21,7 @@
 #include <memscale/device/hardware.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/observability/config_json.hpp>
+#include <memscale/offload/engine_options.hpp>
 #include <memscale/policy/decision.hpp>
 #include <memscale/version.hpp>
 
@@ -53,6 +54,13 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(StrategyContext, device, budget_given, usable
                                    offload_bytes_per_second, batch_size, units, linear_units, conv_units,
                                    norm_units, block_units, other_units, call_sites)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(StrategyChoice, mode, checkpoint, offload)
+
+namespace offload {
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(tier_usage, bytes, peak, tensors, written, read)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(engine_stats, tiers, spills, pinned_failures, disk_failures, bytes_written,
+                                   bytes_read, transfer_seconds, wait_seconds, prefetch_hits, prefetch_misses,
+                                   batches, batched_tensors, kernel_gathers, warnings)
+}  // namespace offload
 
 namespace core {
 NLOHMANN_JSON_SERIALIZE_ENUM(rule_id, {{rule_id::low_pressure_skip, "low_pressure_skip"},
@@ -115,7 +123,10 @@ inline void from_json(const nlohmann::json& j, StrategyDecision& d) {
                       {"plan", r.plan},
                       {"notes", r.notes},
                       {"strategy", r.strategy},
-                      {"metrics_endpoint", r.metrics_endpoint}};
+                      {"metrics_endpoint", r.metrics_endpoint},
+                      {"measured_peak_bytes", r.measured_peak_bytes},
+                      {"process_peak_bytes", r.process_peak_bytes}};
+  j["offload"] = r.offload ? nlohmann::json(*r.offload) : nlohmann::json(nullptr);
   j["verification"] = r.verification ? nlohmann::json(*r.verification) : nlohmann::json(nullptr);
   // Derived: what the text report computes, and each decision's line.
   std::vector<std::vector<slot_cost>> costs;
@@ -158,12 +169,15 @@ inline void from_json(const nlohmann::json& j, StrategyDecision& d) {
   } catch (const nlohmann::json::exception& e) {
     throw Error(std::string("memscale: Report::from_json: not JSON: ") + e.what());
   }
-  if (!j.is_object() || j.value("schema", "") != report_json_schema)
+  const auto schema = j.is_object() ? j.find("schema") : j.end();
+  if (!j.is_object() || schema == j.end() || *schema != report_json_schema)
     throw Error(std::string("memscale: Report::from_json: not a Report document (\"schema\" must be \"") +
                 report_json_schema + "\")");
-  if (j.value("schema_version", 0) != report_json_schema_version)
-    throw Error("memscale: Report::from_json: schema_version " + j.value("schema_version", nlohmann::json()).dump() +
-                ", this memscale reads " + std::to_string(report_json_schema_version));
+  const auto version = j.find("schema_version");
+  if (version == j.end() || !version->is_number_integer() || *version != report_json_schema_version)
+    throw Error("memscale: Report::from_json: schema_version " +
+                (version == j.end() ? std::string("missing") : version->dump()) + ", this memscale reads " +
+                std::to_string(report_json_schema_version));
   Report r;
   try {
     j.at("hardware").get_to(r.hardware);
@@ -184,10 +198,22 @@ inline void from_json(const nlohmann::json& j, StrategyDecision& d) {
     j.at("notes").get_to(r.notes);
     j.at("strategy").get_to(r.strategy);
     j.at("metrics_endpoint").get_to(r.metrics_endpoint);
+    j.at("measured_peak_bytes").get_to(r.measured_peak_bytes);
+    j.at("process_peak_bytes").get_to(r.process_peak_bytes);
+    detail::get_optional(j, "offload", r.offload);
     detail::get_optional(j, "verification", r.verification);
   } catch (const nlohmann::json::exception& e) {
     throw Error(std::string("memscale: Report::from_json: ") + e.what());
   }
+  // Strict: what was read must write back as it was written (nlohmann reads an
+  // enum name it does not know as the first value, and a 1.5 into an integer as 1).
+  auto again = report_document(r);
+  for (auto* doc : {&j, &again})
+    for (const char* derived : {"summary", "decision_lines", "memscale_version"}) doc->erase(derived);
+  if (const auto changes = nlohmann::json::diff(j, again); !changes.empty())
+    throw Error("memscale: Report::from_json: the value at " + changes.front().value("path", std::string("?")) +
+                " is not one this memscale writes there (an unknown name, a number of another type, or a field of "
+                "another version)");
   return r;
 }
 

@@ -27,7 +27,6 @@
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/observability/log.hpp>
-#include <memscale/observability/metrics.hpp>
 #include <memscale/offload/hooks.hpp>
 
 namespace memscale {
@@ -102,7 +101,7 @@ struct forward_context : torch::CustomClassHolder {
 /// that called it.
 class recompute_scope {
  public:
-  recompute_scope() : previous_(current()) { current() = this; }  // nested_: a backward in it is no new step
+  recompute_scope() : previous_(current()) { current() = this; }
   recompute_scope(const recompute_scope&) = delete;
   recompute_scope& operator=(const recompute_scope&) = delete;
   ~recompute_scope() {
@@ -125,7 +124,6 @@ class recompute_scope {
 
  private:
   recompute_scope* previous_;
-  observability::nesting_scope nested_;
   std::vector<std::unique_ptr<buffer_restore>> restores_;
   std::vector<const torch::nn::Module*> registered_;
 };

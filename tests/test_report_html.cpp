@@ -1,0 +1,104 @@
+// Report::to_html: one self-contained page (nothing fetched from anywhere),
+// rendered by headless Chromium (Debian's chromium; scripts/setup-deps.sh
+// --tests installs it): its script runs, the DOM holds the timeline's points,
+// one plan row per decision, the offload table and the Config; and a screenshot.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <string>
+
+#include "test_support.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+std::size_t count_of(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+/// A report of the flat chain trained under a budget that makes it checkpoint and offload.
+memscale::Report trained_report() {
+  auto model = test::flat_chain(4);
+  const auto x = torch::randn({256, 64});
+  memscale::Config c = test::quiet();
+  c.memory_budget_gb = 0.004;
+  c.target_gpu_utilization = 1.0;
+  auto guard = memscale::optimize(model, x, c);
+  test::train_sgd(model, x, 2);
+  return guard.report();
+}
+
+}  // namespace
+
+TEST_CASE("Report::to_html: a self-contained page with the timeline, the plan and the Config", "[report][html]") {
+  const auto report = trained_report();
+  REQUIRE(report.checkpointed_segments() > 0);
+  const auto page = report.to_html();
+  // Self-contained: no external resource of any kind.
+  CHECK_FALSE(std::regex_search(page, std::regex(R"((src|href)\s*=)")));
+  CHECK(page.find("@import") == std::string::npos);
+  CHECK(page.find("url(") == std::string::npos);
+  // The timeline: the start point, then each unit's forward and backward, baseline and planned.
+  std::size_t planned_units = 0, slots = 0;
+  for (const auto& u : report.plan.units) planned_units += u.size();
+  for (const auto& chain : report.chains) slots += chain.slots.size();
+  CHECK(count_of(page, "<circle class=\"planned\"") == 1 + 2 * planned_units);
+  CHECK(count_of(page, "<circle class=\"baseline\"") == 1 + 2 * slots);
+  CHECK(count_of(page, "<tr data-unit=") == report.plan.decisions.size());
+  CHECK(page.find("<table id=\"config\">") != std::string::npos);
+  // Text from the model reaches the page escaped.
+  memscale::Report hostile = report;
+  hostile.notes.push_back("<script>alert(1)</script>");
+  CHECK(hostile.to_html().find("<script>alert(1)</script>") == std::string::npos);
+}
+
+TEST_CASE("Report::to_html: headless Chromium renders it, its script runs, and a screenshot is taken",
+          "[report][html][chromium]") {
+  REQUIRE(std::system("command -v chromium > /dev/null 2>&1") == 0);  // scripts/setup-deps.sh --tests
+  const auto report = trained_report();
+  const auto dir = fs::temp_directory_path() / ("memscale_html_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const auto page = dir / "report.html";
+  std::ofstream(page) << report.to_html();
+  const std::string chromium = "chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run "
+                               "--disable-background-networking --disable-component-update --disable-sync "
+                               "--user-data-dir=" + (dir / "profile").string() + " ";
+  const auto dom_file = dir / "dom.html";
+  const int dumped = std::system((chromium + "--dump-dom file://" + page.string() + " > " + dom_file.string() +
+                                  " 2> " + (dir / "chromium.log").string()).c_str());
+  INFO(slurp(dir / "chromium.log"));
+  REQUIRE(WIFEXITED(dumped));
+  REQUIRE(WEXITSTATUS(dumped) == 0);
+  const auto dom = slurp(dom_file);
+  // The script ran: it marked the body and counted the planned points into the page.
+  CHECK(dom.find("data-rendered=\"yes\"") != std::string::npos);
+  std::size_t planned_units = 0;
+  for (const auto& u : report.plan.units) planned_units += u.size();
+  CHECK(dom.find("<span id=\"points\">" + std::to_string(1 + 2 * planned_units) + "</span>") != std::string::npos);
+  CHECK(count_of(dom, "<tr data-unit=") == report.plan.decisions.size());
+  CHECK(dom.find("<svg id=\"timeline\"") != std::string::npos);
+
+  const auto shot = dir / "report.png";
+  const int shot_status = std::system((chromium + "--window-size=1100,1500 --screenshot=" + shot.string() +
+                                       " file://" + page.string() + " > /dev/null 2>> " +
+                                       (dir / "chromium.log").string()).c_str());
+  REQUIRE(WIFEXITED(shot_status));
+  CHECK(WEXITSTATUS(shot_status) == 0);
+  const auto png = slurp(shot);
+  REQUIRE(png.size() > 10000);
+  CHECK(png.compare(0, 8, "\x89PNG\r\n\x1a\n") == 0);
+  fs::remove_all(dir);
+}
