@@ -208,3 +208,18 @@ TEST_CASE("metrics: the exposition writer escapes labels and writes cumulative h
   CHECK(memscale::observability::exposition::number(0.1) == "0.1");
   CHECK(memscale::observability::exposition::number(1.0 / 0.0) == "+Inf");
 }
+
+TEST_CASE("log: a wrap that plans at the first forward says so at wrap, and logs its plan then",
+          "[observability][log]") {
+  captured_log log;
+  auto model = test::flat_chain(4);
+  Config c = pressing();
+  c.enable_logging = true;
+  (void)memscale::wrap(model, c);
+  CHECK(log.text().find("[info] mode Balanced, device cpu (CPU, ") != std::string::npos);
+  CHECK(log.text().find("planning deferred to the first forward call") != std::string::npos);
+  test::train_sgd(model, torch::randn({256, 64}), 1);
+  memscale::detach(model);
+  INFO(log.text());
+  CHECK(log.text().find("checkpointed segment(s)") != std::string::npos);
+}

@@ -171,7 +171,7 @@ TEST_CASE("telemetry: the events of a wrap, a plan, Stage 1, a detach and the Au
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
-  for (const std::string secret : {std::string("secret_block_name_4711"), std::string(host), dir.string(),
+  for (const std::string& secret : {std::string("secret_block_name_4711"), std::string(host), dir.string(),
                                    std::string("Linear"), std::string("256")})
     CHECK(text.find(secret) == std::string::npos);
   fs::remove_all(dir);

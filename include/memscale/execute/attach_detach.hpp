@@ -151,6 +151,7 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
     throw;
   }
   attached->wrap_finished("ok");
+  attached->log_if_deferred();
   return attached;
 }
 

@@ -43,6 +43,7 @@
 #include <memscale/device/hardware.hpp>
 #include <memscale/execute/managed_chain.hpp>
 #include <memscale/execute/metrics_page.hpp>
+#include <memscale/execute/plan_log.hpp>
 #include <memscale/execute/planning_scope.hpp>
 #include <memscale/execute/stage1.hpp>
 #include <memscale/execute/telemetry_events.hpp>
@@ -158,6 +159,15 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   }
   void detached() const noexcept {
     if (telemetry_.on()) telemetry_.emit(telemetry::detach_called(facts_));
+  }
+  /// The summary line of a wrap whose planning waits for the first forward (a
+  /// planned one logged its plan as it committed it).
+  void log_if_deferred() const noexcept {
+    try {
+      const auto r = report();
+      if (!r.planned) observability::log_report(log_, r);
+    } catch (...) {
+    }
   }
 
   /// With Config::observability_port: serves this model's metrics until

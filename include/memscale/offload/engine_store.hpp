@@ -54,6 +54,9 @@ inline stored_handle engine::store(const at::Tensor& tensor, std::optional<tier>
     if (ok) placed = order[i];
     if (ok && i > 0) core_->update([](engine_stats& s) { ++s.spills; });
   }
+  if (!placed || (*placed == tier::device && order.front() != tier::device))
+    core_->warn("the offload tiers are full (or refused): tensors stay on the device, so the step may use more "
+                "memory than planned; raise max_cpu_offload_gb or async_config.max_disk_offload_gb");
   if (!placed) {
     keep(*rec, t);
     return rec;
