@@ -472,7 +472,10 @@ int run(const Args& args) {
       if (s > 0) scope.emplace();
       auto& active = s == 0 ? *first_scope : *scope;
       const auto start = clock_type::now();
-      r.loss = train_step(forward, optimizer, batches[static_cast<std::size_t>(s)]);
+      const auto step = [&] { r.loss = train_step(forward, optimizer, batches[static_cast<std::size_t>(s)]); };
+      // The last step traced for the report page: the device's bytes at every unit's boundary.
+      if (s == args.steps - 1 && !args.html.empty() && rank == 0) (void)guard.trace_step(step);
+      else step();
       r.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
       r.peak_growth = active.peak_growth();
       if (s == 0) first_scope.reset();
@@ -485,7 +488,7 @@ int run(const Args& args) {
     offload = guard.offload_stats();
     if (!args.html.empty() && rank == 0) {
       // The plan with what was measured while training: memory timeline, plan table, offload traffic.
-      const auto trained = guard.report();
+      const auto trained = guard.report();  // with the last step's trace
       std::ofstream(args.html) << trained.to_html();
       const auto json = std::filesystem::path(args.html).replace_extension(".json");
       std::ofstream(json) << trained.to_json() << "\n";

@@ -102,3 +102,62 @@ TEST_CASE("Report::to_html: headless Chromium renders it, its script runs, and a
   CHECK(png.compare(0, 8, "\x89PNG\r\n\x1a\n") == 0);
   fs::remove_all(dir);
 }
+
+TEST_CASE("trace_step: one step measured at every unit's boundary, the plan left as it was", "[report][trace]") {
+  auto model = test::flat_chain(4);
+  const auto x = torch::randn({256, 64});
+  memscale::Config c = test::quiet();
+  c.memory_budget_gb = 0.004;
+  c.target_gpu_utilization = 1.0;
+  {
+    auto deferred = memscale::optimize(model, c);  // no example: planned at the first forward
+    CHECK_THROWS_WITH(deferred.trace_step([] {}), Catch::Contains("not planned yet"));
+  }
+  auto guard = memscale::optimize(model, x, c);
+  const auto slots = test::slot_identity(*model);
+  const auto report = guard.trace_step([&] { test::train_sgd(model, x, 1); });
+  CHECK(test::slot_identity(*model) == slots);  // the marks are gone
+  CHECK(guard.active());
+  REQUIRE(report.plan.units.size() == 1);
+  const auto units = report.plan.units[0].size();
+  const auto& points = report.measured_timeline;
+  REQUIRE(points.size() == 2 * units);  // each unit's forward, then backward reaching each, last first
+  for (std::size_t i = 0; i < units; ++i) {
+    CHECK_FALSE(points[i].backward);
+    CHECK(points[i].unit == static_cast<int>(i));
+    CHECK(points[units + i].backward);
+    CHECK(points[units + i].unit == static_cast<int>(units - 1 - i));
+  }
+  // The measured growth at the end of forward, against the projection's.
+  const auto projected = memscale::core::project_chain(report.chains[0].slots, report.plan.units[0]).forward_end;
+  const auto measured = points[units - 1].bytes;
+  INFO("projected forward end " << projected << ", measured " << measured);
+  CHECK(measured >= projected / 2);
+  CHECK(measured <= projected * 2);
+  // Drawn as a third series, one point each.
+  CHECK(count_of(report.to_html(), "<circle class=\"traced\"") == points.size());
+  // A step that throws leaves the plan's slots as they were, and throws through.
+  CHECK_THROWS_WITH(guard.trace_step([] { throw std::runtime_error("step failed"); }), "step failed");
+  CHECK(test::slot_identity(*model) == slots);
+}
+
+TEST_CASE("trace_step: call-site units (the example GPT) are traced too", "[report][trace]") {
+  gpt::GPT model(test::small_gpt());
+  const auto tokens = torch::randint(0, test::small_gpt().vocab, {4, 64}, torch::kLong);
+  memscale::Config c = test::quiet();
+  c.mode = memscale::OptimizationMode::Aggressive;
+  auto guard = memscale::optimize(model, tokens, c);
+  torch::optim::SGD optimizer(model->parameters(), 0.01);
+  const auto report = guard.trace_step([&] {
+    optimizer.zero_grad();
+    model->forward(tokens).pow(2).mean().backward();
+    optimizer.step();
+  });
+  std::size_t units = 0;
+  for (const auto& u : report.plan.units) units += u.size();
+  INFO(report.str());
+  CHECK(report.measured_timeline.size() == 2 * units);
+  // The guard still runs the plan: a second traced step gives as many points.
+  const auto again = guard.trace_step([&] { model->forward(tokens).pow(2).mean().backward(); });
+  CHECK(again.measured_timeline.size() == report.measured_timeline.size());
+}

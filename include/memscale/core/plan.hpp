@@ -55,6 +55,17 @@ struct CorrectnessCheck {
   friend std::ostream& operator<<(std::ostream& os, const CorrectnessCheck& c) { return os << c.str(); }
 };
 
+/// A unit boundary of a traced step (OptimizationGuard::trace_step): the device's
+/// allocated bytes, as growth from the step's start, when the unit's forward
+/// returned (backward false) or when backward reached it (its output's gradient
+/// ready). `chain` indexes Report::chains, `unit` the chain's plan units.
+struct measured_point {
+  int chain = 0;
+  int unit = 0;
+  bool backward = false;
+  std::int64_t bytes = 0;
+};
+
 struct Report {
   HardwareInfo hardware;
   OptimizationMode mode = OptimizationMode::Balanced;
@@ -84,6 +95,7 @@ struct Report {
   std::optional<offload::engine_stats> offload;  ///< the offload engine's traffic by tier (unset: it has none)
   std::int64_t measured_peak_bytes = -1;  ///< the allocator's peak on the device so far (CUDA; CPU with the counting allocator); -1: unknown
   std::int64_t process_peak_bytes = -1;   ///< CPU: the process's resident high-water mark (VmHWM); -1: unknown
+  std::vector<measured_point> measured_timeline;  ///< the last trace_step()'s unit boundaries (empty: none traced)
 
   [[nodiscard]] std::int64_t static_bytes() const noexcept {
     return parameter_bytes + gradient_bytes + optimizer_reserve_bytes + buffer_bytes + earlier_chains_bytes +

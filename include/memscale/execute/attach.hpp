@@ -108,6 +108,15 @@ class [[nodiscard]] OptimizationGuard {
     if (!engine) return std::nullopt;
     return engine->stats();
   }
+  /// Runs `step`, one training step of yours (forward, loss, backward, optimizer),
+  /// measuring the device's allocated bytes at every planned unit's boundary
+  /// (forward and backward); returns the Report with its measured_timeline, which
+  /// to_html() draws beside the projection. Throws memscale::Error before the
+  /// model is planned; whatever `step` throws passes through, the plan intact.
+  Report trace_step(const std::function<void()>& step) {
+    if (!attachment_) throw Error("memscale: trace_step on a released guard");
+    return attachment_->trace_step(step);
+  }
   /// Whether the guard's attachment still manages its model.
   [[nodiscard]] bool active() const {
     return root_ && attachment_ && core::registry::global().find(root_.get()) == attachment_;

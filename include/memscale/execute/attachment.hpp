@@ -170,6 +170,10 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     }
   }
 
+  /// Runs `step` (one training step of the caller's) with a mark around every
+  /// planned unit; returns the Report with its measured_timeline.
+  Report trace_step(const std::function<void()>& step);
+
   /// With Config::observability_port: serves this model's metrics until
   /// restore(). A port it cannot bind is a warning and a note; never throws.
   void start_metrics_endpoint() noexcept;
@@ -376,6 +380,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   std::vector<planned_call> pending_sequence_;
   std::vector<std::string> pending_notes_;
   std::vector<planned_call> sequence_;
+  std::vector<std::size_t> report_order_;  ///< chains_ index of each Report chain (the order they were planned)
   std::unordered_set<const torch::nn::Module*> excluded_;
   int level_ = 0;
   std::size_t cursor_ = 0;

@@ -119,11 +119,13 @@ inline void attachment::commit_plan(const std::vector<std::size_t>& ready, const
   auto sequence = pending_sequence_;  // copies AnyModule handles only
   for (auto& [position, runner] : changes.runners) sequence[position].runner = std::move(runner);
   next.notes.insert(next.notes.end(), pending_notes_.begin(), pending_notes_.end());
+  report_order_.reserve(report_order_.size() + ready.size());
   detail::fault_point(detail::pipeline_stage::commit);
   // Nothing below may throw: the slots are swapped, and a caller that saw an
   // exception would restore only some of them.
   changes.swaps.commit(displaced);
   for (auto c : ready) {
+    report_order_.push_back(c);  // capacity reserved: cannot throw
     chains_[c].planned = true;
     chains_[c].unit_inputs.clear();  // the recorded activations are not needed any more
   }

@@ -20,6 +20,7 @@
 #include <memscale/errors.hpp>
 #include <memscale/execute/attachment.hpp>
 #include <memscale/execute/metrics_page.hpp>
+#include <memscale/execute/step_trace.hpp>
 #include <memscale/execute/verify.hpp>
 
 namespace memscale::core {
@@ -45,6 +46,63 @@ inline void attachment::add_technique_notes() {
     report_.notes.emplace_back("use_8bit_optimizer: build the optimizer with memscale::make_optimizer(config, "
                                "params, options) to get memscale::optim::AdamW8bit (about 2.03 bytes of state per "
                                "parameter instead of AdamW's 8); the plan budgets that state");
+}
+
+inline Report attachment::trace_step(const std::function<void()>& step) {
+  const auto before = report();
+  if (!before.planned)
+    throw Error("memscale: trace_step: the model is not planned yet; wrap it with an example input, or run one "
+                "training step first");
+  const c10::Device device(before.device);
+  auto recorder = std::make_shared<step_recorder>(device);
+  slot_transaction marks;  // rolled back (the plan's slots back) however this ends
+  std::vector<std::pair<std::size_t, torch::nn::AnyModule>> runners;  // call sites' runners to put back
+  const auto put_back = [&]() noexcept {
+    for (auto& [position, runner] : runners) sequence_[position].runner = std::move(runner);
+    runners.clear();
+  };
+  try {
+    {
+      std::lock_guard<std::mutex> planning(plan_mutex_);
+      for (std::size_t r = 0; r < report_order_.size() && r < before.plan.units.size(); ++r) {
+        auto& chain = chains_[report_order_[r]];
+        const auto& units = before.plan.units[r];
+        for (std::size_t i = 0; i < units.size(); ++i) {
+          const auto k = static_cast<std::size_t>(units[i].first);
+          const auto mark = [&](torch::nn::AnyModule inner) {
+            return torch::nn::AnyModule(std::make_shared<TraceMarkImpl>(std::move(inner), static_cast<int>(r),
+                                                                        static_cast<int>(i), recorder));
+          };
+          if (chain.source == chain_source::sequential) {
+            auto slot = *(chain.ref.sequential->begin() + static_cast<std::ptrdiff_t>(k));
+            marks.replace(*chain.ref.sequential, k, mark(std::move(slot)));
+          } else if (chain.source == chain_source::call_sites && k < chain.positions.size() &&
+                     chain.positions[k] < sequence_.size() &&
+                     !(sequence_[chain.positions[k]].runner.is_empty() && chain.originals[k].is_empty())) {
+            auto& runner = sequence_[chain.positions[k]].runner;
+            runners.emplace_back(chain.positions[k], runner);
+            runner = mark(runner.is_empty() ? chain.originals[k] : runner);
+          }
+        }
+      }
+    }
+    // CPU without the counting allocator: count this thread's (and autograd's) allocations.
+    std::optional<memory_tracker::reporting_scope> counting;
+    if (device.is_cpu() && !memory_tracker::installed()) counting.emplace();
+    recorder->start();
+    step();
+  } catch (...) {
+    put_back();
+    throw;
+  }
+  put_back();
+  marks.rollback();
+  auto points = recorder->points();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    report_.measured_timeline = points;
+  }
+  return report();
 }
 
 inline void attachment::start_metrics_endpoint() noexcept {

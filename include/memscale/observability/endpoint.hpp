@@ -97,7 +97,9 @@ class metrics_endpoint {
 
   metrics_endpoint(const metrics_endpoint&) = delete;
   metrics_endpoint& operator=(const metrics_endpoint&) = delete;
-  ~metrics_endpoint() { stop(); }
+  /// Unstopped (a model dropped without detach, its attachment destroyed where a
+  /// lock may be held), it does not wait for a request in flight.
+  ~metrics_endpoint() { stop(std::chrono::milliseconds(0)); }
 
   [[nodiscard]] bool bound() const noexcept { return port_ >= 0; }
   [[nodiscard]] int port() const noexcept { return port_; }
@@ -107,19 +109,21 @@ class metrics_endpoint {
     return "http://" + (v6 ? "[" + address_ + "]" : address_) + ":" + std::to_string(port_) + "/metrics";
   }
 
-  /// Closes the listening socket now; waits up to 2 s for requests in flight, then
-  /// leaves a client that keeps one open to its own thread (which holds all it uses).
-  void stop() noexcept {
+  /// Closes the listening socket now; waits up to `wait` for requests in flight,
+  /// then leaves a client that keeps one open to its own thread (which holds all it uses).
+  void stop(std::chrono::milliseconds wait = std::chrono::seconds(2)) noexcept {
 #if MEMSCALE_HAS_HTTP()
     if (!thread_.joinable()) return;
     try {
       state_->server.stop();
-      if (done_.wait_for(std::chrono::seconds(2)) == std::future_status::ready) thread_.join();
+      if (done_.wait_for(wait) == std::future_status::ready) thread_.join();
       else thread_.detach();
     } catch (...) {
       if (thread_.joinable()) thread_.detach();
     }
     state_.reset();
+#else
+    (void)wait;
 #endif
   }
 

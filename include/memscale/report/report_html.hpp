@@ -90,12 +90,36 @@ inline std::vector<point> timeline(const Report& r, bool planned) {
   return points;
 }
 
+/// The last traced step's points (OptimizationGuard::trace_step), placed as the
+/// projection's: a unit's forward at its end; backward reaching it where the
+/// backward of the unit after it ends. Over the static bytes, in measured order.
+inline std::vector<point> measured(const Report& r) {
+  std::vector<int> first_slot;
+  int total = 0;
+  for (const auto& chain : r.chains) {
+    first_slot.push_back(total);
+    total += static_cast<int>(chain.slots.size());
+  }
+  std::vector<point> points;
+  for (const auto& m : r.measured_timeline) {
+    const auto c = static_cast<std::size_t>(m.chain);
+    if (c >= r.plan.units.size() || static_cast<std::size_t>(m.unit) >= r.plan.units[c].size()) continue;
+    const auto& u = r.plan.units[c][static_cast<std::size_t>(m.unit)];
+    const double end = first_slot[c] + u.last + 1;
+    points.push_back({m.backward ? 2.0 * total - end : end, r.static_bytes() + m.bytes,
+                      std::string(m.backward ? "backward reaching" : "forward, after") + " chain " +
+                          std::to_string(c) + " slots " + std::to_string(u.first) + ".." + std::to_string(u.last)});
+  }
+  return points;
+}
+
 inline void chart(std::ostream& os, const Report& r) {
   const auto baseline = timeline(r, false);
   const auto planned = timeline(r, true);
+  const auto traced = measured(r);
   double x_max = 1.0;
   std::int64_t y_max = std::max<std::int64_t>({r.measured_peak_bytes, r.plan.baseline_peak, 1});
-  for (const auto* series : {&baseline, &planned})
+  for (const auto* series : {&baseline, &planned, &traced})
     for (const auto& p : *series) {
       x_max = std::max(x_max, p.x);
       y_max = std::max(y_max, p.bytes);
@@ -134,7 +158,9 @@ inline void chart(std::ostream& os, const Report& r) {
     os << "<text x=\"" << width - 14 << "\" y=\"" << top + 12 << "\" class=\"axis\" text-anchor=\"end\">budget "
        << escape(detail::format_bytes(r.usable_bytes)) << ": far above, not drawn</text>\n";
   level(r.measured_peak_bytes, "measured", "measured peak so far (allocator)");
-  for (const auto& [series, cls] : {std::pair{&baseline, "baseline"}, std::pair{&planned, "planned"}}) {
+  for (const auto& [series, cls] :
+       {std::pair{&baseline, "baseline"}, std::pair{&planned, "planned"}, std::pair{&traced, "traced"}}) {
+    if (series->empty()) continue;
     os << "<polyline class=\"" << cls << "\" points=\"";
     for (const auto& p : *series) os << X(p.x) << ',' << Y(p.bytes) << ' ';
     os << "\"/>\n";
@@ -151,7 +177,7 @@ h1{font-size:20px}h2{font-size:16px;margin-top:28px}table{border-collapse:collap
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}th{background:#f2f2f2}
 .num{text-align:right;font-variant-numeric:tabular-nums}#timeline{width:100%;max-width:960px;background:#fafafa}
 polyline{fill:none;stroke-width:2}polyline.baseline{stroke:#999}polyline.planned{stroke:#1f6feb}
-circle.baseline{fill:#999}circle.planned{fill:#1f6feb}circle.hot{r:6;fill:#d63}.static{fill:#e8e8e8}
+circle.baseline{fill:#999}circle.planned{fill:#1f6feb}polyline.traced{stroke:#2a2;stroke-width:2}circle.traced{fill:#2a2}circle.hot{r:6;fill:#d63}.static{fill:#e8e8e8}
 .budget{stroke:#c00;stroke-dasharray:6 4}.measured{stroke:#2a2;stroke-dasharray:2 3;stroke-width:2}
 .divider{stroke:#bbb}.axis{font-size:11px;fill:#555}.legend span{margin-right:18px}
 .sw{display:inline-block;width:14px;height:3px;vertical-align:middle;margin-right:4px}
@@ -185,12 +211,18 @@ document.getElementById('points').textContent=document.querySelectorAll('circle.
 
   os << "<h2>Memory over a training step</h2>\n<p class=\"legend\"><span><i class=\"sw\" style=\"background:#999\">"
      << "</i>baseline (projected)</span><span><i class=\"sw\" style=\"background:#1f6feb\"></i>planned (projected)"
-     << "</span><span><i class=\"sw\" style=\"background:#2a2\"></i>measured peak so far in this process</span><span><i class=\"sw\" "
+     << "</span><span><i class=\"sw\" style=\"background:#2a2\"></i>measured: a traced step (solid), the peak so far in this process (dotted)</span><span><i class=\"sw\" "
      << "style=\"background:#c00\"></i>budget</span><span><i class=\"sw\" style=\"background:#e8e8e8\"></i>static "
      << "(parameters, gradients, optimizer, buffers, reserve)</span></p>\n";
   html_detail::chart(os, r);
   os << "<p>Each point: a unit's peak as its forward (left half) or backward (right half) runs; <span id=\"points\">"
-     << "</span> planned points. Budget " << escape(format_bytes(r.usable_bytes)) << ". Measured: allocator peak "
+     << "</span> planned points. Budget " << escape(format_bytes(r.usable_bytes)) << ". "
+     << (r.measured_timeline.empty()
+             ? std::string("No step traced (OptimizationGuard::trace_step measures one at every unit's boundary).")
+             : "A traced step: " + std::to_string(r.measured_timeline.size()) +
+                   " points, each the device's allocated bytes over the static ones as a unit's forward returned "
+                   "or backward reached it.")
+     << " Measured: allocator peak "
      << (r.measured_peak_bytes >= 0 ? escape(format_bytes(r.measured_peak_bytes)) : std::string("not measured"))
      << ", process resident peak "
      << (r.process_peak_bytes >= 0 ? escape(format_bytes(r.process_peak_bytes)) : std::string("not measured"))

@@ -54,6 +54,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(StrategyContext, device, budget_given, usable
                                    offload_bytes_per_second, batch_size, units, linear_units, conv_units,
                                    norm_units, block_units, other_units, call_sites)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(StrategyChoice, mode, checkpoint, offload)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(measured_point, chain, unit, backward, bytes)
 
 namespace offload {
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(tier_usage, bytes, peak, tensors, written, read)
@@ -125,7 +126,8 @@ inline void from_json(const nlohmann::json& j, StrategyDecision& d) {
                       {"strategy", r.strategy},
                       {"metrics_endpoint", r.metrics_endpoint},
                       {"measured_peak_bytes", r.measured_peak_bytes},
-                      {"process_peak_bytes", r.process_peak_bytes}};
+                      {"process_peak_bytes", r.process_peak_bytes},
+                      {"measured_timeline", r.measured_timeline}};
   j["offload"] = r.offload ? nlohmann::json(*r.offload) : nlohmann::json(nullptr);
   j["verification"] = r.verification ? nlohmann::json(*r.verification) : nlohmann::json(nullptr);
   // Derived: what the text report computes, and each decision's line.
@@ -200,6 +202,7 @@ inline void from_json(const nlohmann::json& j, StrategyDecision& d) {
     j.at("metrics_endpoint").get_to(r.metrics_endpoint);
     j.at("measured_peak_bytes").get_to(r.measured_peak_bytes);
     j.at("process_peak_bytes").get_to(r.process_peak_bytes);
+    j.at("measured_timeline").get_to(r.measured_timeline);
     detail::get_optional(j, "offload", r.offload);
     detail::get_optional(j, "verification", r.verification);
   } catch (const nlohmann::json::exception& e) {
