@@ -8,12 +8,8 @@
 # MEMSCALE_TEST_SKIPPED line the test's SKIP_REGULAR_EXPRESSION matches.
 # CONAN_HOME lives in WORK_DIR: nothing of the user's ~/.conan2 is touched.
 
-function(run_step what)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE _result)
-  if(NOT _result EQUAL 0)
-    message(FATAL_ERROR "conan: ${what} failed (${_result})")
-  endif()
-endfunction()
+set(DRIVER_NAME conan)
+include("${CMAKE_CURRENT_LIST_DIR}/DriverCommon.cmake")
 
 if(DEFINED ENV{MEMSCALE_CONAN} AND NOT "$ENV{MEMSCALE_CONAN}" STREQUAL "")
   set(_conan "$ENV{MEMSCALE_CONAN}")
@@ -37,14 +33,9 @@ file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
 set(ENV{CONAN_HOME} "${WORK_DIR}/conan_home")
 # LibTorch is found by memscale's CMake, not by Conan: through CMAKE_PREFIX_PATH.
-string(REPLACE "|" ";" _prefix_path "${PREFIX_PATH}")
-if(DEFINED ENV{CMAKE_PREFIX_PATH} AND NOT "$ENV{CMAKE_PREFIX_PATH}" STREQUAL "")
-  string(REPLACE ":" ";" _env_prefix_path "$ENV{CMAKE_PREFIX_PATH}")
-  list(APPEND _prefix_path ${_env_prefix_path})
-endif()
-string(REPLACE ";" ":" _prefix_path "${_prefix_path}")
-set(ENV{CMAKE_PREFIX_PATH} "${_prefix_path}")
-message(STATUS "conan: ${_conan}, CONAN_HOME=$ENV{CONAN_HOME}, CMAKE_PREFIX_PATH=${_prefix_path}")
+driver_prefix_path(_prefix_path)
+use_prefix_path("${_prefix_path}")
+message(STATUS "conan: ${_conan}, CONAN_HOME=$ENV{CONAN_HOME}, CMAKE_PREFIX_PATH=$ENV{CMAKE_PREFIX_PATH}")
 
 run_step("conan --version" "${_conan}" --version)
 # test_package builds in its own folder: a copy here keeps the source tree clean.

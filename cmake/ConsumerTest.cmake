@@ -4,19 +4,11 @@
 # Other inputs: SOURCE_DIR BUILD_DIR WORK_DIR CONFIG GENERATOR CXX_COMPILER
 # PREFIX_PATH ('|'-separated: where Torch and range-v3 live) THIRD_PARTY_DIR.
 
-function(run_step what)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE _result)
-  if(NOT _result EQUAL 0)
-    message(FATAL_ERROR "consumer.${MODE}: ${what} failed (${_result})")
-  endif()
-endfunction()
+set(DRIVER_NAME "consumer.${MODE}")
+include("${CMAKE_CURRENT_LIST_DIR}/DriverCommon.cmake")
 
 file(REMOVE_RECURSE "${WORK_DIR}")
-string(REPLACE "|" ";" _prefix_path "${PREFIX_PATH}")
-if(DEFINED ENV{CMAKE_PREFIX_PATH} AND NOT "$ENV{CMAKE_PREFIX_PATH}" STREQUAL "")
-  string(REPLACE ":" ";" _env_prefix_path "$ENV{CMAKE_PREFIX_PATH}")
-  list(APPEND _prefix_path ${_env_prefix_path})
-endif()
+driver_prefix_path(_prefix_path)
 if(NOT CONFIG)
   set(CONFIG Release)
 endif()
@@ -37,9 +29,8 @@ else()
 endif()
 
 # Passed through the environment: a ';'-list does not survive execute_process.
-string(REPLACE ";" ":" _prefix_path "${_prefix_path}")
-set(ENV{CMAKE_PREFIX_PATH} "${_prefix_path}")
-message(STATUS "consumer.${MODE}: CMAKE_PREFIX_PATH=${_prefix_path}")
+use_prefix_path("${_prefix_path}")
+message(STATUS "consumer.${MODE}: CMAKE_PREFIX_PATH=$ENV{CMAKE_PREFIX_PATH}")
 run_step("configure" "${CMAKE_COMMAND}" -S "${SOURCE_DIR}/tests/consumer" -B "${WORK_DIR}/build"
   -G "${GENERATOR}" "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" ${_configure_args})
 run_step("build" "${CMAKE_COMMAND}" --build "${WORK_DIR}/build" --config "${CONFIG}")

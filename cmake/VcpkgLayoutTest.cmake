@@ -12,12 +12,8 @@
 
 cmake_minimum_required(VERSION 3.21)  # policies as in vcpkg's scripts (IN_LIST)
 
-function(run_step what)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE _result)
-  if(NOT _result EQUAL 0)
-    message(FATAL_ERROR "vcpkg: ${what} failed (${_result})")
-  endif()
-endfunction()
+set(DRIVER_NAME vcpkg)
+include("${CMAKE_CURRENT_LIST_DIR}/DriverCommon.cmake")
 function(check condition_text)
   if(NOT (${ARGN}))
     message(FATAL_ERROR "vcpkg: layout check failed: ${condition_text}")
@@ -37,11 +33,7 @@ string(JSON VERSION GET "${_manifest}" version)
 unset(ENV{MEMSCALE_SOURCE_PATH})  # the port's default: the checkout it lives in
 
 file(REMOVE_RECURSE "${WORK_DIR}")
-string(REPLACE "|" ";" _prefix_path "${PREFIX_PATH}")
-if(DEFINED ENV{CMAKE_PREFIX_PATH} AND NOT "$ENV{CMAKE_PREFIX_PATH}" STREQUAL "")
-  string(REPLACE ":" ";" _env_prefix_path "$ENV{CMAKE_PREFIX_PATH}")
-  list(APPEND _prefix_path ${_env_prefix_path})
-endif()
+driver_prefix_path(_prefix_path)
 if(NOT CONFIG)
   set(CONFIG Release)
 endif()
@@ -67,8 +59,7 @@ function(vcpkg_cmake_configure)
   if(NOT VCPKG_BUILD_TYPE STREQUAL "release")
     message(FATAL_ERROR "vcpkg: only the header-only (release-only) port is reproduced here")
   endif()
-  string(REPLACE ";" ":" _path "${_prefix_path}")
-  set(ENV{CMAKE_PREFIX_PATH} "${_path}")
+  use_prefix_path("${_prefix_path}")
   # The options of vcpkg_cmake_configure that bear on an install, less its toolchain.
   run_step("configure" "${CMAKE_COMMAND}" --no-warn-unused-cli -S "${arg_SOURCE_PATH}"
     -B "${CURRENT_BUILDTREES_DIR}/${TARGET_TRIPLET}-rel" -G "${GENERATOR}"
@@ -165,8 +156,7 @@ message(STATUS "vcpkg: the port's layout in ${CURRENT_INSTALLED_DIR} checks out"
 
 # --- a user's project against the installed tree ----------------------------------
 list(PREPEND _prefix_path "${CURRENT_INSTALLED_DIR}")
-string(REPLACE ";" ":" _path "${_prefix_path}")
-set(ENV{CMAKE_PREFIX_PATH} "${_path}")
+use_prefix_path("${_prefix_path}")
 run_step("consumer configure" "${CMAKE_COMMAND}" -S "${SOURCE_DIR}/tests/consumer" -B "${WORK_DIR}/consumer"
   -G "${GENERATOR}" "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" -DCMAKE_BUILD_TYPE=${CONFIG}
   -DMEMSCALE_CONSUMER_MODE=find_package)
