@@ -588,7 +588,17 @@ TEST_CASE("the BLAS probe measures the buffers a product touches once, and OpenB
   // rate of the second step extended to the rest. OpenBLAS: 384 x 40000 floats.
   const auto capped = probe_products({{40000, 384, 8}}, std::int64_t{8} << 20);
   CHECK(capped.scaled);
-  if (openblas) CHECK(static_cast<double>(capped.bytes) / mib == Approx(58.6).epsilon(0.1));
+  // The second step's rate is OpenBLAS's in steps of a few thousand rows: its
+  // threaded driver places each thread's second packing half at an offset that
+  // moves with the rows, so growing m by 2731 rows touches about 8.4% more than
+  // 1536 B a row (0.3.21 and 0.3.34 alike; one call of m rows touches m x 1536).
+  // Extended 12.6-fold, with the process's first BLAS call's pages: 64.2 MiB
+  // measured with 0.3.21, 64.5 with 0.3.34. Never under the rows' bytes.
+  if (openblas) {
+    const double rows_bytes = 40000.0 * 384 * 4 / mib;  // 58.6 MiB
+    CHECK(static_cast<double>(capped.bytes) / mib >= 0.97 * rows_bytes);
+    CHECK(static_cast<double>(capped.bytes) / mib <= 1.15 * rows_bytes);
+  }
   // Whole: one probe per element type and k, at its largest m; 384 x 60000
   // floats, less the 40000 rows' pages the capped probe touched (8 MiB of them).
   const std::vector<matrix_product> products{{60000, 384, 8}, {100, 384, 8}};

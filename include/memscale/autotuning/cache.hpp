@@ -35,6 +35,9 @@ namespace memscale::autotuning {
 
 inline constexpr const char* cache_format = "memscale-autotune-cache";
 inline constexpr int cache_format_version = 1;
+/// A cache file larger than this is not read (an entry is a few KB): it is
+/// ignored and moved aside like a corrupt one, never loaded whole.
+inline constexpr std::uintmax_t cache_max_bytes = std::uintmax_t{64} << 20;
 
 /// The default cache file: $XDG_CACHE_HOME/memscale/autotune.json, else
 /// $HOME/.cache/memscale/autotune.json; empty when neither is set.
@@ -154,6 +157,11 @@ struct cache_file_contents {
   cache_file_contents out;
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return out;
+  if (const auto size = std::filesystem::file_size(path, ec); !ec && size > cache_max_bytes) {
+    out.problem = "the cache file " + path + " is corrupt and was ignored (it holds " + std::to_string(size) +
+                  " bytes, more than the " + std::to_string(cache_max_bytes) + " a cache file may)";
+    return out;
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     out.problem = "the cache file " + path + " cannot be opened for reading";

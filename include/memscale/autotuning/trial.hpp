@@ -79,7 +79,12 @@ inline std::unique_ptr<torch::optim::Optimizer> shadow_optimizer(const torch::op
     if (as_eight_bit) options = std::make_unique<optim::AdamW8bitOptions>(predictor::detail::as_eight_bit(group.options()));
     else options = group.options().clone();
     if (!shadow) shadow = sizing.shadow(group.params(), *options);
-    else shadow->add_param_group(torch::optim::OptimizerParamGroup(group.params(), std::move(options)));
+    else {
+      // Added without options, then given them: LibTorch 2.x's add_param_group merges a group's own
+      // options into the defaults (built-in types) or drops them (AdamW8bitOptions).
+      shadow->add_param_group(torch::optim::OptimizerParamGroup(group.params()));
+      shadow->param_groups().back().set_options(std::move(options));
+    }
   }
   return shadow;
 }

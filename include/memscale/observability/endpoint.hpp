@@ -8,6 +8,7 @@
 // Built only where memscale was configured with cpp-httplib (MEMSCALE_WITH_HTTP).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <future>
@@ -38,17 +39,23 @@ class metrics_endpoint {
  public:
   using page = std::function<std::string()>;
 
-  /// Binds `address`:`port` (0: any free port) and serves `body()` at /metrics.
+  /// Binds `address`:`port` (0: any free port) and serves `body()` at /metrics,
+  /// giving a client `io_timeout` to send its request or take the answer (and
+  /// a kept-alive connection as long, at least a second, for its next one).
   /// Never throws for a port it cannot bind: bound() is then false, error() says why.
-  metrics_endpoint(std::string address, int port, page body) : address_(std::move(address)) {
+  metrics_endpoint(std::string address, int port, page body,
+                   std::chrono::milliseconds io_timeout = std::chrono::seconds(2))
+      : address_(std::move(address)) {
 #if MEMSCALE_HAS_HTTP()
     auto state = std::make_shared<shared>();
     state->body = std::move(body);
     auto& server = state->server;
     server.new_task_queue = [] { return new httplib::ThreadPool(4); };  // at most 4 requests at once
-    server.set_read_timeout(2, 0);
-    server.set_write_timeout(2, 0);
-    server.set_keep_alive_timeout(2);
+    const auto seconds = static_cast<time_t>(io_timeout.count() / 1000);
+    const auto micros = static_cast<time_t>(io_timeout.count() % 1000 * 1000);
+    server.set_read_timeout(seconds, micros);
+    server.set_write_timeout(seconds, micros);
+    server.set_keep_alive_timeout(std::max<time_t>(1, seconds));
     server.set_keep_alive_max_count(16);
     server.set_payload_max_length(4096);  // a scrape has no body
     // httplib's default is SO_REUSEPORT, which lets a second server bind a port in

@@ -22,7 +22,7 @@ namespace memscale {
 struct MemoryBreakdown {
   std::int64_t parameter_bytes = 0;
   std::int64_t buffer_bytes = 0;
-  std::int64_t gradient_bytes = 0;
+  std::int64_t gradient_bytes = 0;  ///< LibTorch 1.x: all (kept between steps); 2.x: at most those the peak holds
   std::int64_t optimizer_state_bytes = 0;
   std::int64_t activation_bytes = 0;         ///< what the forward keeps for backward (live at its end)
   std::int64_t transient_bytes = 0;          ///< the rest of the allocator's peak (workspace, gradients in flight)

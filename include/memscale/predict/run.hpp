@@ -331,11 +331,16 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     MemoryBreakdown b = fixed;
     b.optimizer_state_bytes = opt.state_bytes;
     const auto dynamic = std::max(fit.peak(batch), fit.end(batch) + opt.transient_bytes);
-    const auto allocator = fixed.parameter_bytes + fixed.buffer_bytes + opt.state_bytes +
-                           (kept ? fixed.gradient_bytes : 0) + dynamic;
     b.activation_bytes = std::max<std::int64_t>(0, fit.at_mark(0, batch));
-    b.transient_bytes = std::max<std::int64_t>(0, allocator - b.parameter_bytes - b.buffer_bytes -
-                                                      b.gradient_bytes - b.optimizer_state_bytes - b.activation_bytes);
+    // What the step holds at its peak beyond the forward's saved activations.
+    // LibTorch 1.x: the gradients live between steps (zero_grad() zeroes them),
+    // outside `dynamic`. 2.x: zero_grad() frees them and backward makes them,
+    // inside `dynamic`; a peak in backward holds only those made by then (the
+    // activations they free go at the same time), so the breakdown counts no
+    // more of them than the peak holds: its figures add up to the allocator's peak.
+    const auto beyond_activations = std::max<std::int64_t>(0, dynamic - b.activation_bytes);
+    if (!kept) b.gradient_bytes = std::min(fixed.gradient_bytes, beyond_activations);
+    b.transient_bytes = beyond_activations - (kept ? 0 : b.gradient_bytes);
     b.outside_allocator_bytes = outside + out.outside_growth_at(batch);
     return b;
   };

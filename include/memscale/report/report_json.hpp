@@ -207,6 +207,8 @@ inline void from_json(const nlohmann::json& j, StrategyDecision& d) {
     detail::get_optional(j, "verification", r.verification);
   } catch (const nlohmann::json::exception& e) {
     throw Error(std::string("memscale: Report::from_json: ") + e.what());
+  } catch (const Error& e) {  // a Config in it that is not one (a ConfigError naming the field)
+    throw Error(std::string("memscale: Report::from_json: ") + e.what());
   }
   // Strict: what was read must write back as it was written (nlohmann reads an
   // enum name it does not know as the first value, and a 1.5 into an integer as 1).

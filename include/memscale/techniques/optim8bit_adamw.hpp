@@ -36,14 +36,16 @@ namespace optim {
 /// float32 parameters), ATen ops otherwise.
 class AdamW8bit : public torch::optim::Optimizer {
  public:
+  /// A group's own options replace the defaults whole, as in LibTorch 1.13 (no
+  /// field-by-field inheritance).
   explicit AdamW8bit(std::vector<torch::optim::OptimizerParamGroup> param_groups, AdamW8bitOptions defaults = {})
-      : torch::optim::Optimizer(std::move(param_groups), checked(std::move(defaults))) {
-    for (const auto& group : param_groups_) {
-      const auto* options = dynamic_cast<const AdamW8bitOptions*>(&group.options());
-      if (options == nullptr)
-        throw Error("memscale::optim::AdamW8bit: a param group's options must be AdamW8bitOptions");
-      options->validate();
-    }
+      : torch::optim::Optimizer(checked(param_groups, defaults), std::make_unique<AdamW8bitOptions>(defaults)) {
+    // The base constructor added one group per element, in order. LibTorch 2.x's
+    // add_param_group keeps a group's own options only for its built-in option
+    // types and gives any other group (AdamW8bitOptions) a copy of the defaults;
+    // put the group's own options back (1.13 cloned them: the same values).
+    TORCH_INTERNAL_ASSERT(param_groups_.size() == param_groups.size());
+    for (std::size_t i = 0; i < param_groups.size(); ++i) keep_own_options(param_groups_[i], param_groups[i]);
   }
   explicit AdamW8bit(std::vector<torch::Tensor> params, AdamW8bitOptions defaults = {})
       : AdamW8bit(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(std::move(params))},
@@ -79,6 +81,14 @@ class AdamW8bit : public torch::optim::Optimizer {
     return loss;
   }
 
+  /// Optimizer::add_param_group (not virtual: this one runs when called on an
+  /// AdamW8bit), with the group's options checked and kept as given.
+  void add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
+    check_group(param_group);
+    torch::optim::Optimizer::add_param_group(param_group);
+    keep_own_options(param_groups_.back(), param_group);
+  }
+
   void save(torch::serialize::OutputArchive& archive) const override {
     torch::optim::serialize<AdamW8bitParamState, AdamW8bitOptions>(archive, *this);
   }
@@ -100,9 +110,28 @@ class AdamW8bit : public torch::optim::Optimizer {
   }
 
  private:
-  static std::unique_ptr<AdamW8bitOptions> checked(AdamW8bitOptions options) {
-    options.validate();
-    return std::make_unique<AdamW8bitOptions>(std::move(options));
+  /// A group's own options, when it has any, must be valid AdamW8bitOptions.
+  static void check_group(const torch::optim::OptimizerParamGroup& group) {
+    if (!group.has_options()) return;  // it gets the (checked) defaults
+    const auto* options = dynamic_cast<const AdamW8bitOptions*>(&group.options());
+    if (options == nullptr)
+      throw Error("memscale::optim::AdamW8bit: a param group's options must be AdamW8bitOptions");
+    options->validate();
+  }
+
+  /// Checks `defaults`, then every group's options, before the base class sees them.
+  static const std::vector<torch::optim::OptimizerParamGroup>& checked(
+      const std::vector<torch::optim::OptimizerParamGroup>& groups, const AdamW8bitOptions& defaults) {
+    defaults.validate();
+    for (const auto& group : groups) check_group(group);
+    return groups;
+  }
+
+  /// `added` (the group the base class stored for `given`) gets `given`'s own options.
+  static void keep_own_options(torch::optim::OptimizerParamGroup& added,
+                               const torch::optim::OptimizerParamGroup& given) {
+    if (given.has_options())
+      added.set_options(std::make_unique<AdamW8bitOptions>(static_cast<const AdamW8bitOptions&>(given.options())));
   }
 
   static void check_parameter(const torch::Tensor& p) {
