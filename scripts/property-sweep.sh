@@ -8,10 +8,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 cases=${1:-250}
 seed=${2:-$(date +%s)}
-if [[ ! -x build/tests/memscale_tests ]]; then
-  cmake --preset default >/dev/null
-  cmake --build build -j "$(nproc)" --target memscale_tests
-fi
-torch_version=$(grep -ho 'TORCH_VERSION "[^"]*"' /usr/include/torch/csrc/api/include/torch/version.h 2>/dev/null | cut -d'"' -f2 || true)
+[[ -f build/CMakeCache.txt ]] || cmake --preset default >/dev/null
+cmake --build build -j "$(nproc)" --target memscale_tests >/dev/null
+torch_version=$(dpkg-query -W -f='${Version}' libtorch-dev 2>/dev/null || true)
 echo "property sweep: seed $seed, $cases cases, LibTorch ${torch_version:-(version not found)}"
 MEMSCALE_PROPERTY_SEED=$seed MEMSCALE_PROPERTY_CASES=$cases ./build/tests/memscale_tests "[property]"

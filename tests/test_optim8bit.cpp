@@ -396,6 +396,40 @@ TEST_CASE("param groups keep their own hyperparameters", "[optim8bit]") {
   CHECK(test::bit_equal(params, alone));
 }
 
+TEST_CASE("a group added to an AdamW8bit keeps its options; through the base class on LibTorch 2.x it is refused",
+          "[optim8bit]") {
+  torch::manual_seed(10);
+  std::vector<torch::Tensor> params = {torch::randn({3000}, torch::requires_grad()),
+                                       torch::randn({3000}, torch::requires_grad())};
+  auto alone = copies(params);
+  AdamW8bit grouped(std::vector<torch::Tensor>{params[0]}, AdamW8bitOptions(1e-3));
+  grouped.add_param_group(torch::optim::OptimizerParamGroup(
+      std::vector<torch::Tensor>{params[1]}, std::make_unique<AdamW8bitOptions>(AdamW8bitOptions(1e-1).weight_decay(0.0))));
+  AdamW8bit first(std::vector<torch::Tensor>{alone[0]}, AdamW8bitOptions(1e-3));
+  AdamW8bit second(std::vector<torch::Tensor>{alone[1]}, AdamW8bitOptions(1e-1).weight_decay(0.0));
+  for (int step = 0; step < 3; ++step) {
+    set_grads(params, 500 + step);
+    set_grads(alone, 500 + step);
+    grouped.step();
+    first.step();
+    second.step();
+  }
+  CHECK(test::bit_equal(params, alone));
+  // Bad options through it are refused at once, naming the field.
+  CHECK_THROWS_WITH(grouped.add_param_group(torch::optim::OptimizerParamGroup(
+                        std::vector<torch::Tensor>{torch::randn({8}, torch::requires_grad())},
+                        std::make_unique<AdamW8bitOptions>(AdamW8bitOptions(1e-3).eps(-1.0)))),
+                    Catch::Contains("eps"));
+  // Through make_optimizer's base-class pointer: LibTorch 1.13 keeps the
+  // group's options; 2.x would replace them with the defaults, so step() refuses.
+  auto base = memscale::make_optimizer(test::quiet({.use_8bit_optimizer = true}), {torch::randn({8}, torch::requires_grad())});
+  base->add_param_group(torch::optim::OptimizerParamGroup(std::vector<torch::Tensor>{torch::randn({8}, torch::requires_grad())}));
+  for (auto& group : base->param_groups())
+    for (auto& p : group.params()) p.mutable_grad() = torch::ones_like(p);
+  if (TORCH_VERSION_MAJOR >= 2) CHECK_THROWS_WITH(base->step(), Catch::Contains("add_param_group"));
+  else CHECK_NOTHROW(base->step());
+}
+
 TEST_CASE("the CPU loop and the ATen path (other devices) make the same 8-bit update", "[optim8bit]") {
   torch::manual_seed(12);
   const std::int64_t n = 50 * 256 + 77;

@@ -214,7 +214,7 @@ inline void from_json(const nlohmann::json& j, TuneTrial& t) {
   using detail::get_if_present;
   t = TuneTrial{};
   t.config = j.at("config").get<Config>();
-  t.batch_size = j.at("batch_size").get<std::int64_t>();
+  t.batch_size = memscale::detail::read_as<std::int64_t>(j.at("batch_size"), "batch_size");
   get_if_present(j, "label", t.label);
   get_if_present(j, "predicted_peak_bytes", t.predicted_peak_bytes);
   get_if_present(j, "measured_peak_bytes", t.measured_peak_bytes);
@@ -251,12 +251,11 @@ inline TuneResult result_from(const nlohmann::json& j) {
   try {
     TuneResult r;
     if (!j.is_object()) throw Error("expected an object, got " + std::string(j.type_name()));
-    r.found = j.at("found").get<bool>();
+    r.found = memscale::detail::read_as<bool>(j.at("found"), "found");
     r.best = j.at("best").get<Config>();
-    r.best_batch_size = j.at("best_batch_size").get<std::int64_t>();
-    if (!j.at("best_trial").is_number_integer()) throw Error("best_trial must be an integer");
-    r.best_trial = j.at("best_trial").get<int>();
-    r.budget_bytes = j.at("budget_bytes").get<std::int64_t>();
+    r.best_batch_size = memscale::detail::read_as<std::int64_t>(j.at("best_batch_size"), "best_batch_size");
+    r.best_trial = memscale::detail::read_as<int>(j.at("best_trial"), "best_trial");
+    r.budget_bytes = memscale::detail::read_as<std::int64_t>(j.at("budget_bytes"), "budget_bytes");
     r.trials = j.at("trials").get<std::vector<TuneTrial>>();
     get_if_present(j, "from_cache", r.from_cache);
     get_if_present(j, "cache_file", r.cache_file);

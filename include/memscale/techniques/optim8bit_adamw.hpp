@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <memscale/config.hpp>
 #include <memscale/device/memory_tracker.hpp>  // MEMSCALE_HAS_CUDA()
@@ -46,6 +47,7 @@ class AdamW8bit : public torch::optim::Optimizer {
     // put the group's own options back (1.13 cloned them: the same values).
     TORCH_INTERNAL_ASSERT(param_groups_.size() == param_groups.size());
     for (std::size_t i = 0; i < param_groups.size(); ++i) keep_own_options(param_groups_[i], param_groups[i]);
+    own_groups_ = param_groups_.size();
   }
   explicit AdamW8bit(std::vector<torch::Tensor> params, AdamW8bitOptions defaults = {})
       : AdamW8bit(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(std::move(params))},
@@ -62,6 +64,13 @@ class AdamW8bit : public torch::optim::Optimizer {
       loss = closure();
     }
     // Everything that can be refused is checked before any parameter changes.
+#if TORCH_VERSION_MAJOR >= 2
+    if (param_groups_.size() != own_groups_)
+      throw Error("memscale::optim::AdamW8bit: a param group was added through torch::optim::Optimizer::"
+                  "add_param_group (a base-class pointer or reference, as make_optimizer returns), which on "
+                  "LibTorch 2.x replaces a group's AdamW8bitOptions with the defaults; add it through the "
+                  "AdamW8bit itself: static_cast<memscale::optim::AdamW8bit&>(*optimizer).add_param_group(group)");
+#endif
     for (const auto& group : param_groups_) {
       if (dynamic_cast<const AdamW8bitOptions*>(&group.options()) == nullptr)
         throw Error("memscale::optim::AdamW8bit: a param group's options are not AdamW8bitOptions; add groups "
@@ -87,6 +96,7 @@ class AdamW8bit : public torch::optim::Optimizer {
     check_group(param_group);
     torch::optim::Optimizer::add_param_group(param_group);
     keep_own_options(param_groups_.back(), param_group);
+    ++own_groups_;
   }
 
   void save(torch::serialize::OutputArchive& archive) const override {
@@ -110,6 +120,8 @@ class AdamW8bit : public torch::optim::Optimizer {
   }
 
  private:
+  std::size_t own_groups_ = 0;  ///< groups added by this class's constructor and add_param_group
+
   /// A group's own options, when it has any, must be valid AdamW8bitOptions.
   static void check_group(const torch::optim::OptimizerParamGroup& group) {
     if (!group.has_options()) return;  // it gets the (checked) defaults
