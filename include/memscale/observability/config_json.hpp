@@ -59,10 +59,14 @@ std::optional<std::string> type_mismatch(const nlohmann::json& value) {
   return std::nullopt;
 }
 
-/// `value` as a T; throws memscale::Error naming `key` when it is not one.
-template <class T>
+/// `value` as a T; throws memscale::Error naming `key` when it is not one (with
+/// `for_config`, a ConfigError naming the field `key`).
+template <class T, bool for_config = false>
 T read_as(const nlohmann::json& value, const std::string& key) {
-  if (const auto why = type_mismatch<T>(value)) throw Error(key + " " + *why + ", got " + value.dump());
+  if (const auto why = type_mismatch<T>(value)) {
+    if constexpr (for_config) throw ConfigError(key, *why + ", got " + value.dump());
+    else throw Error(key + " " + *why + ", got " + value.dump());
+  }
   return value.template get<T>();
 }
 
@@ -78,31 +82,22 @@ void get_if_present(const nlohmann::json& j, const char* key, T& value) {
   if (const auto it = j.find(key); it != j.end()) value = read_as<T>(*it, key);
 }
 
-/// Runs `read` (a field's reading) and turns what it throws into a ConfigError
-/// naming the field (`prefix` + `key`).
-template <class Read>
-void config_field(const std::string& field, Read&& read) {
+/// Reads Config field `key` of `j` into `value` (absent: left as it is; null:
+/// an optional reset); a ConfigError naming `prefix` + `key` when it is not one.
+template <class T>
+void read_field(const nlohmann::json& j, const char* key, T& value, const std::string& prefix = "") {
+  const auto field = prefix + key;
+  const auto it = j.find(key);
   try {
-    read();
-  } catch (const ConfigError&) {
-    throw;
-  } catch (const Error& e) {
-    const std::string what = e.what();
-    const auto space = what.find(' ');
-    throw ConfigError(field, space == std::string::npos ? what : what.substr(space + 1));
+    if constexpr (requires { value.reset(); }) {
+      if (it == j.end() || it->is_null()) value.reset();
+      else value = read_as<typename T::value_type, true>(*it, field);
+    } else if (it != j.end()) {
+      value = read_as<T, true>(*it, field);
+    }
   } catch (const nlohmann::json::exception& e) {
     throw ConfigError(field, std::string("has the wrong type (") + e.what() + ")");
   }
-}
-
-/// Reads field `key` of `j` into `value` (absent: left as it is; null: an
-/// optional reset), a ConfigError naming `prefix` + `key` when it is not one.
-template <class T>
-void read_field(const nlohmann::json& j, const char* key, T& value, const std::string& prefix = "") {
-  config_field(prefix + key, [&] {
-    if constexpr (requires { value.reset(); }) get_optional(j, key, value);
-    else get_if_present(j, key, value);
-  });
 }
 
 /// A key of `given` that `written` (what to_json writes of the value read) does
