@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Builds memscale and runs every check CI runs: the CTest suite (unit, static,
-# compile-fail and consumer tests), then the header self-containment check
-# against LibTorch 1.13 (/usr/include) and 2.x (Debian unstable's headers).
+# compile-fail and consumer tests), the header self-containment check against
+# LibTorch 1.13 (/usr/include) and 2.x (Debian unstable's headers), then the
+# unit tests under AddressSanitizer + UndefinedBehaviorSanitizer and the
+# threaded ones under ThreadSanitizer (the asan and tsan presets).
+# MEMSCALE_SANITIZERS=0 leaves the sanitizer stages out.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -31,6 +34,14 @@ summary() {
   echo "all checks passed"
 }
 
+# A sanitizer preset's unit tests: configure, build the test binary, run it.
+sanitized() {
+  local preset=$1
+  cmake --preset "$preset" >/dev/null &&
+    cmake --build --preset "$preset" -j "$jobs" --target memscale_tests &&
+    ctest --preset "$preset" -L unit -j "$jobs" --timeout 600
+}
+
 run_ctest() {
   local log=build/ctest.log status=0
   ctest --preset default -j "$jobs" 2>&1 | tee "$log" || status=$?
@@ -50,5 +61,9 @@ stage headers-libtorch1 env MEMSCALE_CHECK_SOURCES=0 cmake/check_headers.sh /usr
 stage fetch-libtorch2 cmake/fetch_libtorch2_headers.sh .cache/libtorch2
 if [[ -d .cache/libtorch2/root/usr/include/torch ]]; then
   stage headers-libtorch2 cmake/check_headers.sh .cache/libtorch2/root/usr/include
+fi
+if [[ ${MEMSCALE_SANITIZERS:-1} != 0 ]]; then
+  stage asan-ubsan sanitized asan
+  stage tsan sanitized tsan
 fi
 summary

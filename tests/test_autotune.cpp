@@ -83,6 +83,10 @@ TEST_CASE("autotune's winner fits a budget the baseline does not, and trains wit
   INFO(result);
   CHECK(test::model_state(*model) == before);
   CHECK(optimizer.state().empty());  // the user's optimizer never stepped
+  if (test::under_address_sanitizer) {
+    WARN("the trials measure the process, which under AddressSanitizer holds its shadow memory: no winner to check");
+    return;
+  }
   REQUIRE(result.found);
   const auto* winner = result.winner();
   REQUIRE(winner != nullptr);

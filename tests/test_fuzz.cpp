@@ -18,8 +18,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -287,6 +289,23 @@ TEST_CASE("fuzzed: Report::from_json reads a Report or throws memscale::Error", 
   }
   CHECK(read > 0);
   CHECK(refused > 100);
+  // Found under UndefinedBehaviorSanitizer: a slot's byte count of -2^63 (a
+  // mutated digit) overflowed the summary's projection. Regression rows.
+  auto document = nlohmann::json::parse(valid);
+  REQUIRE(!document["chains"].empty());
+  REQUIRE(!document["chains"][0]["slots"].empty());
+  for (const auto& [field, value] :
+       std::vector<std::pair<std::string, nlohmann::json>>{{"input_bytes", std::numeric_limits<std::int64_t>::min()},
+                                                           {"output_bytes", std::numeric_limits<std::int64_t>::max()},
+                                                           {"saved_bytes", -1},
+                                                           {"forward_seconds", 1e300}}) {
+    auto bad = document;
+    bad["chains"][0]["slots"][0][field] = value;
+    CHECK_THROWS_WITH(memscale::Report::from_json(bad.dump()), Catch::Contains("out of range"));
+  }
+  auto past_the_chain = document;
+  past_the_chain["plan"]["units"][0][0]["last"] = 1000;
+  CHECK_THROWS_WITH(memscale::Report::from_json(past_the_chain.dump()), Catch::Contains("a unit of chain 0"));
 }
 
 TEST_CASE("fuzzed: the telemetry endpoint's URL is accepted or refused, never crashes", "[fuzz][telemetry]") {

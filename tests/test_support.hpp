@@ -20,6 +20,37 @@
 
 namespace test {
 
+/// Whether this build runs under AddressSanitizer. Its shadow memory and
+/// quarantine are part of what the process holds, and it intercepts mallopt,
+/// so the checks of the process's resident memory measure ASan, not memscale;
+/// and it slows every operation, so plans chosen by measured times differ.
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool under_address_sanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+inline constexpr bool under_address_sanitizer = true;
+#else
+inline constexpr bool under_address_sanitizer = false;
+#endif
+#else
+inline constexpr bool under_address_sanitizer = false;
+#endif
+
+/// Whether this build runs under ThreadSanitizer, whose runtime starts a
+/// thread of its own (so a count of the process's threads counts it).
+#if defined(__SANITIZE_THREAD__)
+inline constexpr bool under_thread_sanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+inline constexpr bool under_thread_sanitizer = true;
+#else
+inline constexpr bool under_thread_sanitizer = false;
+#endif
+#else
+inline constexpr bool under_thread_sanitizer = false;
+#endif
+inline constexpr bool under_sanitizer = under_address_sanitizer || under_thread_sanitizer;
+
 /// The acceptance model: (Linear, GELU, Linear, LayerNorm, Dropout) x repeats.
 inline torch::nn::Sequential flat_chain(int repeats, std::int64_t width = 64, std::int64_t hidden = 256,
                                         double dropout = 0.1) {

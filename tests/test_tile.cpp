@@ -238,7 +238,8 @@ TEST_CASE("tile: never for layers that mix rows or draw masks, and detach restor
   memscale::mark_not_tileable(mlps->ptr(0));
   {
     auto guard = memscale::optimize(mlps, torch::randn({4, 64, 32}), config);
-    CHECK(guard.report().tiled_segments() > 0);
+    // Under AddressSanitizer the measured times the choice rests on can rule tiling out (test_support.hpp).
+    if (!test::under_address_sanitizer) CHECK(guard.report().tiled_segments() > 0);
     for (const auto& d : guard.report().plan.decisions)
       if (d.rule == memscale::core::rule_id::tile_segment) CHECK(d.first > 0);
   }

@@ -1,5 +1,7 @@
-// memscale::detail — test seams: make one pipeline stage throw, to show that a
-// failing wrap() leaves the model exactly as it was; and make one offload-tier
+// memscale::detail — test seams: make one pipeline stage throw (wrap's stages,
+// each technique's forward and backward, offload writes and reads, detach), to
+// show that a failing wrap() leaves the model exactly as it was and a failing
+// step leaves nothing behind (tests/test_faults.cpp); and make one offload-tier
 // operation fail (pinned allocation, disk directory, disk space, an I/O job or
 // thread), to show that the offload engine degrades without losing a tensor
 // and that its I/O pool never terminates the process; and plant a wrong
@@ -13,7 +15,24 @@
 
 namespace memscale::detail {
 
-enum class pipeline_stage : int { none, capture, profile, plan, apply, commit, reserve };
+enum class pipeline_stage : int {
+  none,
+  capture,
+  profile,
+  plan,
+  apply,
+  commit,
+  reserve,              // the allocation before a slot swap
+  checkpoint_forward,   // a checkpointed segment's forward, after its body ran
+  checkpoint_backward,  // its recompute in backward, after the body ran again
+  tile_forward,         // a tiled segment's forward, after its chunks ran
+  tile_backward,        // its chunked backward, after a chunk's recompute
+  offload_write,        // the pack hook, after the engine stored the tensor
+  offload_read,         // the unpack hook, after the engine loaded it back
+  autocast_forward,     // a mixed-precision slot's forward, inside its autocast scope
+  optimizer_step,       // AdamW8bit::step, after the first parameter's update
+  detach                // detach(), before it unregisters the model
+};
 
 inline const char* stage_name(pipeline_stage s) {
   switch (s) {
@@ -23,7 +42,16 @@ inline const char* stage_name(pipeline_stage s) {
     case pipeline_stage::plan: return "plan";
     case pipeline_stage::apply: return "apply";
     case pipeline_stage::commit: return "commit";
-    case pipeline_stage::reserve: return "reserve";  // the allocation before a slot swap
+    case pipeline_stage::reserve: return "reserve";
+    case pipeline_stage::checkpoint_forward: return "checkpoint forward";
+    case pipeline_stage::checkpoint_backward: return "checkpoint backward";
+    case pipeline_stage::tile_forward: return "tile forward";
+    case pipeline_stage::tile_backward: return "tile backward";
+    case pipeline_stage::offload_write: return "offload write";
+    case pipeline_stage::offload_read: return "offload read";
+    case pipeline_stage::autocast_forward: return "autocast forward";
+    case pipeline_stage::optimizer_step: return "optimizer step";
+    case pipeline_stage::detach: return "detach";
   }
   return "?";
 }

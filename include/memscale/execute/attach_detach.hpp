@@ -16,6 +16,7 @@
 
 #include <memscale/config.hpp>
 #include <memscale/core/profiler.hpp>
+#include <memscale/detail/fault_injection.hpp>
 #include <memscale/device/process_memory.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/execute/attachment.hpp>
@@ -42,7 +43,11 @@ inline void attachment::restore() noexcept {
   for (auto& chain : chains_) {
     if (chain.source != chain_source::sequential) continue;
     auto it = chain.ref.sequential->begin();
-    for (std::size_t k = 0; k < chain.originals.size(); ++k, ++it) *it = chain.originals[k];
+    // Moved, not copied: an AnyModule's copy allocates, and this cannot fail.
+    // The attachment ends here (detach, or a wrap that failed).
+    // Only the slots memscale changed: another slot may be running right now.
+    for (std::size_t k = 0; k < chain.originals.size(); ++k, ++it)
+      if (it->ptr() != chain.originals[k].ptr()) *it = std::move(chain.originals[k]);
   }
 }
 
@@ -160,9 +165,14 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
 inline bool detach(const torch::nn::Module* root, const attachment* only = nullptr) noexcept {
   std::shared_ptr<attachment> found;
   try {
+    detail::fault_point(detail::pipeline_stage::detach);
+    // Not while another thread's training step is in flight: its forward runs
+    // the slots restore() would swap. Once closed, the gate refuses new steps.
+    const auto current = registry::global().find(root);
+    if (current && (only == nullptr || current.get() == only) && !current->step_gate()->close()) return false;
     found = registry::global().remove(root, only);
   } catch (...) {
-    return false;
+    return false;  // still registered and optimized: a later detach() can succeed
   }
   if (!found) return false;
   found->restore();

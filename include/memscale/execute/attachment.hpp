@@ -40,6 +40,7 @@
 #include <memscale/core/slots.hpp>
 #include <memscale/detail/assert.hpp>
 #include <memscale/detail/fault_injection.hpp>
+#include <memscale/detail/step_gate.hpp>
 #include <memscale/device/hardware.hpp>
 #include <memscale/execute/managed_chain.hpp>
 #include <memscale/execute/metrics_page.hpp>
@@ -146,6 +147,9 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   /// memscale::forward: records, plans (lazily) or runs a call (call_sites.hpp).
   call_ticket begin_call(torch::nn::Module& module, int depth, const std::function<torch::nn::AnyModule()>* make_slot,
                          const torch::Tensor* input, const char* why_not) override;
+
+  /// One training step at a time (detail/step_gate.hpp): given to every wrapper.
+  [[nodiscard]] const std::shared_ptr<detail::step_gate>& step_gate() const noexcept { return gate_; }
 
   /// The offload engine, once a plan offloaded something (else null).
   [[nodiscard]] std::shared_ptr<offload::engine> offload_engine() const {
@@ -371,12 +375,14 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   std::unique_ptr<offload_scope> whole_scope_;
   std::vector<managed_chain> chains_;
   std::unordered_map<const torch::nn::Module*, std::string> paths_;  // every module of the model
+  std::shared_ptr<detail::step_gate> gate_ = std::make_shared<detail::step_gate>();
   // Call sites. The recording and the sequence change under plan_mutex_; the
-  // cursor belongs to the thread that runs the forward (one at a time).
+  // cursor belongs to the thread that runs the forward (one at a time: the gate).
   std::atomic<sites_state> sites_{sites_state::waiting};
   std::atomic<bool> listening_{false};
   std::vector<call_record> records_;
   std::uint64_t recording_epoch_ = 0;
+  std::shared_ptr<detail::step_token> recording_step_;  // a lazy recording's step, until it is planned
   std::vector<planned_call> pending_sequence_;
   std::vector<std::string> pending_notes_;
   std::vector<planned_call> sequence_;

@@ -178,6 +178,14 @@ inline void attachment::apply_units(std::size_t c, const std::vector<unit>& unit
       context.offload_engine = engine_for_plan();
       segment = {techniques_.offload(std::move(segment), context)};
     }
+    for (auto* wrapper = segment.front().ptr().get(); wrapper != nullptr;) {
+      auto* gated = dynamic_cast<detail::gated*>(wrapper);
+      if (gated == nullptr) break;
+      gated->set_step_gate(gate_);
+      // An offloaded checkpoint or tile: the segment inside it too.
+      auto* offloaded = dynamic_cast<OffloadSegmentImpl*>(wrapper);
+      wrapper = offloaded != nullptr && offloaded->slots().size() == 1 ? offloaded->slots().front().ptr().get() : nullptr;
+    }
     target[static_cast<std::size_t>(u.first)] = std::move(segment.front());
     for (int k = u.first + 1; k <= u.last; ++k)
       target[static_cast<std::size_t>(k)] = torch::nn::AnyModule(std::make_shared<PassThroughImpl>());
@@ -214,8 +222,10 @@ inline torch::Tensor PlanningProbeImpl::forward(torch::Tensor x) {
   if (call_sites::depth() > 0 || detail::recompute_scope::current() != nullptr || planning_on_this_thread())
     return original_.forward<torch::Tensor>(std::move(x));
   auto owner = owner_.lock();
-  if (owner && owner->training_call() && torch::GradMode::is_enabled() && !c10::InferenceMode::is_enabled())
+  if (owner && owner->training_call() && torch::GradMode::is_enabled() && !c10::InferenceMode::is_enabled()) {
+    const detail::step_scope step(owner->step_gate().get());  // a second thread waits for no plan: refused
     return owner->plan_on_first_call(chain_, x, displaced);
+  }
   return original_.forward<torch::Tensor>(std::move(x));
 }
 

@@ -6,6 +6,8 @@
 // document of another schema or version is refused with an Error saying which.
 #pragma once
 
+#include <cmath>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -162,6 +164,39 @@ inline void from_json(const nlohmann::json& j, StrategyDecision& d) {
   return report_document(r).dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
+namespace detail {
+
+/// The costs and units a Report's summary is computed from: byte counts and
+/// times a step can have (no negative, none past 2^50 B or 10^9 s: a fuzzed
+/// document's 9.2e18 overflowed the projection's sums), and units inside their
+/// chains. Throws memscale::Error naming what is out of range.
+inline void check_report_ranges(const Report& r) {
+  constexpr std::int64_t most_bytes = std::int64_t{1} << 50;
+  const auto bytes_ok = [&](std::int64_t b) { return b >= 0 && b <= most_bytes; };
+  const auto seconds_ok = [](double s) { return std::isfinite(s) && s >= 0.0 && s <= 1e9; };
+  const auto refuse = [](const std::string& what) {
+    throw Error("memscale: Report::from_json: " + what + " is out of range");
+  };
+  if (r.plan.units.size() < r.chains.size()) refuse("the plan's unit list (fewer chains than the Report's)");
+  for (std::size_t c = 0; c < r.chains.size(); ++c) {
+    const auto& slots = r.chains[c].slots;
+    for (std::size_t k = 0; k < slots.size(); ++k) {
+      const auto& s = slots[k];
+      for (const auto b : {s.input_bytes, s.output_bytes, s.saved_bytes, s.workspace_bytes, s.backward_workspace_bytes})
+        if (!bytes_ok(b)) refuse("a byte count of chain " + std::to_string(c) + " slot " + std::to_string(k));
+      if (!seconds_ok(s.forward_seconds) || !seconds_ok(s.backward_seconds))
+        refuse("a time of chain " + std::to_string(c) + " slot " + std::to_string(k));
+    }
+    for (const auto& u : r.plan.units[c])
+      if (u.first < 0 || u.first > u.last || static_cast<std::size_t>(u.last) >= slots.size() || u.tiles < 1)
+        refuse("a unit of chain " + std::to_string(c) + " (slots " + std::to_string(u.first) + ".." +
+               std::to_string(u.last) + " of " + std::to_string(slots.size()) + ", " + std::to_string(u.tiles) +
+               " tiles)");
+  }
+}
+
+}  // namespace detail
+
 /// Report::from_json's work: throws memscale::Error on text that is not a
 /// Report document of this schema version, naming what is wrong.
 [[nodiscard]] inline Report report_from_json(std::string_view text, const Report* /*tag*/) {
@@ -210,6 +245,7 @@ inline void from_json(const nlohmann::json& j, StrategyDecision& d) {
   } catch (const Error& e) {  // a Config in it that is not one (a ConfigError naming the field)
     throw Error(std::string("memscale: Report::from_json: ") + e.what());
   }
+  detail::check_report_ranges(r);
   // Strict: what was read must write back as it was written (nlohmann reads an
   // enum name it does not know as the first value, and a 1.5 into an integer as 1).
   auto again = report_document(r);

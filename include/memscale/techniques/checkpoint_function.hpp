@@ -43,6 +43,7 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     context->devices = devices_of(inputs);
     context->state = capture_rng(context->devices);
     context->autocast = compat::current_autocast();
+    context->step = current_step_token();
     std::vector<torch::Tensor> to_save(inputs.begin(), inputs.end());
     to_save.insert(to_save.end(), params.begin(), params.end());
     ctx->save_for_backward(to_save);
@@ -53,6 +54,7 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     std::vector<std::int64_t> versions;
     for (const auto& x : args) versions.push_back(x.defined() ? static_cast<std::int64_t>(x._version()) : 0);
     auto outputs = body->fn(args);  // grad mode is off here: nothing inside is kept
+    fault_point(pipeline_stage::checkpoint_forward);
     for (std::size_t i = 0; i < args.size(); ++i)
       if (args[i].defined() && static_cast<std::int64_t>(args[i]._version()) != versions[i])
         throw Error("memscale::checkpoint: the checkpointed function modified its input " + std::to_string(i) +
@@ -67,6 +69,7 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     const auto input_count = static_cast<std::size_t>(ctx->saved_data["inputs"].toInt());
     auto body = c10::static_intrusive_pointer_cast<checkpoint_body>(ctx->saved_data["body"].toCapsule());
     auto context = c10::static_intrusive_pointer_cast<forward_context>(ctx->saved_data["context"].toCapsule());
+    context->step.reset();  // the step's forward state is done with here
     // The engine runs backward functions in grad mode exactly when the caller
     // asked for create_graph (double backward, gradient penalties): then the
     // recompute runs on the inputs themselves, so the gradients it returns keep
@@ -112,6 +115,7 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
         }
       }
       if (tail == nullptr) outputs = body->fn(inputs);
+      fault_point(pipeline_stage::checkpoint_backward);  // inside the RNG fork and the recompute scope
       if (technique_fault_injected(technique_fault::checkpoint_recompute_scaled))
         for (auto& o : outputs)
           if (o.defined() && o.is_floating_point()) o = o * (1.0 + 1.0 / (1 << 20));

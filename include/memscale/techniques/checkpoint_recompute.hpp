@@ -25,6 +25,7 @@
 #include <memscale/detail/buffers.hpp>
 #include <memscale/detail/compat.hpp>
 #include <memscale/detail/rng.hpp>
+#include <memscale/detail/step_gate.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/observability/log.hpp>
 #include <memscale/offload/hooks.hpp>
@@ -92,6 +93,7 @@ struct forward_context : torch::CustomClassHolder {
   rng_state state;
   std::vector<c10::Device> devices;
   compat::autocast_state autocast;
+  std::shared_ptr<step_token> step;  ///< the step in flight (detail/step_gate.hpp), until backward reaches here
 };
 
 /// Open while a checkpoint's backward recomputes its forward and computes the

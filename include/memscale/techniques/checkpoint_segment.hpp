@@ -83,7 +83,7 @@ class slot_wrapper {
 /// A chain slot that runs consecutive original slots as one checkpointed segment.
 /// The originals stay registered in their Sequential; this wrapper registers
 /// nothing, so parameters() and state-dict names do not change.
-class CheckpointSegmentImpl : public torch::nn::Module, public detail::slot_wrapper {
+class CheckpointSegmentImpl : public torch::nn::Module, public detail::slot_wrapper, public detail::gated {
  public:
   explicit CheckpointSegmentImpl(std::vector<torch::nn::AnyModule> slots)
       : torch::nn::Module("memscale::CheckpointSegment"), slots_(std::move(slots)) {
@@ -94,6 +94,7 @@ class CheckpointSegmentImpl : public torch::nn::Module, public detail::slot_wrap
 
   torch::Tensor forward(torch::Tensor x) {
     if (!detail::needs_checkpoint(x, params_)) return body_->fn({std::move(x)})[0];
+    const detail::step_scope step(gate());  // one training step at a time (a second thread is refused)
     if (!probed_) {
       runs_plainly_ = detail::adopt_reads(*body_, x.detach(), params_, slots_, "checkpointed");
       probed_ = true;

@@ -20,6 +20,7 @@
 #include <torch/torch.h>
 
 #include <memscale/detail/compat.hpp>
+#include <memscale/detail/fault_injection.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/techniques/checkpoint.hpp>  // detail::slot_wrapper
 
@@ -93,7 +94,9 @@ class AutocastSlotImpl : public torch::nn::Module, public detail::slot_wrapper {
   torch::Tensor forward(torch::Tensor x) {
     // CUDA autocast only for CUDA inputs: a CPU-only LibTorch has no CUDA casts.
     autocast_scope scope(x.defined() && x.is_cuda() ? c10::kCUDA : c10::kCPU);
-    return slots_.front().forward<torch::Tensor>(std::move(x));
+    auto y = slots_.front().forward<torch::Tensor>(std::move(x));
+    detail::fault_point(detail::pipeline_stage::autocast_forward);  // the scope must still close
+    return y;
   }
 
   [[nodiscard]] const std::vector<torch::nn::AnyModule>& slots() const noexcept override { return slots_; }

@@ -16,6 +16,8 @@
 
 #include <torch/torch.h>
 
+#include <memscale/detail/fault_injection.hpp>
+#include <memscale/detail/step_gate.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/offload/engine.hpp>
 #include <memscale/offload/hooks.hpp>
@@ -34,11 +36,12 @@ struct offload_packed {
   offload::stored_handle stored;
   c10::VariableVersion version_counter;  // shares the saved tensor's counter, as autograd's SavedVariable does
   std::uint32_t saved_version = 0;
+  std::shared_ptr<step_token> step;  // the step in flight (detail/step_gate.hpp), until backward frees this
 };
 
 /// The record of `t`, saved as `kept` or `stored`, with its version now.
 inline offload_packed pack_for_offload(const at::Tensor& t, at::Tensor kept, offload::stored_handle stored) {
-  offload_packed p{std::move(kept), std::move(stored), c10::VariableVersion(), 0};
+  offload_packed p{std::move(kept), std::move(stored), c10::VariableVersion(), 0, current_step_token()};
   if (t.defined()) {
     p.version_counter = torch::autograd::impl::version_counter(t);
     if (p.version_counter.enabled()) p.saved_version = p.version_counter.current_version();
@@ -103,10 +106,15 @@ struct offload_pack {
                        static_cast<std::int64_t>(t.nbytes()) < engine->options().min_bytes ||
                        (keep && keep->count(t.storage().unsafeGetStorageImpl()) != 0);
     if (stays) return pack_for_offload(t, t.detach(), nullptr);
-    if (group_bytes <= 0) return pack_for_offload(t, at::Tensor(), engine->store_or_defer(t));
+    if (group_bytes <= 0) {
+      auto packed = pack_for_offload(t, at::Tensor(), engine->store_or_defer(t));
+      fault_point(pipeline_stage::offload_write);  // the stored tensor goes with `packed`
+      return packed;
+    }
     // A scope without layer boundaries has no end of group to flush batched
     // tensors at: each goes on its own, and groups end by size.
     auto packed = pack_for_offload(t, at::Tensor(), engine->store(t));
+    fault_point(pipeline_stage::offload_write);
     if (in_group->fetch_add(static_cast<std::int64_t>(t.nbytes())) >= group_bytes) {
       in_group->store(0);
       engine->begin_group();
@@ -120,7 +128,10 @@ struct offload_unpack {
   std::string label;
   at::Tensor operator()(offload_packed& p) const {
     check_unmodified(p, label);
-    return p.stored ? engine->load(p.stored) : p.kept;
+    if (!p.stored) return p.kept;
+    auto loaded = engine->load(p.stored);
+    fault_point(pipeline_stage::offload_read);
+    return loaded;
   }
 };
 
@@ -183,7 +194,7 @@ class offload_scope {
 
 /// A chain slot that runs consecutive original slots (or one memscale wrapper)
 /// with their saved tensors offloaded. Registers nothing, like CheckpointSegment.
-class OffloadSegmentImpl : public torch::nn::Module {
+class OffloadSegmentImpl : public torch::nn::Module, public detail::gated {
  public:
   OffloadSegmentImpl(std::vector<torch::nn::AnyModule> slots, std::shared_ptr<offload::engine> engine)
       : torch::nn::Module("memscale::OffloadSegment"), slots_(std::move(slots)), engine_(std::move(engine)) {
@@ -197,6 +208,7 @@ class OffloadSegmentImpl : public torch::nn::Module {
       return x;
     };
     if (!torch::GradMode::is_enabled()) return run();  // nothing is saved
+    const detail::step_scope step(gate());  // one training step at a time (a second thread is refused)
     return with_offload(engine_, run, detail::storages_of(slots_), label_);
   }
 

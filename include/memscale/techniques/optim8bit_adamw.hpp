@@ -15,6 +15,7 @@
 #include <torch/version.h>
 
 #include <memscale/config.hpp>
+#include <memscale/detail/fault_injection.hpp>
 #include <memscale/device/memory_tracker.hpp>  // MEMSCALE_HAS_CUDA()
 #include <memscale/errors.hpp>
 #include <memscale/techniques/optim8bit_state.hpp>
@@ -82,10 +83,15 @@ class AdamW8bit : public torch::optim::Optimizer {
           check_state(p, static_cast<const AdamW8bitParamState&>(*it->second));
       }
     }
+    // Past the checks, an error (an allocation failure) leaves the parameters
+    // updated so far updated, each with its state, as torch::optim's own do.
     for (auto& group : param_groups_) {
       const auto& options = static_cast<const AdamW8bitOptions&>(group.options());
       for (auto& p : group.params())
-        if (p.grad().defined()) update(p, options);
+        if (p.grad().defined()) {
+          update(p, options);
+          memscale::detail::fault_point(memscale::detail::pipeline_stage::optimizer_step);
+        }
     }
     return loss;
   }

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -18,6 +19,8 @@
 
 #include <torch/torch.h>
 
+#include <memscale/detail/fault_injection.hpp>
+#include <memscale/detail/step_gate.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/observability/metrics.hpp>
 #include <memscale/techniques/checkpoint.hpp>
@@ -62,6 +65,7 @@ struct tile_function : torch::autograd::Function<tile_function> {
     context->devices = devices_of(x);
     context->state = capture_rng(context->devices);
     context->autocast = compat::current_autocast();
+    context->step = current_step_token();
     std::vector<torch::Tensor> to_save{x};
     to_save.insert(to_save.end(), params.begin(), params.end());
     ctx->save_for_backward(to_save);
@@ -81,6 +85,7 @@ struct tile_function : torch::autograd::Function<tile_function> {
         out = at::empty(shape, y.options());
       }
       out.narrow(dim, start, rows).copy_(y);
+      fault_point(pipeline_stage::tile_forward);  // after `passes` chunks
     }
     if (x._version() != version)
       throw Error("memscale::tile: the tiled function modified its input in place, so backward could not "
@@ -95,6 +100,7 @@ struct tile_function : torch::autograd::Function<tile_function> {
     const std::vector<torch::Tensor> params(saved.begin() + 1, saved.end());
     auto body = c10::static_intrusive_pointer_cast<checkpoint_body>(ctx->saved_data["body"].toCapsule());
     auto context = c10::static_intrusive_pointer_cast<forward_context>(ctx->saved_data["context"].toCapsule());
+    context->step.reset();  // the step's forward state is done with here
     const auto dim = ctx->saved_data["dim"].toInt();
     const auto tiles = ctx->saved_data["tiles"].toInt();
 
@@ -124,6 +130,7 @@ struct tile_function : torch::autograd::Function<tile_function> {
         compat::autocast_as same_casts(context->autocast);  // the recompute casts as forward did
         torch::AutoGradMode grad_on(true);
         y = body->fn({chunk})[0];
+        fault_point(pipeline_stage::tile_backward);  // after `passes` chunks: part of grad_x written
       }
       if (!y.requires_grad()) {
         if (input_grad) grad_x.narrow(dim, start, rows).zero_();
@@ -224,7 +231,7 @@ torch::Tensor tile(ModuleHolder& module, const torch::Tensor& x, std::int64_t ti
 
 /// A chain slot that runs consecutive original slots tiled. Like
 /// CheckpointSegment it registers nothing: parameters() and names do not change.
-class TileSegmentImpl : public torch::nn::Module, public detail::slot_wrapper {
+class TileSegmentImpl : public torch::nn::Module, public detail::slot_wrapper, public detail::gated {
  public:
   TileSegmentImpl(std::vector<torch::nn::AnyModule> slots, int tiles, int dim)
       : torch::nn::Module("memscale::TileSegment"),
@@ -239,6 +246,8 @@ class TileSegmentImpl : public torch::nn::Module, public detail::slot_wrapper {
       throw Error("memscale::TileSegment: planned to chunk input dimension " + std::to_string(dim_) +
                   " but got an input of shape " + c10::str(x.sizes()) +
                   "; the chain's input rank changed after planning: detach and wrap again");
+    std::optional<detail::step_scope> step;  // one training step at a time (a second thread is refused)
+    if (detail::needs_checkpoint(x, params_)) step.emplace(gate());
     if (!probed_ && x.defined() && x.size(dim_) > 0 && detail::needs_checkpoint(x, params_)) {
       // Once, on the first chunk: leaves the slots read beyond their parameters join them.
       const auto rows = detail::chunk_of(x.size(dim_), std::clamp<std::int64_t>(tiles_, 1, x.size(dim_)), 0).second;
