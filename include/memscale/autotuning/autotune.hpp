@@ -312,18 +312,21 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
   } else {
     result.best = base;
     result.best_batch_size = example_input.size(0);
-    // Every trial that ran failed with an error other than memory (the
-    // model's or the loss's own, whatever the configuration): not a search
-    // result, and not one to cache, where the next call would return it.
-    const auto ran = std::count_if(result.trials.begin(), result.trials.end(), [](const TuneTrial& t) {
+    // Every candidate ran (none pruned) and failed with an error other than
+    // memory: the model's or the loss's own, whatever the configuration. Not a
+    // search result, and not one to cache, where the next call would return it.
+    // (With candidates pruned, the ones that ran may fail for their own
+    // techniques, e.g. mixed precision on 1.13's LayerNorm: a result.)
+    const auto count = [&](auto pred) { return std::count_if(result.trials.begin(), result.trials.end(), pred); };
+    const auto pruned = count([](const TuneTrial& t) { return t.outcome == TrialOutcome::pruned; });
+    const auto failed = count([](const TuneTrial& t) { return t.outcome == TrialOutcome::failed; });
+    const auto ran = count([](const TuneTrial& t) {
       return t.outcome == TrialOutcome::fits || t.outcome == TrialOutcome::over_budget ||
              t.outcome == TrialOutcome::out_of_memory || t.outcome == TrialOutcome::failed;
     });
     const auto first_failed = std::find_if(result.trials.begin(), result.trials.end(),
                                            [](const TuneTrial& t) { return t.outcome == TrialOutcome::failed; });
-    if (ran > 0 && std::count_if(result.trials.begin(), result.trials.end(), [](const TuneTrial& t) {
-                     return t.outcome == TrialOutcome::failed;
-                   }) == ran)
+    if (pruned == 0 && ran > 0 && failed == ran)
       throw Error("memscale::autotune: every trial failed, each with an error that is not a lack of memory "
                   "(nothing was cached; the model and optimizer are as they were). The first, " +
                   first_failed->label + " at batch " + std::to_string(first_failed->batch_size) + ": " +

@@ -123,7 +123,11 @@ class [[nodiscard]] OptimizationGuard {
   }
   /// Detaches now instead of at the end of the scope.
   void release() noexcept {
-    if (root_) core::detach(root_.get(), attachment_.get());
+    // Refused while another thread's step is in flight (detail/step_gate.hpp):
+    // the model stays registered, so a later memscale::detach(model) restores it.
+    if (root_ && !core::detach(root_.get(), attachment_.get()) && attachment_ &&
+        core::registry::global().find(root_.get()) == attachment_)
+      attachment_->guard_detach_refused(root_->name());
     root_.reset();
     attachment_.reset();
   }

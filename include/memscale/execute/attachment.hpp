@@ -26,6 +26,7 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -160,6 +161,12 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   /// Telemetry's wrap_called (outcome "ok" or the kind of error) and detach_called; never throw.
   void wrap_finished(const char* outcome) const noexcept {
     if (telemetry_.on()) telemetry_.emit(telemetry::wrap_called(facts_, caller_config_, outcome));
+  }
+  /// A guard ended during another thread's step: the model stays optimized until a detach() succeeds.
+  void guard_detach_refused(const std::string& model) const noexcept try {
+    log_.warn("memscale: the guard of " + model + " ended while another thread's training step was in flight; "
+              "the model stays optimized: call memscale::detach(model) once that step's backward is done");
+  } catch (...) {
   }
   void detached() const noexcept {
     if (telemetry_.on()) telemetry_.emit(telemetry::detach_called(facts_));
@@ -382,7 +389,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   std::atomic<bool> listening_{false};
   std::vector<call_record> records_;
   std::uint64_t recording_epoch_ = 0;
-  std::shared_ptr<detail::step_token> recording_step_;  // a lazy recording's step, until it is planned
+  std::thread::id recording_thread_;  // a lazy recording's thread: the others' calls run plainly meanwhile
   std::vector<planned_call> pending_sequence_;
   std::vector<std::string> pending_notes_;
   std::vector<planned_call> sequence_;

@@ -36,14 +36,8 @@ inline call_ticket attachment::begin_call(torch::nn::Module& module, int depth,
                                           const torch::Tensor* input, const char* why_not) {
   if (detail::recompute_scope::current() != nullptr || planning_on_this_thread()) return {};
   const bool training = training_call() && torch::GradMode::is_enabled() && !c10::InferenceMode::is_enabled();
-  // The cursor and the recording are one forward's: a second thread's training
-  // forward is refused while another thread's step is in flight. A lazy
-  // recording's step ends when its backward begins (memscale's hooks engine
-  // counts them; without it, at its own thread's next forward).
-  if (training && sites_.load() == sites_state::recording_lazily) {
-    std::lock_guard<std::mutex> planning(plan_mutex_);
-    if (offload::hooks_engine_active() && offload::backwards_started() != recording_epoch_) recording_step_.reset();
-  }
+  // The cursor is one forward's: a second thread's training forward is
+  // refused while another thread's step is in flight (its wrappers' token).
   if (training && sites_.load() != sites_state::off) gate_->check();
   switch (sites_.load()) {
     case sites_state::waiting: {
@@ -52,18 +46,28 @@ inline call_ticket attachment::begin_call(torch::nn::Module& module, int depth,
       std::lock_guard<std::mutex> planning(plan_mutex_);
       if (sites_.load() == sites_state::waiting) {
         recording_epoch_ = offload::backwards_started();
-        recording_step_ = gate_->enter();  // the recording is in flight until it is planned
+        recording_thread_ = std::this_thread::get_id();
         sites_ = sites_state::recording_lazily;
       }
       [[fallthrough]];
     }
-    case sites_state::recording_lazily:
+    case sites_state::recording_lazily: {
+      // One thread records one forward; another thread's calls run plainly
+      // until the recording is over (a backward began since; without
+      // memscale's hooks engine, only the recording thread can tell).
+      bool recorder = false;
+      {
+        std::lock_guard<std::mutex> planning(plan_mutex_);
+        recorder = recording_thread_ == std::this_thread::get_id() ||
+                   (offload::hooks_engine_active() && offload::backwards_started() != recording_epoch_);
+      }
+      if (!recorder) return {};
       if (recording_complete(module, depth)) {
-        const std::shared_ptr<detail::step_token> recorded = std::move(recording_step_);  // released on return
         plan_recorded_calls();
         return sites_.load() == sites_state::active ? next_call(module, depth) : call_ticket{};
       }
       [[fallthrough]];
+    }
     case sites_state::recording:
       record(module, depth, make_slot, input, why_not);
       return {};
