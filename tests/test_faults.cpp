@@ -146,6 +146,9 @@ struct fault_case {
   /// What the plan must hold for the case to reach its stage.
   std::function<bool(const memscale::Report&, const memscale::OptimizationGuard&)> reaches;
   bool in_backward;
+  /// The plan reaches the stage only on some machines (measured times decide):
+  /// where it does not, the case says so and is skipped.
+  bool plan_may_differ = false;
 };
 
 /// Trains `c`'s model one good step under memscale, fails the next one at the
@@ -174,9 +177,9 @@ void run_fault_case(const fault_case& c) {
   {
     auto guard = memscale::optimize(model, x, config);
     const auto before = test::step(*model, loss_of, 5);
-    if (test::under_sanitizer && !c.reaches(guard.report(), guard)) {
+    if ((test::under_sanitizer || c.plan_may_differ) && !c.reaches(guard.report(), guard)) {
       // Plans rest on measured times, which a sanitizer slows (test_support.hpp).
-      WARN(c.name << ": under a sanitizer the plan does not reach stage '"
+      WARN(c.name << ": the plan here does not reach stage '"
                   << memscale::detail::stage_name(c.stage) << "'; case skipped");
       return;
     }
@@ -256,8 +259,11 @@ TEST_CASE("a fault in a technique's forward or backward fails the step clearly a
                      {32, 64}, offload, offloads_to_disk, false});
     cases.push_back({"disk-offloaded chain" + how, pipeline_stage::offload_read, 3, [] { return batchnorm_chain(); },
                      {32, 64}, offload, offloads_to_disk, true});
+    // Whether Aggressive offloads a checkpoint's input rests on measured rates:
+    // LibTorch 2.14.1 here planned it without (the offload-only cases above
+    // reach the same stage either way).
     cases.push_back({"checkpointed and offloaded chain" + how, pipeline_stage::offload_read, 0,
-                     [] { return batchnorm_chain(); }, {32, 64}, both, offloads_to_disk, true});
+                     [] { return batchnorm_chain(); }, {32, 64}, both, offloads_to_disk, true, true});
   }
   for (const auto& c : cases) run_fault_case(c);
 }
