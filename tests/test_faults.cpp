@@ -297,6 +297,23 @@ struct environment_run {
   std::pair<torch::Tensor, std::vector<torch::Tensor>> optimized() {
     return test::step(*model, [&] { return model->forward(x).pow(2).mean(); });
   }
+  /// The allocator's live bytes once the offload engine's writes are done.
+  [[nodiscard]] std::int64_t settled_bytes() const {
+    (void)held_by_engine(model);
+    return memory_tracker::current_bytes();
+  }
+  /// After a step that failed: nothing held by the engine, no offload file,
+  /// the allocator back at `live`, and the next step as `expected`.
+  void check_recovered(std::int64_t live, const std::pair<torch::Tensor, std::vector<torch::Tensor>>& expected) {
+    test::clear_grads(*model);
+    CHECK(held_by_engine(model) == 0);
+    CHECK(files_under(disk.path) == 0);
+    CHECK(memory_tracker::current_bytes() == live);
+    const auto again = optimized();
+    CHECK(test::bit_equal(again.first, expected.first));
+    CHECK(test::bit_equal(again.second, expected.second));
+    test::clear_grads(*model);
+  }
   /// After detach: nothing of memscale's stays in the directory or the process.
   void check_nothing_left() const {
     CHECK_FALSE(memscale::is_optimized(model));
@@ -355,20 +372,12 @@ TEST_CASE("an allocation past a hard limit fails the step with an out-of-memory 
       test::clear_grads(*run.model);
       for (double share : {0.2, 0.5, 0.8}) {
         INFO("limit: " << share << " of the step's peak growth (" << growth << " B)");
-        (void)held_by_engine(run.model);
-        const auto live = memory_tracker::current_bytes();
+        const auto live = run.settled_bytes();
         {
           memory_tracker::hard_limit_scope limit(live + static_cast<std::int64_t>(share * static_cast<double>(growth)));
           CHECK_THROWS_AS(run.optimized(), c10::OutOfMemoryError);
         }
-        test::clear_grads(*run.model);
-        CHECK(held_by_engine(run.model) == 0);
-        CHECK(files_under(run.disk.path) == 0);
-        CHECK(memory_tracker::current_bytes() == live);
-        const auto again = run.optimized();
-        CHECK(test::bit_equal(again.first, expected.first));
-        CHECK(test::bit_equal(again.second, expected.second));
-        test::clear_grads(*run.model);
+        run.check_recovered(live, expected);
       }
     }
     run.check_nothing_left();
@@ -456,16 +465,9 @@ TEST_CASE("a loss that throws leaves nothing held; predict and autotune with it 
     auto guard = memscale::optimize(run.model, run.x, run.config(async));
     (void)run.optimized();
     test::clear_grads(*run.model);
-    (void)held_by_engine(run.model);
-    const auto live = memory_tracker::current_bytes();
+    const auto live = run.settled_bytes();
     CHECK_THROWS_WITH(throwing_loss(run.model->forward(run.x)), Catch::Contains("the user's loss failed"));
-    CHECK(held_by_engine(run.model) == 0);
-    CHECK(files_under(run.disk.path) == 0);
-    CHECK(memory_tracker::current_bytes() == live);
-    const auto got = run.optimized();
-    CHECK(test::bit_equal(got.first, expected.first));
-    CHECK(test::bit_equal(got.second, expected.second));
-    test::clear_grads(*run.model);
+    run.check_recovered(live, expected);
   }
   run.check_nothing_left();
 

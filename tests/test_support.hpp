@@ -20,32 +20,27 @@
 
 namespace test {
 
+// GCC says __SANITIZE_ADDRESS__ / __SANITIZE_THREAD__; Clang, __has_feature.
+#if defined(__has_feature)
+#define MEMSCALE_TEST_HAS_FEATURE(x) __has_feature(x)
+#else
+#define MEMSCALE_TEST_HAS_FEATURE(x) 0
+#endif
+
 /// Whether this build runs under AddressSanitizer. Its shadow memory and
 /// quarantine are part of what the process holds, and it intercepts mallopt,
 /// so the checks of the process's resident memory measure ASan, not memscale;
 /// and it slows every operation, so plans chosen by measured times differ.
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__SANITIZE_ADDRESS__) || MEMSCALE_TEST_HAS_FEATURE(address_sanitizer)
 inline constexpr bool under_address_sanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-inline constexpr bool under_address_sanitizer = true;
-#else
-inline constexpr bool under_address_sanitizer = false;
-#endif
 #else
 inline constexpr bool under_address_sanitizer = false;
 #endif
 
 /// Whether this build runs under ThreadSanitizer, whose runtime starts a
 /// thread of its own (so a count of the process's threads counts it).
-#if defined(__SANITIZE_THREAD__)
+#if defined(__SANITIZE_THREAD__) || MEMSCALE_TEST_HAS_FEATURE(thread_sanitizer)
 inline constexpr bool under_thread_sanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-inline constexpr bool under_thread_sanitizer = true;
-#else
-inline constexpr bool under_thread_sanitizer = false;
-#endif
 #else
 inline constexpr bool under_thread_sanitizer = false;
 #endif

@@ -29,8 +29,6 @@ struct step_token {
   std::thread::id owner;
 };
 
-class step_gate;
-
 /// The token of the step this thread runs inside a wrapper's forward (null
 /// outside one): what the wrapper saves for backward keeps it.
 inline std::shared_ptr<step_token>& current_step_token() noexcept {
@@ -45,28 +43,18 @@ class step_gate {
   /// step is in flight, or after detach closed the gate.
   std::shared_ptr<step_token> enter() {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (closed_)
-      throw Error("memscale: this model was detached (from another thread) as this forward began; run it "
-                  "again: it runs unoptimized now");
-    const auto me = std::this_thread::get_id();
-    if (auto held = current_.lock()) {
-      if (held->owner == me) return held;
-      std::ostringstream what;
-      what << "memscale: a second thread (" << me << ") entered the forward of a model memscale optimizes while "
-           << "thread " << held->owner << " has a training step in flight (its forward ran and its backward "
-           << "has not finished). memscale's wrappers hold per-model state from a step's forward to its "
-           << "backward, so one training step runs at a time: train the model from one thread at a time (any "
-           << "thread, once the other's backward is done or its loss dropped), or give each thread its own "
-           << "copy of the model, each wrapped";
-      throw Error(what.str());
-    }
-    auto token = std::make_shared<step_token>(step_token{me});
+    if (auto held = this_threads_step()) return held;
+    auto token = std::make_shared<step_token>(step_token{std::this_thread::get_id()});
     current_ = token;
     return token;
   }
 
-  /// Refuses (throws as enter() does) while another thread's step is in flight.
-  void check() { (void)enter(); }
+  /// Refuses (throws as enter() does) while another thread's step is in
+  /// flight; takes no step of its own.
+  void check() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    (void)this_threads_step();
+  }
 
   /// For detach: closes the gate unless another thread's step is in flight
   /// (then returns false and changes nothing).
@@ -78,6 +66,25 @@ class step_gate {
   }
 
  private:
+  /// The step in flight if it is this thread's, null if none is; throws if
+  /// another thread's is, or after detach closed the gate. Under mutex_.
+  std::shared_ptr<step_token> this_threads_step() const {
+    if (closed_)
+      throw Error("memscale: this model was detached (from another thread) as this forward began; run it "
+                  "again: it runs unoptimized now");
+    auto held = current_.lock();
+    const auto me = std::this_thread::get_id();
+    if (!held || held->owner == me) return held;
+    std::ostringstream what;
+    what << "memscale: a second thread (" << me << ") entered the forward of a model memscale optimizes while "
+         << "thread " << held->owner << " has a training step in flight (its forward ran and its backward "
+         << "has not finished). memscale's wrappers hold per-model state from a step's forward to its "
+         << "backward, so one training step runs at a time: train the model from one thread at a time (any "
+         << "thread, once the other's backward is done or its loss dropped), or give each thread its own "
+         << "copy of the model, each wrapped";
+    throw Error(what.str());
+  }
+
   std::mutex mutex_;
   std::weak_ptr<step_token> current_;
   bool closed_ = false;

@@ -8,11 +8,13 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -30,6 +32,12 @@
 #include <memscale/techniques/checkpoint.hpp>
 
 namespace memscale::core {
+
+/// Whether a backward began since `epoch` (offload::backwards_started());
+/// only memscale's hooks engine counts them.
+inline bool backward_began_since(std::uint64_t epoch) {
+  return offload::hooks_engine_active() && offload::backwards_started() != epoch;
+}
 
 inline call_ticket attachment::begin_call(torch::nn::Module& module, int depth,
                                           const std::function<torch::nn::AnyModule()>* make_slot,
@@ -58,8 +66,7 @@ inline call_ticket attachment::begin_call(torch::nn::Module& module, int depth,
       bool recorder = false;
       {
         std::lock_guard<std::mutex> planning(plan_mutex_);
-        recorder = recording_thread_ == std::this_thread::get_id() ||
-                   (offload::hooks_engine_active() && offload::backwards_started() != recording_epoch_);
+        recorder = recording_thread_ == std::this_thread::get_id() || backward_began_since(recording_epoch_);
       }
       if (!recorder) return {};
       if (recording_complete(module, depth)) {
@@ -101,7 +108,7 @@ inline void attachment::record(torch::nn::Module& module, int depth,
 inline bool attachment::recording_complete(const torch::nn::Module& module, int depth) const {
   if (records_.empty()) return false;
   if (records_.size() >= max_recorded_calls) return true;
-  if (offload::hooks_engine_active()) return offload::backwards_started() != recording_epoch_;
+  if (offload::hooks_engine_active()) return backward_began_since(recording_epoch_);
   return depth == records_.front().depth && &module == records_.front().module;
 }
 

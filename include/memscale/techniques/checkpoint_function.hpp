@@ -39,11 +39,7 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 c10::intrusive_ptr<checkpoint_body> body, at::TensorList inputs,
                                                 at::TensorList params) {
-    auto context = c10::make_intrusive<forward_context>();
-    context->devices = devices_of(inputs);
-    context->state = capture_rng(context->devices);
-    context->autocast = compat::current_autocast();
-    context->step = current_step_token();
+    auto context = forward_context::now(devices_of(inputs));
     std::vector<torch::Tensor> to_save(inputs.begin(), inputs.end());
     to_save.insert(to_save.end(), params.begin(), params.end());
     ctx->save_for_backward(to_save);

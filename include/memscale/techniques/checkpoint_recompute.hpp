@@ -94,6 +94,16 @@ struct forward_context : torch::CustomClassHolder {
   std::vector<c10::Device> devices;
   compat::autocast_state autocast;
   std::shared_ptr<step_token> step;  ///< the step in flight (detail/step_gate.hpp), until backward reaches here
+
+  /// What a forward on `devices` runs under now.
+  static c10::intrusive_ptr<forward_context> now(std::vector<c10::Device> devices) {
+    auto context = c10::make_intrusive<forward_context>();
+    context->state = capture_rng(devices);
+    context->devices = std::move(devices);
+    context->autocast = compat::current_autocast();
+    context->step = current_step_token();
+    return context;
+  }
 };
 
 /// Open while a checkpoint's backward recomputes its forward and computes the

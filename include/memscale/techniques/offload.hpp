@@ -106,16 +106,11 @@ struct offload_pack {
                        static_cast<std::int64_t>(t.nbytes()) < engine->options().min_bytes ||
                        (keep && keep->count(t.storage().unsafeGetStorageImpl()) != 0);
     if (stays) return pack_for_offload(t, t.detach(), nullptr);
-    if (group_bytes <= 0) {
-      auto packed = pack_for_offload(t, at::Tensor(), engine->store_or_defer(t));
-      fault_point(pipeline_stage::offload_write);  // the stored tensor goes with `packed`
-      return packed;
-    }
-    // A scope without layer boundaries has no end of group to flush batched
-    // tensors at: each goes on its own, and groups end by size.
-    auto packed = pack_for_offload(t, at::Tensor(), engine->store(t));
-    fault_point(pipeline_stage::offload_write);
-    if (in_group->fetch_add(static_cast<std::int64_t>(t.nbytes())) >= group_bytes) {
+    // A scope without layer boundaries (group_bytes > 0) has no end of group to
+    // flush batched tensors at: each goes on its own, and groups end by size.
+    auto packed = pack_for_offload(t, at::Tensor(), group_bytes <= 0 ? engine->store_or_defer(t) : engine->store(t));
+    fault_point(pipeline_stage::offload_write);  // the stored tensor goes with `packed`
+    if (group_bytes > 0 && in_group->fetch_add(static_cast<std::int64_t>(t.nbytes())) >= group_bytes) {
       in_group->store(0);
       engine->begin_group();
     }

@@ -61,11 +61,7 @@ struct tile_function : torch::autograd::Function<tile_function> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 c10::intrusive_ptr<checkpoint_body> body, const torch::Tensor& x,
                                                 std::int64_t dim, std::int64_t tiles, at::TensorList params) {
-    auto context = c10::make_intrusive<forward_context>();
-    context->devices = devices_of(x);
-    context->state = capture_rng(context->devices);
-    context->autocast = compat::current_autocast();
-    context->step = current_step_token();
+    auto context = forward_context::now(devices_of(x));
     std::vector<torch::Tensor> to_save{x};
     to_save.insert(to_save.end(), params.begin(), params.end());
     ctx->save_for_backward(to_save);
