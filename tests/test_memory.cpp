@@ -519,28 +519,9 @@ torch::Tensor fresh_budget_input() {
 /// nothing at full size), with the budget (and, with reserve false, planning
 /// told there is nothing outside the allocator), and returns its RESULT fields.
 std::map<std::string, std::int64_t> run_fresh_budget(std::int64_t budget, bool reserve) {
-  std::array<char, 4096> exe{};
-  const auto n = ::readlink("/proc/self/exe", exe.data(), exe.size() - 1);
-  REQUIRE(n > 0);
-  std::ostringstream cmd;
-  cmd << "MEMSCALE_TEST_FRESH_BUDGET=" << budget << " MEMSCALE_TEST_FRESH_RESERVE=" << (reserve ? 1 : 0) << " '"
-      << std::string(exe.data(), static_cast<std::size_t>(n)) << "' '" << fresh_budget_case << "' 2>&1";
-  std::unique_ptr<FILE, int (*)(FILE*)> pipe(::popen(cmd.str().c_str(), "r"), ::pclose);
-  REQUIRE(pipe != nullptr);
-  std::string output;
-  std::array<char, 4096> chunk{};
-  while (const auto got = std::fread(chunk.data(), 1, chunk.size(), pipe.get())) output.append(chunk.data(), got);
-  const int status = ::pclose(pipe.release());
-  INFO(output);
-  REQUIRE(status == 0);
-  std::map<std::string, std::int64_t> fields;
-  const auto at = output.find("RESULT ");
-  REQUIRE(at != std::string::npos);
-  std::istringstream line(output.substr(at + 7, output.find('\n', at) - at - 7));
-  for (std::string field; line >> field;)
-    if (const auto eq = field.find('='); eq != std::string::npos)
-      fields[field.substr(0, eq)] = std::stoll(field.substr(eq + 1));
-  return fields;
+  return test::run_child_case("MEMSCALE_TEST_FRESH_BUDGET=" + std::to_string(budget) +
+                                  " MEMSCALE_TEST_FRESH_RESERVE=" + (reserve ? "1" : "0"),
+                              fresh_budget_case);
 }
 
 }  // namespace

@@ -2,12 +2,18 @@
 // bit-exact comparisons and a quiet Config.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <cstdio>
+#include <map>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <unistd.h>
 
 #include <torch/torch.h>
 // LibTorch pulls in glog, whose CHECK would shadow Catch2's: Catch2's must win.
@@ -45,6 +51,50 @@ inline constexpr bool under_thread_sanitizer = true;
 inline constexpr bool under_thread_sanitizer = false;
 #endif
 inline constexpr bool under_sanitizer = under_address_sanitizer || under_thread_sanitizer;
+
+/// ||got - expected|| / ||expected|| (L2, in double): how far two results of
+/// the same float sums in another order are apart as a whole. Element-wise
+/// bounds (allclose) fail on an element that cancels to about 0, whose
+/// rounding error is relative to the terms summed, not to itself.
+inline double relative_difference(const torch::Tensor& got, const torch::Tensor& expected) {
+  const auto e = expected.detach().to(torch::kDouble);
+  const double norm = e.norm().item<double>();
+  const double delta = (got.detach().to(torch::kDouble) - e).norm().item<double>();
+  return norm > 0.0 ? delta / norm : delta;
+}
+
+/// Runs this test binary again in a new process (one that has run nothing
+/// else) on the test spec `spec` (a case's name, commas escaped, or tags),
+/// with `environment` ("NAME=value ...") before it; returns its exit status
+/// and what it printed.
+inline std::pair<int, std::string> run_child(const std::string& environment, const std::string& spec) {
+  std::array<char, 4096> exe{};
+  const auto n = ::readlink("/proc/self/exe", exe.data(), exe.size() - 1);
+  REQUIRE(n > 0);
+  const auto cmd = environment + " '" + std::string(exe.data(), static_cast<std::size_t>(n)) + "' '" + spec + "' 2>&1";
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(::popen(cmd.c_str(), "r"), ::pclose);
+  REQUIRE(pipe != nullptr);
+  std::string output;
+  std::array<char, 4096> chunk{};
+  while (const auto got = std::fread(chunk.data(), 1, chunk.size(), pipe.get())) output.append(chunk.data(), got);
+  return {::pclose(pipe.release()), output};
+}
+
+/// run_child on the hidden test case `name`, which must pass and print a line
+/// "RESULT a=1 b=2": its fields.
+inline std::map<std::string, std::int64_t> run_child_case(const std::string& environment, const std::string& name) {
+  const auto [status, output] = run_child(environment, name);
+  INFO(output);
+  REQUIRE(status == 0);
+  std::map<std::string, std::int64_t> fields;
+  const auto at = output.find("RESULT ");
+  REQUIRE(at != std::string::npos);
+  std::istringstream line(output.substr(at + 7, output.find('\n', at) - at - 7));
+  for (std::string field; line >> field;)
+    if (const auto eq = field.find('='); eq != std::string::npos)
+      fields[field.substr(0, eq)] = std::stoll(field.substr(eq + 1));
+  return fields;
+}
 
 /// The acceptance model: (Linear, GELU, Linear, LayerNorm, Dropout) x repeats.
 inline torch::nn::Sequential flat_chain(int repeats, std::int64_t width = 64, std::int64_t hidden = 256,

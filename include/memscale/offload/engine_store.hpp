@@ -130,7 +130,7 @@ inline void engine::flush_one_device(const std::vector<stored_handle>& waiting) 
   std::int64_t total = 0;
   for (const auto& r : members) {
     offsets.push_back(total);
-    sources.push_back(r->layout_.dense ? r->held_ : r->held_.contiguous());
+    sources.push_back(r->layout_.dense_copy(r->held_));
     total += detail::aligned(r->layout_.bytes);
   }
   at::Tensor staging = at::empty({total}, members.front()->held_.options().dtype(at::kByte));

@@ -15,6 +15,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -51,27 +52,51 @@ inline constexpr int tier_count = 4;
 namespace detail {
 
 /// A tensor's layout: dense tensors (contiguous or permuted) keep their strides
-/// through any tier; other views come back contiguous, with the same values.
+/// through any tier; other views (a slice, q of a fused qkv projection) come
+/// back dense with their dimensions in the same stride order. The order, not
+/// only the values, must survive: a BLAS picks its kernel, and so its
+/// summation order, by which dimension is contiguous (a contiguous copy of
+/// such a view changed gradients by 1e-8 relative with OpenBLAS's SkylakeX
+/// kernels).
 struct tensor_layout {
   std::vector<std::int64_t> sizes;
   std::vector<std::int64_t> strides;
   at::TensorOptions options;
-  bool dense = true;
+  bool dense = true;  ///< the tensor's own strides, so its bytes can be copied as they are
   std::int64_t bytes = 0;
 
   static tensor_layout of(const at::Tensor& t) {
     tensor_layout l;
     l.sizes = t.sizes().vec();
     l.dense = t.is_non_overlapping_and_dense();
-    if (l.dense) {
-      l.strides = t.strides().vec();
-    } else {
-      const auto contiguous = c10::contiguous_strides(t.sizes());
-      l.strides.assign(contiguous.begin(), contiguous.end());
-    }
+    l.strides = l.dense ? t.strides().vec() : dense_strides_in_order(t.sizes(), t.strides());
     l.options = t.options();
     l.bytes = t.numel() * static_cast<std::int64_t>(t.element_size());
     return l;
+  }
+
+  /// Dense strides for `sizes` that order the dimensions as `strides` does
+  /// (largest outermost; equal strides in dimension order), as ATen lays out
+  /// an elementwise result of a strided input.
+  static std::vector<std::int64_t> dense_strides_in_order(c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+    std::vector<std::size_t> order(sizes.size());
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return strides[a] > strides[b]; });
+    std::vector<std::int64_t> dense(sizes.size());
+    std::int64_t step = 1;
+    for (auto it = order.rbegin(); it != order.rend(); ++it) {
+      dense[*it] = step;
+      step *= std::max<std::int64_t>(sizes[*it], 1);
+    }
+    return dense;
+  }
+
+  /// `t`'s values in this layout, on t's device: `t` itself where it is dense.
+  [[nodiscard]] at::Tensor dense_copy(const at::Tensor& t) const {
+    if (dense) return t;
+    at::Tensor out = empty_on(t.device());
+    out.copy_(t);
+    return out;
   }
 
   /// An uninitialized tensor of this layout on `device` (pinned when asked).
