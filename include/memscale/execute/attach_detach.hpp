@@ -141,8 +141,17 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
     }
     attached->plan_and_apply(std::move(inputs));
     if (unoptimized) {
+      // Under mixed precision the optimized step is held to the same layers
+      // under autocast without the other techniques (float32 is no reference:
+      // a convolution's bias before BatchNorm has a gradient of about 0, whose
+      // bfloat16 rounding differs from float32's by orders of magnitude).
+      std::optional<verify::step_outcome> autocast_reference;
+      if (config.use_mixed_precision) {
+        autocast_reference = attached->autocast_reference_step(*box, *example);
+        box->reset();
+      }
       const auto optimized = attached->verification_step(*box, *example, /*as_before_wrap=*/false);
-      attached->judge_verification(*box, *unoptimized, optimized, example->device());
+      attached->judge_verification(*box, *unoptimized, autocast_reference, optimized, example->device());
     }
     box.reset();  // gradients, buffers and the RNG as they were
     attached->start_metrics_endpoint();  // noexcept; before add(), so that a detach() stops it

@@ -5,11 +5,16 @@
 // unoptimized against the optimized verification step.
 #pragma once
 
+#include <algorithm>
 #include <exception>
 #include <iomanip>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -22,6 +27,7 @@
 #include <memscale/execute/metrics_page.hpp>
 #include <memscale/execute/step_trace.hpp>
 #include <memscale/execute/verify.hpp>
+#include <memscale/techniques/mixed_precision.hpp>
 
 namespace memscale::core {
 
@@ -145,21 +151,77 @@ inline void attachment::run_native_warmup(const torch::Tensor& example) {
   }
 }
 
+inline std::optional<verify::step_outcome> attachment::autocast_reference_step(verify::sandbox& box,
+                                                                                const torch::Tensor& example) {
+  const auto autocast = [](const torch::nn::AnyModule& original) {
+    return torch::nn::AnyModule(std::make_shared<AutocastSlotImpl>(original));
+  };
+  const auto autocasts = [](const torch::nn::AnyModule& slot) {
+    return !slot.is_empty() && std::dynamic_pointer_cast<AutocastSlotImpl>(slot.ptr()) != nullptr;
+  };
+  slot_transaction swaps;  // rolled back (the plan's slots back) however this ends
+  std::vector<std::pair<std::size_t, torch::nn::AnyModule>> runners;  // call sites' runners to put back
+  const auto put_back = [&]() noexcept {
+    for (auto& [position, runner] : runners) sequence_[position].runner = std::move(runner);
+    runners.clear();
+  };
+  try {
+    bool any = false;
+    {
+      std::lock_guard<std::mutex> planning(plan_mutex_);
+      for (auto& chain : chains_) {
+        if (chain.source == chain_source::sequential) {
+          auto& seq = *chain.ref.sequential;
+          if (std::none_of(seq.begin(), seq.end(), autocasts)) continue;  // not a chain memscale autocasts
+          for (std::size_t k = 0; k < chain.originals.size(); ++k) swaps.replace(seq, k, autocast(chain.originals[k]));
+          any = true;
+        } else if (chain.source == chain_source::call_sites) {
+          const auto at = [&](std::size_t k) -> torch::nn::AnyModule* {
+            return chain.positions[k] < sequence_.size() ? &sequence_[chain.positions[k]].runner : nullptr;
+          };
+          bool autocast_chain = false;
+          for (std::size_t k = 0; k < chain.positions.size(); ++k) autocast_chain |= at(k) && autocasts(*at(k));
+          if (!autocast_chain) continue;
+          for (std::size_t k = 0; k < chain.positions.size() && k < chain.originals.size(); ++k) {
+            if (at(k) == nullptr) continue;
+            runners.emplace_back(chain.positions[k], *at(k));
+            *at(k) = autocast(chain.originals[k]);
+          }
+          any = true;
+        }
+      }
+    }
+    std::optional<verify::step_outcome> outcome;
+    if (any) outcome = verification_step(box, example, /*as_before_wrap=*/false);
+    put_back();
+    swaps.rollback();
+    return outcome;
+  } catch (...) {
+    put_back();
+    throw;
+  }
+}
+
 inline void attachment::judge_verification(const verify::sandbox& box, const verify::step_outcome& unoptimized,
+                                           const std::optional<verify::step_outcome>& autocast_reference,
                                            const verify::step_outcome& optimized, c10::Device device) {
+  const verify::step_outcome& reference = autocast_reference ? *autocast_reference : unoptimized;
+  const std::string held_to = autocast_reference
+                                  ? " (held to the same layers run under autocast without the other techniques: "
+                                    "mixed precision's own change)"
+                                  : "";
   double tolerance = 0.0;
-  std::string reason = "checkpoint and offload leave the arithmetic unchanged";
-  if (config_.use_mixed_precision) {
-    tolerance = verify_mixed_precision_tolerance;
-    reason = "mixed precision: the optimized chains run in reduced precision";
-  } else if (report_.tiled_segments() > 0) {
-    tolerance = verify_tiling_tolerance;
-    reason = "tiling adds the chunks' weight gradients in another order";
+  std::string reason = "checkpoint and offload leave the arithmetic unchanged" + held_to;
+  if (report_.tiled_segments() > 0) {
+    tolerance = autocast_reference ? verify_tiling_autocast_tolerance : verify_tiling_tolerance;
+    reason = autocast_reference ? "tiling under mixed precision: each chunk's weight-gradient product is rounded to "
+                                  "the reduced precision before the chunks are added" + held_to
+                                : "tiling adds the chunks' weight gradients in another order";
   } else if (device.is_cuda() && !at::globalContext().deterministicAlgorithms()) {
     tolerance = verify_nondeterministic_tolerance;
-    reason = "CUDA without torch's deterministic algorithms: some kernels add in another order on each run";
+    reason = "CUDA without torch's deterministic algorithms: some kernels add in another order on each run" + held_to;
   }
-  auto outcome = verify::judge(box, unoptimized, optimized, tolerance, reason);
+  auto outcome = verify::judge(box, reference, optimized, tolerance, reason);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     report_.verification = outcome.check;
