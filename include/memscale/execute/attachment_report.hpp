@@ -62,12 +62,8 @@ inline Report attachment::trace_step(const std::function<void()>& step) {
   const c10::Device device(before.device);
   auto recorder = std::make_shared<step_recorder>(device);
   slot_transaction marks;  // rolled back (the plan's slots back) however this ends
-  std::vector<std::pair<std::size_t, torch::nn::AnyModule>> runners;  // call sites' runners to put back
-  const auto put_back = [&]() noexcept {
-    for (auto& [position, runner] : runners) sequence_[position].runner = std::move(runner);
-    runners.clear();
-  };
-  try {
+  runner_swaps runners(sequence_);
+  {
     {
       std::lock_guard<std::mutex> planning(plan_mutex_);
       for (std::size_t r = 0; r < report_order_.size() && r < before.plan.units.size(); ++r) {
@@ -85,9 +81,8 @@ inline Report attachment::trace_step(const std::function<void()>& step) {
           } else if (chain.source == chain_source::call_sites && k < chain.positions.size() &&
                      chain.positions[k] < sequence_.size() &&
                      !(sequence_[chain.positions[k]].runner.is_empty() && chain.originals[k].is_empty())) {
-            auto& runner = sequence_[chain.positions[k]].runner;
-            runners.emplace_back(chain.positions[k], runner);
-            runner = mark(runner.is_empty() ? chain.originals[k] : runner);
+            const auto& runner = sequence_[chain.positions[k]].runner;
+            runners.replace(chain.positions[k], mark(runner.is_empty() ? chain.originals[k] : runner));
           }
         }
       }
@@ -97,11 +92,8 @@ inline Report attachment::trace_step(const std::function<void()>& step) {
     if (device.is_cpu() && !memory_tracker::installed()) counting.emplace();
     recorder->start();
     step();
-  } catch (...) {
-    put_back();
-    throw;
   }
-  put_back();
+  runners.put_back();
   marks.rollback();
   auto points = recorder->points();
   {
@@ -160,13 +152,9 @@ inline std::optional<verify::step_outcome> attachment::autocast_reference_step(v
     return !slot.is_empty() && std::dynamic_pointer_cast<AutocastSlotImpl>(slot.ptr()) != nullptr;
   };
   slot_transaction swaps;  // rolled back (the plan's slots back) however this ends
-  std::vector<std::pair<std::size_t, torch::nn::AnyModule>> runners;  // call sites' runners to put back
-  const auto put_back = [&]() noexcept {
-    for (auto& [position, runner] : runners) sequence_[position].runner = std::move(runner);
-    runners.clear();
-  };
-  try {
-    bool any = false;
+  runner_swaps runners(sequence_);
+  bool any = false;
+  {
     {
       std::lock_guard<std::mutex> planning(plan_mutex_);
       for (auto& chain : chains_) {
@@ -182,24 +170,18 @@ inline std::optional<verify::step_outcome> attachment::autocast_reference_step(v
           bool autocast_chain = false;
           for (std::size_t k = 0; k < chain.positions.size(); ++k) autocast_chain |= at(k) && autocasts(*at(k));
           if (!autocast_chain) continue;
-          for (std::size_t k = 0; k < chain.positions.size() && k < chain.originals.size(); ++k) {
-            if (at(k) == nullptr) continue;
-            runners.emplace_back(chain.positions[k], *at(k));
-            *at(k) = autocast(chain.originals[k]);
-          }
+          for (std::size_t k = 0; k < chain.positions.size() && k < chain.originals.size(); ++k)
+            if (at(k) != nullptr) runners.replace(chain.positions[k], autocast(chain.originals[k]));
           any = true;
         }
       }
     }
-    std::optional<verify::step_outcome> outcome;
-    if (any) outcome = verification_step(box, example, /*as_before_wrap=*/false);
-    put_back();
-    swaps.rollback();
-    return outcome;
-  } catch (...) {
-    put_back();
-    throw;
   }
+  std::optional<verify::step_outcome> outcome;
+  if (any) outcome = verification_step(box, example, /*as_before_wrap=*/false);
+  runners.put_back();
+  swaps.rollback();
+  return outcome;
 }
 
 inline void attachment::judge_verification(const verify::sandbox& box, const verify::step_outcome& unoptimized,

@@ -106,4 +106,26 @@ struct planned_call {
   torch::nn::AnyModule runner;
 };
 
+/// Call sites' runners replaced for a while (a traced or a reference step):
+/// put back by put_back() or, however the step ends, the destructor.
+class runner_swaps {
+ public:
+  explicit runner_swaps(std::vector<planned_call>& sequence) : sequence_(sequence) {}
+  runner_swaps(const runner_swaps&) = delete;
+  runner_swaps& operator=(const runner_swaps&) = delete;
+  ~runner_swaps() { put_back(); }
+  void replace(std::size_t position, torch::nn::AnyModule next) {
+    saved_.emplace_back(position, sequence_[position].runner);
+    sequence_[position].runner = std::move(next);
+  }
+  void put_back() noexcept {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) sequence_[it->first].runner = std::move(it->second);
+    saved_.clear();
+  }
+
+ private:
+  std::vector<planned_call>& sequence_;
+  std::vector<std::pair<std::size_t, torch::nn::AnyModule>> saved_;
+};
+
 }  // namespace memscale::core
