@@ -223,17 +223,12 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     return box.run(whole_forward_, example);
   }
 
-  /// verify_correctness under mixed precision, after the plan is applied: one
-  /// step of `example` in `box` with only what mixed precision changes (every
-  /// slot memscale autocasts runs its original module under its own autocast
-  /// scope, no other technique), the reference the optimized step is held to.
-  /// nullopt where memscale autocasts nothing (a whole-model chain).
+  /// verify_correctness under mixed precision (attachment_report.hpp).
   std::optional<verify::step_outcome> autocast_reference_step(verify::sandbox& box, const torch::Tensor& example);
 
-  /// Compares the optimized verification step with the unoptimized one (or,
-  /// given, with the autocast reference), puts the outcome in the report and
-  /// logs it; throws CorrectnessError when they differ beyond what the plan's
-  /// techniques allow (the caller then restores the model).
+  /// Compares the optimized verification step with the unoptimized one (or
+  /// the autocast reference), reports it; throws CorrectnessError beyond what
+  /// the plan's techniques allow (the caller then restores the model).
   void judge_verification(const verify::sandbox& box, const verify::step_outcome& unoptimized,
                           const std::optional<verify::step_outcome>& autocast_reference,
                           const verify::step_outcome& optimized, c10::Device device);
@@ -249,12 +244,6 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   void restore() noexcept;
 
  private:
-  // verify_correctness's relative L2 tolerances where bit-identity cannot hold
-  // (measured on the example GPT and the tests' models: see the README).
-  static constexpr double verify_tiling_tolerance = 1e-4;
-  static constexpr double verify_tiling_autocast_tolerance = 3e-2;
-  static constexpr double verify_nondeterministic_tolerance = 1e-4;
-
   void add_technique_notes();
 
   /// What a plan changes besides Sequential slots, made before it commits and
