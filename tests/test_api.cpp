@@ -688,7 +688,10 @@ TEST_CASE("verify_correctness under mixed precision holds the plan to the same l
       // The same wrap without the fault checkpoints a block (the planned units
       // depend on measured times; each block draws a Dropout mask).
       auto guard = memscale::optimize(model, x, config);
-      const auto& units = guard.report().plan.units.at(0);
+      const auto report = guard.report();
+      INFO(report);
+      REQUIRE_FALSE(report.plan.units.empty());
+      const auto& units = report.plan.units.front();
       if (std::none_of(units.begin(), units.end(), [](const auto& u) { return u.checkpointed && u.first <= 1; })) {
         WARN("this plan checkpoints no block (measured times decide): no Dropout to recompute wrongly");
         return;
