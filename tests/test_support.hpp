@@ -111,9 +111,14 @@ inline torch::nn::Sequential flat_chain(int repeats, std::int64_t width = 64, st
 }
 
 /// A Sequential that can be a slot of another one: LibTorch's AnyModule needs a
-/// concrete forward, so nesting takes a subclass (the documented idiom).
+/// concrete forward, so nesting takes a subclass (the documented idiom). Its
+/// layers are pushed one by one, which registers them (and so their parameters
+/// and buffers) with it: copying the Sequential kept its layers but not their
+/// registration, and the model's parameters() missed them.
 struct NestedSequentialImpl : torch::nn::SequentialImpl {
-  explicit NestedSequentialImpl(const torch::nn::Sequential& from) : torch::nn::SequentialImpl(*from) {}
+  explicit NestedSequentialImpl(const torch::nn::Sequential& from) {
+    for (const auto& layer : *from) push_back(layer);
+  }
   torch::Tensor forward(torch::Tensor x) { return torch::nn::SequentialImpl::forward(std::move(x)); }
 };
 TORCH_MODULE(NestedSequential);
