@@ -168,25 +168,23 @@ inline std::optional<verify::step_outcome> attachment::autocast_reference_step(v
   runner_swaps runners(sequence_);
   bool any = false;
   {
-    {
-      std::lock_guard<std::mutex> planning(plan_mutex_);
-      for (auto& chain : chains_) {
-        if (chain.source == chain_source::sequential) {
-          auto& seq = *chain.ref.sequential;
-          if (std::none_of(seq.begin(), seq.end(), autocasts)) continue;  // not a chain memscale autocasts
-          for (std::size_t k = 0; k < chain.originals.size(); ++k) swaps.replace(seq, k, autocast(chain.originals[k]));
-          any = true;
-        } else if (chain.source == chain_source::call_sites) {
-          const auto at = [&](std::size_t k) -> torch::nn::AnyModule* {
-            return chain.positions[k] < sequence_.size() ? &sequence_[chain.positions[k]].runner : nullptr;
-          };
-          bool autocast_chain = false;
-          for (std::size_t k = 0; k < chain.positions.size(); ++k) autocast_chain |= at(k) && autocasts(*at(k));
-          if (!autocast_chain) continue;
-          for (std::size_t k = 0; k < chain.positions.size() && k < chain.originals.size(); ++k)
-            if (at(k) != nullptr) runners.replace(chain.positions[k], autocast(chain.originals[k]));
-          any = true;
-        }
+    std::lock_guard<std::mutex> planning(plan_mutex_);
+    for (auto& chain : chains_) {
+      if (chain.source == chain_source::sequential) {
+        auto& seq = *chain.ref.sequential;
+        if (std::none_of(seq.begin(), seq.end(), autocasts)) continue;  // not a chain memscale autocasts
+        for (std::size_t k = 0; k < chain.originals.size(); ++k) swaps.replace(seq, k, autocast(chain.originals[k]));
+        any = true;
+      } else if (chain.source == chain_source::call_sites) {
+        const auto at = [&](std::size_t k) -> torch::nn::AnyModule* {
+          return chain.positions[k] < sequence_.size() ? &sequence_[chain.positions[k]].runner : nullptr;
+        };
+        bool autocast_chain = false;
+        for (std::size_t k = 0; k < chain.positions.size(); ++k) autocast_chain |= at(k) && autocasts(*at(k));
+        if (!autocast_chain) continue;
+        for (std::size_t k = 0; k < chain.positions.size() && k < chain.originals.size(); ++k)
+          if (at(k) != nullptr) runners.replace(chain.positions[k], autocast(chain.originals[k]));
+        any = true;
       }
     }
   }
