@@ -135,7 +135,7 @@ TEST_CASE("a Sequential inside an optimized model cannot be wrapped on its own",
   CHECK_THROWS_AS(memscale::wrap(model->body, test::quiet()), memscale::AlreadyOptimizedError);
 }
 
-TEST_CASE("wrap keeps parameters, names and buffers; detach restores outputs and gradients bit-exactly",
+TEST_CASE("wrap keeps parameters, names and buffers, detach restores outputs and gradients bit-exactly",
           "[api][executor]") {
   auto options = test::small_gpt();
   torch::manual_seed(5);
@@ -267,7 +267,7 @@ TEST_CASE("nested chains: every outermost Sequential is planned", "[api][executo
   CHECK(memscale::core::find_chains(gpt_model.ptr()).empty());
 }
 
-TEST_CASE("Config and Strategy can exclude checkpointing; low pressure skips", "[api][engine]") {
+TEST_CASE("Config and Strategy can exclude checkpointing, low pressure skips", "[api][engine]") {
   auto seq = test::flat_chain(2);
   auto x = torch::randn({4, 64});
   const auto slots = test::slot_identity(*seq);

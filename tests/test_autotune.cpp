@@ -275,7 +275,7 @@ TEST_CASE("autotune's cache: a second call returns at once, a changed key re-tun
   }
 }
 
-TEST_CASE("autotune's result round-trips through JSON; malformed JSON is a clear error", "[autotune]") {
+TEST_CASE("autotune's result round-trips through JSON, malformed JSON is a clear error", "[autotune]") {
   memscale::TuneResult r;
   r.found = true;
   r.best = memscale::Config{.mode = memscale::OptimizationMode::Aggressive, .use_mixed_precision = true,

@@ -352,7 +352,7 @@ TEST_CASE("nested call sites are planned at the outermost depth with two calls",
   CHECK(same_runs(wrapped_expected, train(wrapped, x, 2)));
 }
 
-TEST_CASE("a model with no unit boundaries gets whole-forward offload, bit-exactly; detach ends it",
+TEST_CASE("a model with no unit boundaries gets whole-forward offload, bit-exactly, detach ends it",
           "[call_sites][whole_model][offload]") {
   auto [reference, model] = twins<PlainNet>(14, 64);
   auto x = torch::randn({16, 32, 64});

@@ -275,7 +275,7 @@ TEST_CASE("checkpoint refuses a function that modifies its input in place", "[ch
   }
 }
 
-TEST_CASE("plans never start a checkpoint at an in-place layer; gradients stay exact", "[checkpoint][engine]") {
+TEST_CASE("plans never start a checkpoint at an in-place layer, gradients stay exact", "[checkpoint][engine]") {
   auto make = [] {
     torch::manual_seed(7);
     torch::nn::Sequential seq;

@@ -453,7 +453,7 @@ TEST_CASE("an unwritable offload directory keeps the tensors in memory, the step
   run.check_nothing_left();
 }
 
-TEST_CASE("a loss that throws leaves nothing held; predict and autotune with it change nothing", "[faults][api]") {
+TEST_CASE("a loss that throws leaves nothing held, predict and autotune with it change nothing", "[faults][api]") {
   environment_run run;
   const auto expected = run.baseline();
   const auto throwing_loss = [](const torch::Tensor& y) -> torch::Tensor {
@@ -487,7 +487,7 @@ TEST_CASE("a loss that throws leaves nothing held; predict and autotune with it 
   run.check_nothing_left();
 }
 
-TEST_CASE("a fault in AdamW8bit's step is a clear error; parameters past it are untouched; training goes on",
+TEST_CASE("a fault in AdamW8bit's step is a clear error, parameters past it are untouched, training goes on",
           "[faults][optim8bit]") {
   torch::manual_seed(31);
   auto model = batchnorm_chain(2);
@@ -515,7 +515,7 @@ TEST_CASE("a fault in AdamW8bit's step is a clear error; parameters past it are 
   for (const auto& p : model->parameters()) CHECK(torch::isfinite(p).all().item<bool>());
 }
 
-TEST_CASE("a fault in detach leaves the model optimized and training; the next detach restores it",
+TEST_CASE("a fault in detach leaves the model optimized and training, the next detach restores it",
           "[faults][api]") {
   environment_run run;
   const auto expected = run.baseline();

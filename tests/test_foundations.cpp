@@ -345,7 +345,7 @@ TEST_CASE("a saved-tensor hook scope closed out of order fails loudly and leaves
 
 // --- the hooks engine --------------------------------------------------------------------
 
-TEST_CASE("the hooks engine is installed at load; a plan without it says so and does not offload",
+TEST_CASE("the hooks engine is installed at load, a plan without it says so and does not offload",
           "[foundations][hooks][offload]") {
   // Installed before main(): no memscale call was needed.
   CHECK(memscale::offload::hooks_engine_active());

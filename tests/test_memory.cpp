@@ -219,7 +219,7 @@ TEST_CASE("a reporting scope passes every report on to the reporter it shadows",
   CHECK(profiler_slot() == program.get());
 }
 
-TEST_CASE("a reporting scope never shadows a LibTorch profiler; profiling then says what it did not measure",
+TEST_CASE("a reporting scope never shadows a LibTorch profiler, profiling then says what it did not measure",
           "[memory][profiler]") {
   cpu_allocator_installed default_allocator(c10::GetDefaultCPUAllocator());
   torch::nn::Sequential seq(torch::nn::Linear(16, 16), ExpScale(), torch::nn::Linear(16, 16));

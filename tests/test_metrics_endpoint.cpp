@@ -109,7 +109,7 @@ bool have(const char* program) {
 
 }  // namespace
 
-TEST_CASE("metrics endpoint: scraped while training, by many clients at once; gone when the guard ends",
+TEST_CASE("metrics endpoint: scraped while training, by many clients at once, gone when the guard ends",
           "[observability][metrics][http]") {
   auto model = test::flat_chain(4);
   const auto x = torch::randn({256, 64});
@@ -246,7 +246,7 @@ TEST_CASE("metrics endpoint: a real Prometheus server scrapes it and answers a q
   fs::remove_all(dir);
 }
 
-TEST_CASE("metrics endpoint: a busy port or a foreign address is a warning; training goes on",
+TEST_CASE("metrics endpoint: a busy port or a foreign address is a warning, training goes on",
           "[observability][metrics][http]") {
   int busy = 0;
   const int holder = listen_somewhere(&busy);
@@ -284,7 +284,7 @@ TEST_CASE("metrics endpoint: a second guard on a port the first one serves gets 
   CHECK_FALSE(scrape(port).empty());  // the first still serves
 }
 
-TEST_CASE("metrics endpoint: malformed and slow requests cost training nothing; the guard still ends",
+TEST_CASE("metrics endpoint: malformed and slow requests cost training nothing, the guard still ends",
           "[observability][metrics][http]") {
   auto model = test::flat_chain(4);
   const auto x = torch::randn({256, 64});

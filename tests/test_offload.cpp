@@ -279,7 +279,7 @@ TEST_CASE("the disk tier's writes and reads hold no second copy in the process",
   CHECK(read_growth < bytes / 8);
 }
 
-TEST_CASE("a full tier spills to the next; with all full the tensor stays", "[offload][engine]") {
+TEST_CASE("a full tier spills to the next, with all full the tensor stays", "[offload][engine]") {
   const auto t = torch::randn({256, 256});  // 256 KiB
   const std::int64_t bytes = t.numel() * 4;
   engine e(quiet_options({.host_bytes = 2 * bytes, .disk_bytes = bytes}));
@@ -552,7 +552,7 @@ TEST_CASE("async writes beyond max_inflight_bytes wait, and lose nothing", "[off
   CHECK(e.stats().at(tier::disk).tensors == 8);
 }
 
-TEST_CASE("an async disk write whose I/O job throws keeps the tensor in memory; training stays bit-identical",
+TEST_CASE("an async disk write whose I/O job throws keeps the tensor in memory, training stays bit-identical",
           "[offload][engine][faults]") {
   const auto baseline = relu_sigmoid_grad(nullptr, edit::none);
   inject_fault fault(offload_fault::io_job_throws);

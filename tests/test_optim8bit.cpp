@@ -302,7 +302,7 @@ TEST_CASE("make_optimizer builds what Config::use_8bit_optimizer asks for", "[op
   static_assert(memscale::optim::optimizer_state_bytes(4096, true) == 2 * 4096 + 8 * 16);
 }
 
-TEST_CASE("parameters without a gradient are skipped; zero gradients step as in AdamW", "[optim8bit]") {
+TEST_CASE("parameters without a gradient are skipped, zero gradients step as in AdamW", "[optim8bit]") {
   torch::manual_seed(6);
   std::vector<torch::Tensor> params = {torch::randn({100}), torch::randn({8192}), torch::randn({50})};
   for (auto& p : params) p.requires_grad_(true);
@@ -396,7 +396,7 @@ TEST_CASE("param groups keep their own hyperparameters", "[optim8bit]") {
   CHECK(test::bit_equal(params, alone));
 }
 
-TEST_CASE("a group added to an AdamW8bit keeps its options; through the base class on LibTorch 2.x it is refused",
+TEST_CASE("a group added to an AdamW8bit keeps its options, through the base class on LibTorch 2.x it is refused",
           "[optim8bit]") {
   torch::manual_seed(10);
   std::vector<torch::Tensor> params = {torch::randn({3000}, torch::requires_grad()),

@@ -193,7 +193,7 @@ TEST_CASE("a CPU with memory_budget_gb: the rule policy chooses, the caller's Co
                            "checkpointing, offloading") != std::string::npos);
 }
 
-TEST_CASE("the trained policy: an artifact chooses (ml); none shipped, or a bad one, falls back to the rules",
+TEST_CASE("the trained policy: an artifact chooses (ml), none shipped or a bad one falls back to the rules",
           "[policy]") {
   const double budget = budget_between_floor_and_baseline();
   auto config = test::quiet({.auto_policy = true, .memory_budget_gb = budget});

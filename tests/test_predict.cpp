@@ -655,7 +655,11 @@ TEST_CASE("the BLAS probe measures the buffers a product touches once, as runnin
                        << " MiB");
   CHECK(first.products == 1);
   CHECK_FALSE(first.scaled);
-  CHECK(static_cast<double>(first.bytes) == Approx(whole_60000 - touched).epsilon(0.1));
+  // Not every page the capped probe touched is one the whole product touches
+  // (the packing halves' offsets move with the rows): up to 10% more is measured
+  // on a Zen 5 with the Haswell kernels (39.3 MiB against 35.7-36.1).
+  CHECK(static_cast<double>(first.bytes) >= 0.97 * (whole_60000 - touched));
+  CHECK(static_cast<double>(first.bytes) <= 1.15 * (whole_60000 - touched));
   // What a product touched stays: the same product again adds (almost) nothing.
   const auto again = probe_products(products);
   CHECK(again.bytes <= std::max<std::int64_t>(first.bytes / 8, 1 << 20));

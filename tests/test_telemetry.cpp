@@ -192,7 +192,7 @@ TEST_CASE("telemetry: MEMSCALE_TELEMETRY=1 turns it on, MEMSCALE_TELEMETRY_FILE 
 }
 
 #if MEMSCALE_HAS_HTTP()
-TEST_CASE("telemetry: an HTTP endpoint on loopback gets each event as a JSON POST; one that refuses costs nothing",
+TEST_CASE("telemetry: an HTTP endpoint on loopback gets each event as a JSON POST, one that refuses costs nothing",
           "[telemetry][http]") {
   httplib::Server server;
   std::mutex mutex;
