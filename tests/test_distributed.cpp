@@ -323,6 +323,19 @@ TEST_CASE("two and three ranks train bit-identically with and without memscale, 
       CHECK(test::bit_equal(params[key(rank, r)], params[key(rank, dp_job::baseline_of(r))]));
     }
   }
+  // Where a rank's own plan differed from rank 0's (the checkpoint run: only rank
+  // 0's Config asks for one), its Report says so; rank 0's never does.
+  const std::string differed = "this rank's own plan (0 checkpointed, 0 offloaded unit(s)) differed from rank 0's";
+  for (int rank : all_ranks) {
+    const auto stem = ranks.dir() / ("rank" + std::to_string(rank) + "_" + dp_job::name_of(dp_job::run::checkpoint));
+    const auto notes = read_text(stem.string() + ".notes");
+    INFO("rank " << rank << "'s notes, checkpoint run:\n" << notes);
+    CHECK((notes.find(differed) != std::string::npos) == (rank != 0));
+  }
+  for (auto r : dp_job::runs) {
+    const auto stem = ranks.dir() / ("rank0_" + dp_job::name_of(r));
+    CHECK_THAT(read_text(stem.string() + ".notes"), !Catch::Contains("differed from rank 0's"));
+  }
   CHECK(count_after(plans[key(1, dp_job::run::checkpoint)], "checkpointed") > 0);
   CHECK(count_after(plans[key(1, dp_job::run::offload)], "offloaded") > 0);
   CHECK(count_after(plans[key(1, dp_job::run::offload)], "disk_tensors") > 0);

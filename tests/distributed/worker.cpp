@@ -9,7 +9,8 @@
 //              memscale, with checkpoints (planned from an example batch) and with
 //              offload (planned at the first forward); the example GPT without
 //              memscale and with checkpoints. Each run writes
-//              DIR/rank<R>_<run>.pt (the parameters) and .txt (the plan).
+//              DIR/rank<R>_<run>.pt (the parameters), .txt (the plan) and .notes
+//              (the Report's notes).
 //   structure  rank 1's model has one slot more: planning must fail on every rank.
 //   die        rank 1 exits after its second step: rank 0 must fail, not hang.
 // Exit status: 0 done; 1 an error (the message on stderr); 3 rank 1 exiting on purpose.
@@ -109,6 +110,9 @@ void train(Model model, const std::vector<std::pair<torch::Tensor, torch::Tensor
   for (const auto& p : model->parameters()) params.push_back(p.detach().clone());
   torch::save(params, stem.string() + ".pt");
   std::ofstream(stem.string() + ".txt") << (guard ? plan_text(*guard) : std::string("no memscale\n"));
+  std::ofstream notes(stem.string() + ".notes");
+  if (guard)
+    for (const auto& note : guard->report().notes) notes << note << "\n";
 }
 
 void train(const dist::process_group& group, const arguments& args, run r) {

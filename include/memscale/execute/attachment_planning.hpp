@@ -229,7 +229,26 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
   }
   if (!out.planned && caller_config_.auto_policy) choose_strategy(profiles, costs, supported, in, device, out);
   auto decided = decide(costs, supported, in);
-  if (agree_) decided = agree_(profiles, std::move(decided));
+  if (agree_) {  // data parallel: every rank applies rank 0's plan; say where this rank's own differed
+    const auto own = decided.units;
+    decided = agree_(profiles, std::move(decided));
+    if (decided.units != own) {
+      const auto count = [](const std::vector<std::vector<unit>>& units, bool unit::*flag) {
+        int n = 0;
+        for (const auto& chain : units)
+          for (const auto& u : chain) n += u.*flag ? 1 : 0;
+        return n;
+      };
+      const auto note = "data parallel: this rank's own plan (" + std::to_string(count(own, &unit::checkpointed)) +
+                        " checkpointed, " + std::to_string(count(own, &unit::offloaded)) +
+                        " offloaded unit(s)) differed from rank 0's (" +
+                        std::to_string(count(decided.units, &unit::checkpointed)) + " checkpointed, " +
+                        std::to_string(count(decided.units, &unit::offloaded)) +
+                        " offloaded), which every rank applies: its measurements or its Config differ";
+      out.notes.push_back(note);
+      log_.warn(note);
+    }
+  }
 
   // Merge into the report: chains planned earlier stay; indices shift.
   const int offset = static_cast<int>(out.chains.size());
