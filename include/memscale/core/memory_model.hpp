@@ -34,6 +34,14 @@ struct unit {
   }
 };
 
+/// How many units of every chain have `flag` set (&unit::checkpointed, &unit::offloaded).
+[[nodiscard]] inline int count_units(const std::vector<std::vector<unit>>& chains, bool unit::*flag) {
+  int n = 0;
+  for (const auto& units : chains)
+    for (const auto& u : units) n += u.*flag ? 1 : 0;
+  return n;
+}
+
 /// Bytes live (relative to the chain's start) at the end of forward, the peak,
 /// and the bytes offloaded units move off the device per step.
 struct chain_projection {

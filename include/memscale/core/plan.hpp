@@ -105,19 +105,9 @@ struct Report {
   [[nodiscard]] std::int64_t baseline_peak_bytes() const noexcept { return plan.baseline_peak; }
   [[nodiscard]] std::int64_t planned_peak_bytes() const noexcept { return plan.planned_peak; }
   /// Number of checkpointed segments over all chains.
-  [[nodiscard]] int checkpointed_segments() const {
-    int n = 0;
-    for (const auto& units : plan.units)
-      for (const auto& u : units) n += u.checkpointed ? 1 : 0;
-    return n;
-  }
+  [[nodiscard]] int checkpointed_segments() const { return core::count_units(plan.units, &core::unit::checkpointed); }
   /// Number of offloaded units (single slots or checkpointed runs) over all chains.
-  [[nodiscard]] int offloaded_units() const {
-    int n = 0;
-    for (const auto& units : plan.units)
-      for (const auto& u : units) n += u.offloaded ? 1 : 0;
-    return n;
-  }
+  [[nodiscard]] int offloaded_units() const { return core::count_units(plan.units, &core::unit::offloaded); }
   /// Number of tiled segments over all chains.
   [[nodiscard]] int tiled_segments() const {
     int n = 0;

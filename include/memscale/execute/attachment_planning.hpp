@@ -233,17 +233,12 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
     const auto own = decided.units;
     decided = agree_(profiles, std::move(decided));
     if (decided.units != own) {
-      const auto count = [](const std::vector<std::vector<unit>>& units, bool unit::*flag) {
-        int n = 0;
-        for (const auto& chain : units)
-          for (const auto& u : chain) n += u.*flag ? 1 : 0;
-        return n;
-      };
-      const auto note = "data parallel: this rank's own plan (" + std::to_string(count(own, &unit::checkpointed)) +
-                        " checkpointed, " + std::to_string(count(own, &unit::offloaded)) +
+      const auto note = "data parallel: this rank's own plan (" +
+                        std::to_string(count_units(own, &unit::checkpointed)) + " checkpointed, " +
+                        std::to_string(count_units(own, &unit::offloaded)) +
                         " offloaded unit(s)) differed from rank 0's (" +
-                        std::to_string(count(decided.units, &unit::checkpointed)) + " checkpointed, " +
-                        std::to_string(count(decided.units, &unit::offloaded)) +
+                        std::to_string(count_units(decided.units, &unit::checkpointed)) + " checkpointed, " +
+                        std::to_string(count_units(decided.units, &unit::offloaded)) +
                         " offloaded), which every rank applies: its measurements or its Config differ";
       out.notes.push_back(note);
       log_.warn(note);
