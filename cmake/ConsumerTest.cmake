@@ -13,9 +13,13 @@ if(NOT CONFIG)
   set(CONFIG Release)
 endif()
 
+# The consumer builds with no build type (no -O, no -g): what it tests is the
+# package (its config, targets and dependencies, a link and a run), and at -O0
+# it compiles in 25 s, at -O3 in 39. memscale's own build compiles every header
+# at -O3 with the same warnings, as errors in CI (scripts/run-tests.sh).
 set(_configure_args
   -DMEMSCALE_CONSUMER_MODE=${MODE}
-  -DCMAKE_BUILD_TYPE=${CONFIG})
+  -DCMAKE_BUILD_TYPE=)
 if(MODE STREQUAL "find_package")
   run_step("install" "${CMAKE_COMMAND}" --install "${BUILD_DIR}"
     --prefix "${WORK_DIR}/prefix" --config "${CONFIG}")

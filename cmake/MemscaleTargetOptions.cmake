@@ -34,3 +34,65 @@ endif()
 function(memscale_use_torch_pch target)
   target_precompile_headers(${target} REUSE_FROM memscale_torch_pch)
 endfunction()
+
+# Programs (examples/, benchmarks/) that compile as one translation unit:
+# memscale_program(<target> <source> [libraries...]) records one, and
+# memscale_programs_unity(), at the end of the top-level CMakeLists.txt, makes
+# them. Each source's main() is renamed <target>_main by the preprocessor and
+# called from a one-line main of the target's own. Apart, the five programs
+# instantiated and compiled the same LibTorch and memscale templates five times
+# (about 250 s at -O3; together about 75 s). Every program then holds all their
+# code and runs only its own. MEMSCALE_UNITY_PROGRAMS=OFF compiles each on its
+# own, for a quicker rebuild of one program (scripts/gpu-run.sh). A program
+# someone builds alone first (train_gpt, scripts/run-example.sh) stays out.
+option(MEMSCALE_UNITY_PROGRAMS "Compile the example and benchmark programs as one translation unit" ON)
+
+function(memscale_program_options target)
+  target_include_directories(${target} PRIVATE "${PROJECT_SOURCE_DIR}/examples")
+  target_link_libraries(${target} PRIVATE memscale::memscale ${ARGN})
+  if(TARGET memscale::cuda AND MEMSCALE_TORCH_HAS_CUDA)
+    target_link_libraries(${target} PRIVATE memscale::cuda)  # the batched copies and the fused 8-bit step
+  endif()
+  memscale_target_options(${target})
+endfunction()
+
+function(memscale_program target source)
+  get_filename_component(source "${source}" ABSOLUTE)
+  if(NOT MEMSCALE_UNITY_PROGRAMS)
+    add_executable(${target} "${source}")
+    memscale_program_options(${target} ${ARGN})
+    memscale_use_torch_pch(${target})
+    return()
+  endif()
+  set(stub "${PROJECT_BINARY_DIR}/programs/${target}_main.cpp")
+  file(CONFIGURE OUTPUT "${stub}" CONTENT
+    "// Generated (cmake/MemscaleTargetOptions.cmake): the main() of ${source}, compiled in programs_unity.cpp.\nint ${target}_main(int argc, char** argv);\nint main(int argc, char** argv) { return ${target}_main(argc, argv); }\n")
+  add_executable(${target} "${stub}")
+  memscale_program_options(${target} ${ARGN})
+  set_property(GLOBAL APPEND PROPERTY MEMSCALE_UNITY_PROGRAMS "${target}")
+  set_property(GLOBAL PROPERTY "MEMSCALE_UNITY_PROGRAM_SOURCE_${target}" "${source}")
+  set_property(GLOBAL APPEND PROPERTY MEMSCALE_UNITY_PROGRAM_LIBRARIES ${ARGN})
+endfunction()
+
+function(memscale_programs_unity)
+  get_property(programs GLOBAL PROPERTY MEMSCALE_UNITY_PROGRAMS)
+  if(NOT programs)
+    return()
+  endif()
+  get_property(libraries GLOBAL PROPERTY MEMSCALE_UNITY_PROGRAM_LIBRARIES)
+  if(libraries)
+    list(REMOVE_DUPLICATES libraries)
+  endif()
+  set(unity "// Generated (cmake/MemscaleTargetOptions.cmake): memscale's programs as one translation unit.\n")
+  foreach(target IN LISTS programs)
+    get_property(source GLOBAL PROPERTY "MEMSCALE_UNITY_PROGRAM_SOURCE_${target}")
+    string(APPEND unity "#define main ${target}_main\n#include \"${source}\"\n#undef main\n")
+  endforeach()
+  file(CONFIGURE OUTPUT "${PROJECT_BINARY_DIR}/programs/programs_unity.cpp" CONTENT "${unity}")
+  add_library(memscale_programs OBJECT "${PROJECT_BINARY_DIR}/programs/programs_unity.cpp")
+  memscale_program_options(memscale_programs ${libraries})
+  memscale_use_torch_pch(memscale_programs)
+  foreach(target IN LISTS programs)
+    target_link_libraries(${target} PRIVATE memscale_programs ${libraries})
+  endforeach()
+endfunction()

@@ -158,7 +158,7 @@ message(STATUS "vcpkg: the port's layout in ${CURRENT_INSTALLED_DIR} checks out"
 list(PREPEND _prefix_path "${CURRENT_INSTALLED_DIR}")
 use_prefix_path("${_prefix_path}")
 run_step("consumer configure" "${CMAKE_COMMAND}" -S "${SOURCE_DIR}/tests/consumer" -B "${WORK_DIR}/consumer"
-  -G "${GENERATOR}" "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" -DCMAKE_BUILD_TYPE=${CONFIG}
+  -G "${GENERATOR}" "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" -DCMAKE_BUILD_TYPE=  # no build type: as ConsumerTest.cmake
   -DMEMSCALE_CONSUMER_MODE=find_package)
 file(STRINGS "${WORK_DIR}/consumer/CMakeCache.txt" _memscale_dir REGEX "^memscale_DIR:")
 check("the consumer found share/memscale (${_memscale_dir})" _memscale_dir STREQUAL "memscale_DIR:PATH=${_share}")

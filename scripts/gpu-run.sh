@@ -33,7 +33,7 @@ prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)') || exi
   >"$out/device.txt" 2>&1
 step configure cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
   -DMEMSCALE_THIRD_PARTY_DIR="$PWD/third_party" -DMEMSCALE_CUDA_ARCHITECTURES="${MEMSCALE_CUDA_ARCHITECTURES:-90}" \
-  -DMEMSCALE_BUILD_EXAMPLES=ON -DMEMSCALE_BUILD_BENCHMARKS=ON -DMEMSCALE_BUILD_TESTS=ON || exit "$status"
+  -DMEMSCALE_BUILD_EXAMPLES=ON -DMEMSCALE_BUILD_BENCHMARKS=ON -DMEMSCALE_BUILD_TESTS=ON -DMEMSCALE_UNITY_PROGRAMS=OFF || exit "$status"
 step build cmake --build build-gpu -j "$(nproc)" --target memscale_tests memscale_cuda_tests memscale_cuda_adamw8bit_tests \
   memscale_bench_gpu train_gpt || exit "$status"
 step kernel_test ./build-gpu/tests/memscale_cuda_tests

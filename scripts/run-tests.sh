@@ -5,6 +5,15 @@
 # unit tests under AddressSanitizer + UndefinedBehaviorSanitizer and the
 # threaded ones under ThreadSanitizer (the asan and tsan presets).
 # MEMSCALE_SANITIZERS=0 leaves the sanitizer stages out.
+#
+# Stages that only compile run side by side, each with all cores (the kernel
+# shares them): the header checks beside the build, the AddressSanitizer build
+# beside the ThreadSanitizer one. On CI's two cores each stage alone left a
+# core idle at its tail (its last translation unit, its link, the precompiled
+# header the others wait for). Stages that run tests run alone, as before: a
+# plan measures compute rates, and what the tests check must not depend on a
+# compile beside them. A stage run beside another prints its log when it ends;
+# its time in the summary is its own, the stages overlapping.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -12,15 +21,41 @@ jobs=${MEMSCALE_JOBS:-$(nproc)}
 failures=()
 timings=()
 
+record() {  # record <name> <seconds> <status>
+  timings+=("$(printf '%-22s %4ss  %s' "$1" "$2" "$([[ $3 == 0 ]] && echo ok || echo "FAILED ($3)")")")
+  if [[ $3 != 0 ]]; then failures+=("$1"); fi
+}
+
 stage() {  # stage <name> <command...>: runs it, records time, remembers failure
   local name=$1 start=$SECONDS status=0
   shift
   echo "=== $name"
   "$@" || status=$?
-  timings+=("$(printf '%-22s %4ss  %s' "$name" "$((SECONDS - start))" \
-               "$([[ $status == 0 ]] && echo ok || echo "FAILED ($status)")")")
-  if [[ $status != 0 ]]; then failures+=("$name"); fi
+  record "$name" "$((SECONDS - start))" "$status"
   return 0
+}
+
+# Stages beside the one in the foreground: started with `beside`, their output
+# kept in $side_logs/<name>.log and printed, and their result recorded, by `join`.
+side_logs=$(mktemp -d)
+trap 'rm -rf "$side_logs"' EXIT
+declare -A side_pids=()
+beside() {  # beside <name> <command...>
+  local name=$1
+  shift
+  echo "=== $name (beside what follows; its log comes when it ends)"
+  ( start=$SECONDS status=0
+    "$@" > "$side_logs/$name.log" 2>&1 || status=$?
+    echo "$((SECONDS - start)) $status" > "$side_logs/$name.result" ) &
+  side_pids[$name]=$!
+}
+join() {  # join <name>: waits for a stage started with `beside`
+  local name=$1 seconds status
+  wait "${side_pids[$name]}" || true
+  echo "=== $name"
+  cat "$side_logs/$name.log"
+  read -r seconds status < "$side_logs/$name.result" || { seconds=0 status=1; }
+  record "$name" "$seconds" "$status"
 }
 
 summary() {
@@ -34,12 +69,27 @@ summary() {
   echo "all checks passed"
 }
 
-# A sanitizer preset's unit tests: configure, build the test binary, run it.
-sanitized() {
+# A sanitizer preset's unit tests: configure and build the test binary, then run it.
+sanitized_build() {
   local preset=$1
   cmake --preset "$preset" >/dev/null &&
-    cmake --build --preset "$preset" -j "$jobs" --target memscale_tests &&
-    ctest --preset "$preset" -L unit -j "$jobs" --timeout 600
+    cmake --build --preset "$preset" -j "$jobs" --target memscale_tests
+}
+sanitized_run() {
+  ctest --preset "$1" -L unit -j "$jobs" --timeout 600
+}
+
+header_checks() {  # against 1.13, then 2.x
+  local status=0
+  # Against 1.13 the headers only: the build compiles every source against it
+  # in full, with the same warnings.
+  echo "--- against LibTorch 1.13"
+  MEMSCALE_CHECK_SOURCES=0 cmake/check_headers.sh /usr/include || status=$?
+  if [[ -d .cache/libtorch2/root/usr/include/torch ]]; then  # else fetch-libtorch2 failed, and says so
+    echo "--- against LibTorch 2.x"
+    cmake/check_headers.sh .cache/libtorch2/root/usr/include || status=$?
+  fi
+  return "$status"
 }
 
 run_ctest() {
@@ -49,21 +99,24 @@ run_ctest() {
   return "$status"
 }
 
+total_start=$SECONDS
 stage setup-deps ./scripts/setup-deps.sh --tests
-stage configure cmake --preset default
-if ((${#failures[@]} == 0)); then stage build cmake --build --preset default -j "$jobs"; fi
-if ((${#failures[@]})); then summary; fi
+stage fetch-libtorch2 cmake/fetch_libtorch2_headers.sh .cache/libtorch2
+beside header-checks header_checks
+# -Werror: memscale's own targets (every header, instantiated by the tests,
+# examples and benchmarks) compile at -O3 without a warning.
+stage configure cmake --preset default -DMEMSCALE_WERROR=ON
+if [[ ! " ${failures[*]} " =~ " "(setup-deps|configure)" " ]]; then stage build cmake --build --preset default -j "$jobs"; fi
+join header-checks
+if [[ " ${failures[*]} " =~ " "(setup-deps|configure|build)" " ]]; then summary; fi
 
 stage ctest run_ctest
-# Against 1.13 the headers only: the build compiled every source against it in
-# full, with the same warnings.
-stage headers-libtorch1 env MEMSCALE_CHECK_SOURCES=0 cmake/check_headers.sh /usr/include
-stage fetch-libtorch2 cmake/fetch_libtorch2_headers.sh .cache/libtorch2
-if [[ -d .cache/libtorch2/root/usr/include/torch ]]; then
-  stage headers-libtorch2 cmake/check_headers.sh .cache/libtorch2/root/usr/include
-fi
 if [[ ${MEMSCALE_SANITIZERS:-1} != 0 ]]; then
-  stage asan-ubsan sanitized asan
-  stage tsan sanitized tsan
+  beside tsan-build sanitized_build tsan
+  stage asan-build sanitized_build asan
+  join tsan-build
+  if [[ ! " ${failures[*]} " =~ " asan-build " ]]; then stage asan-ubsan sanitized_run asan; fi
+  if [[ ! " ${failures[*]} " =~ " tsan-build " ]]; then stage tsan sanitized_run tsan; fi
 fi
+timings+=("$(printf '%-22s %4ss' total "$((SECONDS - total_start))")")
 summary

@@ -177,7 +177,7 @@ class job {
 
   void launch(int rank, int world_size) {
     const auto log = log_path(rank);
-    std::vector<std::string> args = {MEMSCALE_DP_WORKER,
+    std::vector<std::string> args = {MEMSCALE_DP_WORKER, "--dp-worker",  // this binary (tests/main.cpp)
                                      "--rank", std::to_string(rank),
                                      "--world-size", std::to_string(world_size),
                                      "--store", store_,
@@ -386,7 +386,8 @@ TEST_CASE("a rank that never comes ends the rendezvous with a timeout error", "[
 #else
 
 TEST_CASE("two-process jobs need Gloo", "[distributed][gloo]") {
-  WARN("memscale_dp_worker was not built (no Gloo headers: install libgloo-dev): the two-process tests did not run");
+  WARN("the data parallel worker was not built (no Gloo headers: install libgloo-dev): the two-process tests did "
+       "not run");
 }
 
 #endif

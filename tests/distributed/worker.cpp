@@ -1,8 +1,11 @@
 // One rank of the data parallel jobs tests/test_distributed.cpp launches: Gloo over
 // a FileStore, a small Sequential trained a few steps through DataParallel (c10d's
-// Reducer), without memscale and with it, with per-rank data.
+// Reducer), without memscale and with it, with per-rank data. It is compiled into
+// the test binary (tests/CMakeLists.txt; a program of its own took as long to
+// compile as a tenth of the test suite), whose main() hands it the arguments after
+// --dp-worker:
 //
-//   memscale_dp_worker --rank R --world-size N --store FILE|tcp:PORT --out DIR --scenario S [--timeout-ms T]
+//   memscale_tests --dp-worker --rank R --world-size N --store FILE|tcp:PORT --out DIR --scenario S [--timeout-ms T]
 //
 // Scenarios:
 //   train      the runs of job.hpp, each from the same start: a Sequential without
@@ -32,7 +35,8 @@
 
 #include "job.hpp"
 
-namespace {
+// Named, not anonymous: the test files share its translation unit.
+namespace dp_worker {
 
 namespace fs = std::filesystem;
 namespace dist = memscale::distributed;
@@ -132,15 +136,16 @@ dist::process_group make_group(const arguments& args) {
   return dist::gloo_group(store, args.rank, args.world_size, args.timeout);
 }
 
-}  // namespace
+}  // namespace dp_worker
 
-int main(int argc, char** argv) {
+int memscale_dp_worker_main(int argc, char** argv) {
+  using namespace dp_worker;
   arguments args;
   try {
     args = parse(argc, argv);
   } catch (const std::exception&) {
-    std::cerr << "usage: " << argv[0]
-              << " --rank R --world-size N --store FILE|tcp:PORT --out DIR [--scenario train|structure|die] [--timeout-ms T]\n";
+    std::cerr << "usage: memscale_tests --dp-worker --rank R --world-size N --store FILE|tcp:PORT --out DIR"
+                 " [--scenario train|structure|die] [--timeout-ms T]\n";
     return 2;
   }
   try {
