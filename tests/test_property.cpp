@@ -264,7 +264,7 @@ inline constexpr double summation_order_tolerance = 1e-5;
 /// What one case covered, for the sweep's summary.
 struct coverage {
   int cases = 0, exact = 0, tolerant = 0, checkpointed = 0, offloaded = 0, tiled = 0, mixed = 0, eight_bit = 0,
-      budgeted = 0, chains = 0, cnns = 0, decoders = 0, doubles = 0;
+      budgeted = 0, chains = 0, cnns = 0, decoders = 0, doubles = 0, verified = 0;
   double largest_tolerant_difference = 0.0;
 };
 
@@ -298,6 +298,11 @@ inline std::string run_case(std::uint64_t seed, coverage& seen) {
   spec.sgd = !c.use_8bit_optimizer && d.chance(0.3);
   const double budget_fraction = d.chance(0.5) ? d.uniform(0.3, 1.2) : 0.0;
   c.force_optimize = budget_fraction == 0.0 || d.chance(0.5);
+  // verify_correctness from a draw of its own, which leaves every case's other
+  // draws as they were: its extra steps must leave the model, the optimizer and
+  // the RNG as it found them (the comparison below sees anything it leaks), and
+  // it must pass every plan it verifies (a mismatch throws CorrectnessError).
+  c.verify_correctness = draw(seed ^ 0x7e51f1edull).chance(0.4);
   const std::uint64_t model_seed = seed * 31 + 5;
 
   // The model family and its data.
@@ -413,7 +418,7 @@ inline std::string run_case(std::uint64_t seed, coverage& seen) {
                                : std::string())
        << (c.enable_tiling ? ", tiling" : "") << (c.use_mixed_precision ? ", mixed precision" : "")
        << (c.use_8bit_optimizer ? ", 8-bit AdamW" : (spec.sgd ? ", SGD momentum" : ", AdamW"))
-       << (c.force_optimize ? ", force_optimize" : "");
+       << (c.force_optimize ? ", force_optimize" : "") << (c.verify_correctness ? ", verify_correctness" : "");
   if (budget > 0) what << ", budget " << budget << " B (" << budget_fraction << "x the baseline's " << baseline_peak << " B)";
   if (input_grad) what << ", input requires grad";
 
@@ -458,6 +463,8 @@ inline std::string run_case(std::uint64_t seed, coverage& seen) {
   compare_lists("after detach: gradient", base.gradients_after_detach, opt.gradients_after_detach, tolerance,
                 problems, largest);
   if (!opt.detached_exactly) problems << opt.detach_problem << "\n";
+  if (c.verify_correctness && (!r.verification || !r.verification->passed))
+    problems << "verify_correctness: the Report has no passed check\n";
 
   ++seen.cases;
   ++(tolerance == 0.0 ? seen.exact : seen.tolerant);
@@ -468,6 +475,7 @@ inline std::string run_case(std::uint64_t seed, coverage& seen) {
   seen.mixed += c.use_mixed_precision;
   seen.eight_bit += c.use_8bit_optimizer;
   seen.budgeted += budget > 0;
+  seen.verified += c.verify_correctness;
   seen.chains += family == 0;
   seen.cnns += family == 1;
   seen.decoders += family == 2;
@@ -509,7 +517,7 @@ TEST_CASE("randomized equality: random models and technique combinations train a
             << seen.decoders << " decoders, " << seen.doubles << " in float64; plans with checkpointing "
             << seen.checkpointed << ", offload " << seen.offloaded << ", tiling " << seen.tiled
             << "; mixed precision " << seen.mixed << ", 8-bit AdamW " << seen.eight_bit << ", under a budget "
-            << seen.budgeted << std::endl;
+            << seen.budgeted << ", verify_correctness " << seen.verified << std::endl;
   // The generator reaches every family and drawn technique (CI's fixed subset
   // included). Which plans come of them depends on measured times too (offload
   // and tiling are rarer: 40 and 3 of 250 in a sweep), so only checkpointing,
@@ -522,6 +530,7 @@ TEST_CASE("randomized equality: random models and technique combinations train a
     CHECK(seen.mixed > 0);
     CHECK(seen.eight_bit > 0);
     CHECK(seen.budgeted > 0);
+    CHECK(seen.verified > 0);
     CHECK(seen.checkpointed > 0);
   }
 }
