@@ -112,11 +112,15 @@ Workload bench_gpt(int steps) {
   }
   std::ostringstream desc;
   desc << "GPT (examples/gpt.hpp): " << o.layers
-       << " x TransformerBlock in a ModuleList, each called through memscale::forward (call-site units), d_model "
+       << " x TransformerBlock in a ModuleList, each called through memscale::forward, each calling its attention "
+          "and MLP halves through it too (call-site units at two levels), d_model "
        << o.d_model
        << ", " << o.heads << " heads, context " << o.context << ", dropout " << o.dropout << "; batch " << batch
        << "; cross-entropy, AdamW lr " << learning_rate
-       << "; hand ckpt/block: no guard, memscale::checkpoint around each block in the forward";
+       << "; hand ckpt/block: no guard, memscale::checkpoint around each block in the forward"
+       << "; \"" << coarse_suffix.substr(2) << "\": the blocks call their halves directly (one level of units)";
+  auto blocks_only = o;
+  blocks_only.halves_as_units = false;
   return run_workload<gpt::GPT>(
       "GPT", desc.str(), [o] { return gpt::GPT(o); },
       [](gpt::GPT& m, const Sample& s) { return gpt::loss(m->forward(s.input), s.target); }, data, steps,
@@ -128,7 +132,8 @@ Workload bench_gpt(int steps) {
           x = memscale::checkpoint(impl, x);
         }
         return gpt::loss(m->head(m->ln_f(x)), s.target);
-      });
+      },
+      [blocks_only] { return gpt::GPT(blocks_only); });
 }
 
 Workload bench_cnn(int steps) {

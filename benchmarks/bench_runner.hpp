@@ -270,6 +270,9 @@ inline std::int64_t dp_min_peak(const std::vector<memscale::slot_cost>& slots) {
   return best;
 }
 
+/// The rows on the model with one level of units (run_workload's make_coarse).
+inline const std::string coarse_suffix = ", blocks only";
+
 /// Builds the baseline row, sets the Balanced budget from its measured total peak,
 /// builds the memscale rows (and the hand-placed row with Balanced at its peak),
 /// then measures `steps` rounds in which every row takes a turn (so a change in
@@ -279,7 +282,8 @@ Workload run_workload(const std::string& title, const std::string& description,
                       const std::function<Model()>& make_model,
                       const std::function<torch::Tensor(Model&, const Sample&)>& loss_of,
                       const std::vector<Sample>& data, int steps, const row_configs& rows_for = mode_rows,
-                      const std::function<torch::Tensor(Model&, const Sample&)>& hand_placed = {}) {
+                      const std::function<torch::Tensor(Model&, const Sample&)>& hand_placed = {},
+                      const std::function<Model()>& make_coarse = {}) {
   Workload w;
   w.title = title;
   w.description = description;
@@ -287,11 +291,15 @@ Workload run_workload(const std::string& title, const std::string& description,
   if (!solo().row.empty()) {  // a child process: the one row, alone
     const auto& name = solo().row;
     w.balanced_budget_gb = solo().budget_gb;
-    std::optional<memscale::Config> config;
-    for (const auto& [row_name, cfg] : rows_for(w.balanced_budget_gb))
+    std::optional<memscale::Config> config, coarse_config;
+    for (const auto& [row_name, cfg] : rows_for(w.balanced_budget_gb)) {
       if (row_name == name) config = cfg;
+      if (make_coarse && row_name + coarse_suffix == name) coarse_config = cfg;
+    }
     if (name == "baseline" || config)
       runners.push_back(std::make_unique<Runner<Model>>(name, make_model, loss_of, data, config));
+    else if (coarse_config)
+      runners.push_back(std::make_unique<Runner<Model>>(name, make_coarse, loss_of, data, coarse_config));
     else if (name == "hand ckpt/block" && hand_placed)
       runners.push_back(std::make_unique<Runner<Model>>(name, make_model, hand_placed, data, std::nullopt));
     else if (name == at_hand_row && hand_placed) {
@@ -313,6 +321,14 @@ Workload run_workload(const std::string& title, const std::string& description,
     std::cerr << "[bench] " << title << ": " << name << "\n";
     runners.push_back(std::make_unique<Runner<Model>>(name, make_model, loss_of, data, cfg));
   }
+  // The same Balanced rows on the model whose blocks are its only units: what
+  // planning the finer level buys, side by side.
+  if (make_coarse)
+    for (const auto& [name, cfg] : rows_for(w.balanced_budget_gb)) {
+      if (name.rfind("Balanced", 0) != 0) continue;
+      std::cerr << "[bench] " << title << ": " << name << coarse_suffix << "\n";
+      runners.push_back(std::make_unique<Runner<Model>>(name + coarse_suffix, make_coarse, loss_of, data, cfg));
+    }
   if (hand_placed) {
     // No memscale guard: the loss's own forward checkpoints each block with
     // memscale::checkpoint, as a user would by hand (torch.utils.checkpoint per block).

@@ -2,7 +2,8 @@
 // LibTorch users write one: token and position embeddings, N pre-norm
 // transformer blocks in a torch::nn::ModuleList looped over in forward (each
 // call through memscale::forward, the one line that makes it a unit memscale
-// can plan), a final LayerNorm and an LM head. Also the embedded
+// can plan; each block calls its attention and MLP halves the same way), a
+// final LayerNorm and an LM head. Also the embedded
 // training text and a character-level batch sampler, so the example needs no files.
 #pragma once
 
@@ -27,6 +28,10 @@ struct Options {
   std::int64_t heads = 4;
   std::int64_t layers = 4;
   double dropout = 0.1;
+  /// Each block calls its attention and MLP halves through memscale::forward
+  /// (two levels of units for memscale to weigh); false: it calls them
+  /// directly, and the blocks are the only units.
+  bool halves_as_units = true;
 };
 
 /// The MLP half of a pre-norm block: x + dropout(fc_out(gelu(fc(ln(x))))). Each
@@ -50,17 +55,16 @@ class MLPImpl : public torch::nn::Module {
 };
 TORCH_MODULE(MLP);
 
-/// Pre-norm block: x + attention(ln1(x)), then the MLP half. Causal attention
-/// written with plain ops (matmul, masked_fill, softmax), as LibTorch 1.13 has no
-/// fused attention.
-class TransformerBlockImpl : public torch::nn::Module {
+/// The attention half of a pre-norm block: x + dropout(proj(attention(ln(x)))).
+/// Causal attention written with plain ops (matmul, masked_fill, softmax), as
+/// LibTorch 1.13 has no fused attention.
+class AttentionImpl : public torch::nn::Module {
  public:
-  explicit TransformerBlockImpl(const Options& o)
+  explicit AttentionImpl(const Options& o)
       : options(o),
-        ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})))),
+        ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})))),
         qkv(register_module("qkv", torch::nn::Linear(o.d_model, 3 * o.d_model))),
         proj(register_module("proj", torch::nn::Linear(o.d_model, o.d_model))),
-        mlp(register_module("mlp", MLP(o))),
         attn_drop(register_module("attn_drop", torch::nn::Dropout(o.dropout))),
         resid_drop(register_module("resid_drop", torch::nn::Dropout(o.dropout))) {
     mask = register_buffer("mask", torch::ones({o.context, o.context}, torch::kBool).triu(1));
@@ -68,22 +72,39 @@ class TransformerBlockImpl : public torch::nn::Module {
 
   torch::Tensor forward(torch::Tensor x) {
     const auto B = x.size(0), T = x.size(1), C = x.size(2), H = options.heads, D = C / H;
-    auto parts = qkv(ln1(x)).view({B, T, 3, H, D}).permute({2, 0, 3, 1, 4});  // 3, B, H, T, D
+    auto parts = qkv(ln(x)).view({B, T, 3, H, D}).permute({2, 0, 3, 1, 4});  // 3, B, H, T, D
     auto q = parts[0], k = parts[1], v = parts[2];
     auto scores = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(D)));
     scores = scores.masked_fill(mask.slice(0, 0, T).slice(1, 0, T), -std::numeric_limits<float>::infinity());
     auto attention = attn_drop(torch::softmax(scores, -1));
     auto y = torch::matmul(attention, v).transpose(1, 2).reshape({B, T, C});
-    x = x + resid_drop(proj(y));
-    return mlp(x);
+    return x + resid_drop(proj(y));
   }
 
   Options options;
-  torch::nn::LayerNorm ln1;
+  torch::nn::LayerNorm ln;
   torch::nn::Linear qkv, proj;
-  MLP mlp;
   torch::nn::Dropout attn_drop, resid_drop;
   torch::Tensor mask;
+};
+TORCH_MODULE(Attention);
+
+/// Pre-norm block: the attention half, then the MLP half, each called through
+/// memscale::forward, so that memscale may plan either the block or its halves
+/// as units (it weighs both and says which it took).
+class TransformerBlockImpl : public torch::nn::Module {
+ public:
+  explicit TransformerBlockImpl(const Options& o)
+      : options(o), attn(register_module("attn", Attention(o))), mlp(register_module("mlp", MLP(o))) {}
+
+  torch::Tensor forward(torch::Tensor x) {
+    if (!options.halves_as_units) return mlp(attn(x));
+    return memscale::forward(mlp, memscale::forward(attn, x));
+  }
+
+  Options options;
+  Attention attn;
+  MLP mlp;
 };
 TORCH_MODULE(TransformerBlock);
 

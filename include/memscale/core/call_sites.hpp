@@ -12,8 +12,10 @@
 //   calls at the planning level; a module called at several sites, or several
 //   times, is one unit per call, each planned on its own input.
 // - Level: calls nest (a block calling memscale::forward on its sub-layers). The
-//   plan uses the outermost depth with at least two calls: whole blocks are the
-//   cheapest boundaries to recompute over; deeper calls then run directly.
+//   plan uses the outermost depth with at least two calls (whole blocks), or the
+//   next depth with at least two (their parts) where its plan reaches the same
+//   target with less recompute (execute/attachment_levels.hpp); calls at the
+//   other depths then run directly.
 // - A forward that leaves the recorded sequence (another module than recorded,
 //   or more calls) runs the rest of that forward unoptimized and is counted and
 //   logged; a new forward starts after a backward (seen by memscale's engine) or

@@ -37,9 +37,10 @@ namespace memscale::core {
                       ? static_cast<double>(plan.baseline_peak) / static_cast<double>(in.usable_bytes)
                       : 1e9;
   const auto policy = policy_for(in.mode);
-  plan.target_bytes = light_touch(in, plan.baseline_peak)
-                          ? forced_target(in.mode, plan.baseline_peak, in.static_bytes)
-                          : static_cast<std::int64_t>(policy.target_fraction * static_cast<double>(in.usable_bytes));
+  plan.target_bytes = in.fixed_target > 0 ? in.fixed_target
+                     : light_touch(in, plan.baseline_peak)
+                         ? forced_target(in.mode, plan.baseline_peak, in.static_bytes)
+                         : static_cast<std::int64_t>(policy.target_fraction * static_cast<double>(in.usable_bytes));
 
   auto whole_chain_decisions = [&](rule_id rule) {
     for (int c = 0; c < static_cast<int>(chains.size()); ++c)

@@ -92,6 +92,10 @@ struct engine_input {
   /// One chain of one slot that is the whole model (no unit boundaries): its
   /// saved tensors stream to the tiers in prefetch groups of about this many bytes.
   std::int64_t whole_model_group_bytes = 0;
+  /// > 0: the target, whatever the mode's policy would set. Planning one model
+  /// at two unit levels (execute/attachment_levels.hpp) aims both at the
+  /// coarser level's target, so that their recompute compares.
+  std::int64_t fixed_target = 0;
 };
 
 /// Whether force_optimize finds nothing pressing: the baseline already meets the

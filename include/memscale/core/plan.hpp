@@ -84,6 +84,9 @@ struct Report {
   /// budget, so that the budget holds for the process. About 0 in a process that
   /// has trained before (they exist already). 0 on CUDA.
   std::int64_t outside_allocator_bytes = 0;
+  /// Call sites planned one level finer than their outermost (nested calls):
+  /// what the outer calls keep outside the inner calls, which no unit can free.
+  std::int64_t outside_units_bytes = 0;
   bool offload_async = false;  ///< Config::async_offload: offloaded runs overlap their transfer with compute
   std::vector<chain_profile> chains;
   core::engine_plan plan;
@@ -99,7 +102,7 @@ struct Report {
 
   [[nodiscard]] std::int64_t static_bytes() const noexcept {
     return parameter_bytes + gradient_bytes + optimizer_reserve_bytes + buffer_bytes + earlier_chains_bytes +
-           outside_allocator_bytes;
+           outside_allocator_bytes + outside_units_bytes;
   }
   [[nodiscard]] double memory_pressure() const noexcept { return plan.pressure; }
   [[nodiscard]] std::int64_t baseline_peak_bytes() const noexcept { return plan.baseline_peak; }
@@ -252,6 +255,7 @@ struct Report {
        << " + gradients " << format_bytes(gradient_bytes) << " + optimizer reserve "
        << format_bytes(optimizer_reserve_bytes) << " + buffers " << format_bytes(buffer_bytes);
     if (earlier_chains_bytes != 0) os << " + earlier chains " << format_bytes(earlier_chains_bytes);
+    if (outside_units_bytes != 0) os << " + outside the finer units " << format_bytes(outside_units_bytes);
     if (device == "cpu")
       os << " + outside the allocator " << format_bytes(outside_allocator_bytes)
          << " (the process's growth beyond LibTorch's allocator while memscale ran the model to plan it)";

@@ -256,14 +256,11 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
 
   /// Plans chains `ready`, applies the plan (and probes on the other chains when
   /// asked) in one transaction, then publishes the report.
-  void commit_plan(const std::vector<std::size_t>& ready, const std::vector<torch::Tensor>& inputs,
+  void commit_plan(std::vector<std::size_t> ready, const std::vector<torch::Tensor>& inputs,
                    bool probe_the_others, torch::nn::AnyModule* displaced = nullptr);
 
-  void after_first_change(bool& first_change) {
-    if (first_change) {
-      first_change = false;
-      detail::fault_point(detail::pipeline_stage::apply);  // a failure mid-way, after one slot changed
-    }
+  void after_first_change(bool& first_change) {  // a failure mid-way, after one slot changed
+    if (std::exchange(first_change, false)) detail::fault_point(detail::pipeline_stage::apply);
   }
 
   /// Stage 1 (Config::auto_policy), at the first plan: decides the strategy from
@@ -273,18 +270,19 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
                        const std::vector<bool>& supported, engine_input& in, const c10::Device& device, Report& out);
 
   /// Profiles chains `which` (inputs indexed by chain) and runs the engine; fills `out`.
-  std::vector<std::vector<unit>> plan(const std::vector<std::size_t>& which,
-                                      const std::vector<torch::Tensor>& inputs, Report& out);
+  /// `which` may come back naming a finer level's chains (consider_finer_level).
+  std::vector<std::vector<unit>> plan(std::vector<std::size_t>& which, const std::vector<torch::Tensor>& inputs,
+                                      Report& out);
 
-  /// Room in the offload tiers for tensors on `device` (the engine's caps, see
-  /// offload::options_from), and the transfer rate to the tier they reach first:
-  /// host tiers then disk for CUDA, disk only for CPU tensors.
-  static std::pair<std::int64_t, double> offload_room(const c10::Device& device, const offload::engine_options& o) {
-    const std::int64_t disk = o.disk_bytes.value_or(0);
-    if (!device.is_cuda()) return {disk, nominal_disk_bytes_per_second};
-    const std::int64_t host = o.host_bytes.value_or(0);
-    return {host + disk, host > 0 ? nominal_host_link_bytes_per_second : nominal_disk_bytes_per_second};
-  }
+  /// A chain's profile, and what each gets before the engine reads it (attachment_levels.hpp).
+  chain_profile profile_of(const managed_chain& chain, const torch::Tensor& input, const profile_options& options) const;
+  void adjust_profiles(std::vector<chain_profile>& profiles) const;
+
+  /// Plans finer_ at `decided`'s target; where cheaper (attachment_levels.hpp), its
+  /// chains, profiles and plan replace level_'s in every argument and in chains_.
+  bool consider_finer_level(std::vector<std::size_t>& which, const profile_options& options,
+                            std::vector<chain_profile>& profiles, std::vector<std::vector<slot_cost>>& costs,
+                            std::vector<bool>& supported, const engine_input& in, engine_plan& decided, Report& out);
 
   /// The engine offloaded units share; created at the first plan that offloads.
   std::shared_ptr<offload::engine> engine_for_plan() {
@@ -351,9 +349,11 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   /// ended (the next forward). On failure call sites run directly from then on.
   void plan_recorded_calls();
 
-  /// Turns the recorded calls into chains of call-site units (appended to
-  /// chains_; their indices are returned), the call sequence and report notes.
+  /// The recorded calls as chains of call-site units (appended to chains_, their
+  /// indices returned), call sequence and notes; where calls nest, finer_ too.
   std::vector<std::size_t> add_call_chains(bool lazy);
+  [[nodiscard]] call_level build_call_level(const std::vector<const call_record*>& eligible, int depth,
+                                            bool lazy) const;
 
   /// A model with no Sequential and no call site: its whole forward, one unit.
   void add_whole_model_chain();
@@ -395,6 +395,9 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   std::vector<std::size_t> report_order_;  ///< chains_ index of each Report chain (the order they were planned)
   std::unordered_set<const torch::nn::Module*> excluded_;
   int level_ = 0;
+  std::optional<call_level> finer_;      ///< the level plan() weighs against level_ (until planned)
+  std::vector<std::size_t> coarse_ids_;  ///< chains_ indices of level_'s chains (until planned)
+  std::size_t coarse_note_count_ = 0;    ///< pending_notes_ that describe level_ (the first ones)
   std::size_t cursor_ = 0;
   bool diverged_ = false;
   std::uint64_t cursor_epoch_ = 0;

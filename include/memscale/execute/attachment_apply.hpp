@@ -95,7 +95,7 @@ inline torch::Tensor attachment::plan_on_first_call(std::size_t c, const torch::
   return chains_[c].ref.sequential->begin()->forward<torch::Tensor>(x);
 }
 
-inline void attachment::commit_plan(const std::vector<std::size_t>& ready, const std::vector<torch::Tensor>& inputs,
+inline void attachment::commit_plan(std::vector<std::size_t> ready, const std::vector<torch::Tensor>& inputs,
                                     bool probe_the_others, torch::nn::AnyModule* displaced) {
   planning_scope planning;
   Report next = report_;

@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -169,7 +170,8 @@ inline std::vector<std::size_t> attachment::add_call_chains(bool lazy) {
     if (in_managed(r.module)) excluded_.insert(r.module);
     else eligible.push_back(&r);
   }
-  // The outermost depth with at least two calls (else the outermost).
+  // The outermost depth with at least two calls (else the outermost), and the
+  // next depth below it with at least two calls, which plan() weighs against it.
   std::map<int, int> per_depth;
   for (const auto* r : eligible) ++per_depth[r->depth];
   level_ = per_depth.empty() ? 0 : per_depth.begin()->first;
@@ -178,21 +180,55 @@ inline std::vector<std::size_t> attachment::add_call_chains(bool lazy) {
       level_ = d;
       break;
     }
-  pending_sequence_.clear();
-  pending_notes_.clear();
+  std::optional<int> finer_depth;
+  for (const auto& [d, n] : per_depth)
+    if (d > level_ && n >= 2) {
+      finer_depth = d;
+      break;
+    }
+  auto coarse = build_call_level(eligible, level_, lazy);
+  if (level_ > per_depth.begin()->first && !coarse.notes.empty())
+    coarse.notes.front() += "; the outermost depth has a single call, so the plan goes one level finer";
+  finer_.reset();
+  coarse_ids_.clear();
+  if (finer_depth && !agree_) {
+    auto finer = build_call_level(eligible, *finer_depth, lazy);
+    if (!finer.chains.empty()) finer_ = std::move(finer);
+  }
+  pending_sequence_ = std::move(coarse.sequence);
+  pending_notes_ = std::move(coarse.notes);
+  coarse_note_count_ = pending_notes_.size();
   std::vector<std::size_t> added;
+  for (auto& chain : coarse.chains) {
+    chains_.push_back(std::move(chain));
+    added.push_back(chains_.size() - 1);
+  }
+  coarse_ids_ = added;
+  if (!excluded_.empty())
+    pending_notes_.push_back(std::to_string(excluded_.size()) + " module(s) called through memscale::forward inside "
+                             "a managed Sequential run directly: that Sequential's slots are the units there");
+  for (const auto& chain : chains_)
+    if (chain.source == chain_source::sequential && chain.inside_call_site)
+      pending_notes_.push_back("Sequential '" + chain.ref.path + "' runs inside a memscale::forward call: it is "
+                               "part of that unit, not planned on its own");
+  return added;
+}
+
+inline call_level attachment::build_call_level(const std::vector<const call_record*>& eligible, int depth,
+                                                           bool lazy) const {
+  call_level out;
+  out.depth = depth;
   std::unordered_map<const torch::nn::Module*, int> calls_of;
-  std::size_t open = 0;
   bool is_open = false;
-  int nested = 0;
+  int nested = 0, around = 0;
   std::vector<std::string> direct;
   for (const auto* r : eligible) {
-    if (r->depth != level_) {
-      nested += r->depth > level_ ? 1 : 0;
+    if (r->depth != depth) {
+      (r->depth > depth ? nested : around) += 1;
       continue;
     }
-    const auto position = pending_sequence_.size();
-    pending_sequence_.push_back({r->module, {}});
+    const auto position = out.sequence.size();
+    out.sequence.push_back({r->module, {}});
     if (r->slot.is_empty()) {
       is_open = false;
       const auto line = "call site '" + path_of(r->module) + "' (" + type_name(*r->module) + ") runs as it is: " +
@@ -203,12 +239,10 @@ inline std::vector<std::size_t> attachment::add_call_chains(bool lazy) {
     if (!is_open) {
       managed_chain chain;
       chain.source = chain_source::call_sites;
-      chains_.push_back(std::move(chain));
-      open = chains_.size() - 1;
+      out.chains.push_back(std::move(chain));
       is_open = true;
-      added.push_back(open);
     }
-    auto& chain = chains_[open];
+    auto& chain = out.chains.back();
     auto name = path_of(r->module) + " (" + type_name(*r->module) + ")";
     if (const int k = ++calls_of[r->module]; k > 1) name += " call " + std::to_string(k);
     chain.originals.push_back(r->slot);
@@ -216,35 +250,28 @@ inline std::vector<std::size_t> attachment::add_call_chains(bool lazy) {
     chain.positions.push_back(position);
     chain.unit_names.push_back(std::move(name));
   }
-  for (std::size_t i = 0; i < added.size(); ++i) {
-    auto& chain = chains_[added[i]];
-    chain.ref.path = "memscale::forward call sites " + chain.unit_names.front().substr(0, chain.unit_names.front().find(' ')) +
-                     " .. " + chain.unit_names.back().substr(0, chain.unit_names.back().find(' '));
+  int units = 0;
+  for (auto& chain : out.chains) {
+    chain.ref.path = "memscale::forward call sites " +
+                     chain.unit_names.front().substr(0, chain.unit_names.front().find(' ')) + " .. " +
+                     chain.unit_names.back().substr(0, chain.unit_names.back().find(' '));
+    units += static_cast<int>(chain.originals.size());
   }
-  if (!pending_sequence_.empty()) {
-    int units = 0;
-    for (auto c : added) units += static_cast<int>(chains_[c].originals.size());
-    std::string line = "call sites: " + std::to_string(pending_sequence_.size()) + " memscale::forward call(s) per " +
-                       "forward at depth " + std::to_string(level_) + ", " + std::to_string(units) +
+  if (!out.sequence.empty()) {
+    std::string line = "call sites: " + std::to_string(out.sequence.size()) + " memscale::forward call(s) per " +
+                       "forward at depth " + std::to_string(depth) + ", " + std::to_string(units) +
                        " of them planned as units";
-    if (level_ > per_depth.begin()->first)
-      line += "; the outermost depth has a single call, so the plan goes one level finer";
     if (nested > 0)
-      line += "; " + std::to_string(nested) + " nested call(s) inside them run directly (the plan uses the "
-              "outermost depth with at least two calls: whole blocks are the boundaries where a checkpoint "
-              "keeps least, and a unit's recompute re-runs its nested calls anyway)";
+      line += "; " + std::to_string(nested) + " nested call(s) inside them run directly (a unit's recompute "
+              "re-runs its nested calls anyway)";
+    if (around > 0)
+      line += "; the " + std::to_string(around) + " call(s) around them at depth " + std::to_string(depth - 1) +
+              (depth > 1 ? " and above" : "") + " run directly (their inner calls are the units)";
     line += lazy ? "; recorded over the first training forward" : "; recorded from the example forward";
-    pending_notes_.push_back(std::move(line));
+    out.notes.push_back(std::move(line));
   }
-  for (auto& line : direct) pending_notes_.push_back(std::move(line));
-  if (!excluded_.empty())
-    pending_notes_.push_back(std::to_string(excluded_.size()) + " module(s) called through memscale::forward inside "
-                             "a managed Sequential run directly: that Sequential's slots are the units there");
-  for (const auto& chain : chains_)
-    if (chain.source == chain_source::sequential && chain.inside_call_site)
-      pending_notes_.push_back("Sequential '" + chain.ref.path + "' runs inside a memscale::forward call: it is "
-                               "part of that unit, not planned on its own");
-  return added;
+  for (auto& line : direct) out.notes.push_back(std::move(line));
+  return out;
 }
 
 inline void attachment::add_whole_model_chain() {

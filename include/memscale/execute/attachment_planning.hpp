@@ -34,12 +34,23 @@
 #include <memscale/device/process_memory.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/execute/attachment.hpp>
+#include <memscale/execute/attachment_levels.hpp>
 #include <memscale/execute/planning_scope.hpp>
 #include <memscale/offload/engine.hpp>
 #include <memscale/offload/hooks.hpp>
 #include <memscale/techniques/optim8bit.hpp>
 
 namespace memscale::core {
+
+/// Room in the offload tiers for tensors on `device` (the engine's caps, see
+/// offload::options_from), and the transfer rate to the tier they reach first:
+/// host tiers then disk for CUDA, disk only for CPU tensors.
+inline std::pair<std::int64_t, double> offload_room(const c10::Device& device, const offload::engine_options& o) {
+  const std::int64_t disk = o.disk_bytes.value_or(0);
+  if (!device.is_cuda()) return {disk, nominal_disk_bytes_per_second};
+  const std::int64_t host = o.host_bytes.value_or(0);
+  return {host + disk, host > 0 ? nominal_host_link_bytes_per_second : nominal_disk_bytes_per_second};
+}
 
 inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function<void()>& forward) {
   detail::fault_point(detail::pipeline_stage::capture);
@@ -106,7 +117,7 @@ inline void attachment::choose_strategy(const std::vector<chain_profile>& profil
     telemetry_.emit(telemetry::policy_decided(facts_, out.strategy));
 }
 
-inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::size_t>& which,
+inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>& which,
                                                        const std::vector<torch::Tensor>& inputs, Report& out) {
   const auto device = inputs[which.front()].device();
   bool training = true;
@@ -119,23 +130,8 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
   std::optional<outside_allocator_probe> own_probe;
   if (measure_outside && outside_probe_ == nullptr) own_probe.emplace();
   std::vector<chain_profile> profiles;
-  {
-    torch::AutoGradMode grad_on(true);  // profiling measures what backward keeps
-    for (auto c : which) {
-      const auto& chain = chains_[c];
-      profiles.push_back(chain.source == chain_source::call_sites
-                             ? profile_chain(chain.ref.path, chain.originals, inputs[c], options,
-                                             &chain.unit_inputs, chain.unit_names)
-                             : profile_chain(chain.ref.path, chain.originals, inputs[c], options));
-    }
-  }
-  if (const double scale = profile_batch_scale(); scale != 1.0)
-    for (auto& p : profiles) scale_profile(p, scale);
-  // Under autocast a checkpointed run's closing Linear is recomputed like the
-  // rest (its gradients come from its input only in full precision): planned so.
-  if (config_.use_mixed_precision)
-    for (auto& p : profiles)
-      for (auto& slot : p.slots) slot.backward_from_input = false;
+  for (auto c : which) profiles.push_back(profile_of(chains_[c], inputs[c], options));
+  adjust_profiles(profiles);
   detail::fault_point(detail::pipeline_stage::plan);
 
   out.device = device.str();
@@ -145,7 +141,7 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
                                                config_.target_gpu_utilization);
   if (!out.planned) {
     out.parameter_bytes = out.gradient_bytes = out.buffer_bytes = out.optimizer_reserve_bytes = 0;
-    out.outside_allocator_bytes = 0;
+    out.outside_allocator_bytes = out.outside_units_bytes = 0;
     if (device.is_cpu()) {
       std::int64_t outside = profile_outside_allocator_bytes();
       if (measure_outside) outside = (own_probe ? *own_probe : *outside_probe_).bytes();
@@ -229,6 +225,7 @@ inline std::vector<std::vector<unit>> attachment::plan(const std::vector<std::si
   }
   if (!out.planned && caller_config_.auto_policy) choose_strategy(profiles, costs, supported, in, device, out);
   auto decided = decide(costs, supported, in);
+  if (finer_) consider_finer_level(which, options, profiles, costs, supported, in, decided, out);
   if (agree_) {  // data parallel: every rank applies rank 0's plan; say where this rank's own differed
     const auto own = decided.units;
     decided = agree_(profiles, std::move(decided));

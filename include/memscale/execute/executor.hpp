@@ -4,6 +4,7 @@
 //   managed_chain.hpp          technique_set, the planning probe, managed_chain, call records
 //   planning_scope.hpp         planning's thread-local state and scopes, the outside-allocator probe
 //   attachment.hpp             class attachment: its members and short functions
+//   attachment_levels.hpp      profile a chain; weigh nested call sites' finer level
 //   attachment_planning.hpp    capture the example's inputs; profile and plan chains
 //   attachment_apply.hpp       commit a plan: swap Sequential slots, call-site runners
 //   attachment_call_sites.hpp  record, plan and run memscale::forward calls
@@ -14,6 +15,7 @@
 #include <memscale/execute/managed_chain.hpp>
 #include <memscale/execute/planning_scope.hpp>
 #include <memscale/execute/attachment.hpp>
+#include <memscale/execute/attachment_levels.hpp>
 #include <memscale/execute/attachment_planning.hpp>
 #include <memscale/execute/attachment_apply.hpp>
 #include <memscale/execute/attachment_call_sites.hpp>

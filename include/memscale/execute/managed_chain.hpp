@@ -106,6 +106,15 @@ struct planned_call {
   torch::nn::AnyModule runner;
 };
 
+/// The chains of call-site units, the call sequence and the report notes of
+/// one depth of recorded memscale::forward calls.
+struct call_level {
+  int depth = 0;
+  std::vector<managed_chain> chains;
+  std::vector<planned_call> sequence;
+  std::vector<std::string> notes;
+};
+
 /// Call sites' runners replaced for a while (a traced or a reference step):
 /// put back by put_back() or, however the step ends, the destructor.
 class runner_swaps {

@@ -121,6 +121,7 @@ inline void from_json(const nlohmann::json& j, StrategyDecision& d) {
                       {"buffer_bytes", r.buffer_bytes},
                       {"earlier_chains_bytes", r.earlier_chains_bytes},
                       {"outside_allocator_bytes", r.outside_allocator_bytes},
+                      {"outside_units_bytes", r.outside_units_bytes},
                       {"offload_async", r.offload_async},
                       {"chains", r.chains},
                       {"plan", r.plan},
@@ -229,6 +230,7 @@ inline void check_report_ranges(const Report& r) {
     j.at("buffer_bytes").get_to(r.buffer_bytes);
     j.at("earlier_chains_bytes").get_to(r.earlier_chains_bytes);
     j.at("outside_allocator_bytes").get_to(r.outside_allocator_bytes);
+    r.outside_units_bytes = j.value("outside_units_bytes", std::int64_t{0});  // absent from older documents: none
     j.at("offload_async").get_to(r.offload_async);
     j.at("chains").get_to(r.chains);
     j.at("plan").get_to(r.plan);

@@ -1,0 +1,189 @@
+// memscale — attachment, the level of nested call sites (execute/attachment.hpp
+// has the class). A block whose forward calls memscale::forward on its own parts
+// (attention, MLP) offers two levels of units: the blocks, or their parts. A
+// part can free much memory for little recompute (an MLP: wide activations
+// behind two matrix products) where its neighbour frees little for much (an
+// attention core on a CPU, where dropout's draws dominate), so which level is
+// cheaper depends on the model and the machine. add_call_chains builds both;
+// plan() plans both at the same target and keeps the one that gets there with
+// less projected recompute and transfer (where neither gets there, the lower
+// peak). The finer level can checkpoint a whole block as its parts, one after
+// the other: that keeps one input more per part, but recomputes one part at a
+// time in backward. Also how any chain is profiled for planning (profile_of,
+// adjust_profiles).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <iomanip>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/core/decision_engine.hpp>
+#include <memscale/core/memory_model.hpp>
+#include <memscale/core/plan.hpp>
+#include <memscale/core/profiler.hpp>
+#include <memscale/device/hardware.hpp>
+#include <memscale/errors.hpp>
+#include <memscale/execute/attachment.hpp>
+#include <memscale/execute/planning_scope.hpp>
+
+namespace memscale::core {
+
+namespace detail_levels {
+
+/// What a plan adds to a step: its recompute, and its transfers both ways at
+/// the tier's rate (the engine overlaps them with compute where it can; both
+/// levels are charged alike).
+inline double extra_seconds(const std::vector<std::vector<slot_cost>>& costs, const engine_plan& plan,
+                            double offload_bytes_per_second) {
+  return recompute_seconds(costs, plan.units) +
+         2.0 * static_cast<double>(offloaded_bytes(costs, plan.units)) / std::max(offload_bytes_per_second, 1.0);
+}
+
+/// Bytes a chain keeps once its forward is done, nothing checkpointed.
+inline std::int64_t kept_after_forward(const std::vector<slot_cost>& slots) {
+  return project_chain(slots, keep_all(slots.size())).forward_end;
+}
+
+}  // namespace detail_levels
+
+inline chain_profile attachment::profile_of(const managed_chain& chain, const torch::Tensor& input,
+                                            const profile_options& options) const {
+  torch::AutoGradMode grad_on(true);  // profiling measures what backward keeps
+  return chain.source == chain_source::call_sites
+             ? profile_chain(chain.ref.path, chain.originals, input, options, &chain.unit_inputs, chain.unit_names)
+             : profile_chain(chain.ref.path, chain.originals, input, options);
+}
+
+inline void attachment::adjust_profiles(std::vector<chain_profile>& profiles) const {
+  if (const double scale = profile_batch_scale(); scale != 1.0)
+    for (auto& p : profiles) scale_profile(p, scale);
+  // Under autocast a checkpointed run's closing Linear is recomputed like the
+  // rest (its gradients come from its input only in full precision): planned so.
+  if (config_.use_mixed_precision)
+    for (auto& p : profiles)
+      for (auto& slot : p.slots) slot.backward_from_input = false;
+}
+
+inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, const profile_options& options,
+                                             std::vector<chain_profile>& profiles,
+                                             std::vector<std::vector<slot_cost>>& costs, std::vector<bool>& supported,
+                                             const engine_input& in, engine_plan& decided, Report& out) {
+  auto finer = std::move(*finer_);
+  finer_.reset();
+  const auto coarse_ids = std::move(coarse_ids_);
+  coarse_ids_.clear();
+  const auto k = coarse_ids.size();
+  // The coarser level's chains are the last ones planned here and the last made.
+  if (k == 0 || which.size() < k || !std::equal(coarse_ids.begin(), coarse_ids.end(), which.end() - static_cast<std::ptrdiff_t>(k)) ||
+      coarse_ids.front() + k != chains_.size())
+    return false;
+  // Nothing to do at the coarser level: nothing to do more cheaply.
+  if (count_units(decided.units, &unit::checkpointed) + count_units(decided.units, &unit::offloaded) == 0)
+    return false;
+  const auto head = which.size() - k;  // chains planned beside them (Sequentials)
+  const auto depth_name = [](int d) { return "depth " + std::to_string(d); };
+
+  std::vector<chain_profile> fine_profiles;
+  try {
+    for (const auto& chain : finer.chains)
+      fine_profiles.push_back(profile_of(chain, chain.unit_inputs.front(), options));
+  } catch (const ProfilingError& e) {
+    out.notes.push_back("call sites: the calls at " + depth_name(finer.depth) + " were not weighed as units: " +
+                        e.what());
+    return false;
+  }
+  adjust_profiles(fine_profiles);
+
+  auto fine_costs = costs;
+  auto fine_supported = supported;
+  fine_costs.resize(head);
+  fine_supported.resize(head);
+  for (std::size_t i = 0; i < fine_profiles.size(); ++i) {
+    fine_costs.push_back(fine_profiles[i].slots);
+    fine_supported.push_back(fine_profiles[i].supported &&
+                             fine_profiles[i].slots.size() == finer.chains[i].originals.size());
+  }
+  // What the outer calls keep beside their inner calls (a norm, a residual
+  // add between them) no finer unit frees: fixed, like the parameters.
+  std::int64_t coarse_kept = 0, fine_kept = 0;
+  for (std::size_t i = head; i < costs.size(); ++i) coarse_kept += detail_levels::kept_after_forward(costs[i]);
+  for (std::size_t i = head; i < fine_costs.size(); ++i) fine_kept += detail_levels::kept_after_forward(fine_costs[i]);
+  const auto outside = std::max<std::int64_t>(0, coarse_kept - fine_kept);
+
+  auto fine_in = in;
+  fine_in.static_bytes += outside;
+  fine_in.fixed_target = decided.target_bytes;
+  fine_in.segment_limit.resize(head);
+  fine_in.segment_limit.insert(fine_in.segment_limit.end(), fine_costs.size() - head, 1);
+  auto fine = decide(fine_costs, fine_supported, fine_in);
+
+  const double coarse_s = detail_levels::extra_seconds(costs, decided, in.offload_bytes_per_second);
+  const double fine_s = detail_levels::extra_seconds(fine_costs, fine, in.offload_bytes_per_second);
+  const bool coarse_fits = decided.planned_peak <= decided.target_bytes;
+  const bool fine_fits = fine.planned_peak <= decided.target_bytes;
+  // Peaks within the schedule search's resolution are the same peak.
+  const auto resolution = std::max<std::int64_t>(1, decided.planned_peak / 2048);
+  // Less recompute by a margin over the profiling's timing noise.
+  const bool cheaper = fine_s < 0.98 * coarse_s;
+  bool take = false;
+  if (fine.overall == rule_id::low_pressure_skip || fine.overall == rule_id::checkpointing_disabled)
+    take = false;
+  else if (fine_fits != coarse_fits)
+    take = fine_fits;
+  else if (fine_fits)
+    take = cheaper;
+  else
+    take = fine.planned_peak + resolution < decided.planned_peak ||
+           (fine.planned_peak <= decided.planned_peak + resolution && cheaper);
+
+  int coarse_units = 0, fine_units = 0;
+  for (std::size_t i = head; i < costs.size(); ++i) coarse_units += static_cast<int>(costs[i].size());
+  for (std::size_t i = head; i < fine_costs.size(); ++i) fine_units += static_cast<int>(fine_costs[i].size());
+  std::ostringstream note;
+  const int chosen = take ? finer.depth : level_;
+  note << std::fixed << std::setprecision(1) << "call sites: the calls nest; planned at " << depth_name(chosen)
+       << " (" << (fine_fits != coarse_fits ? "only it reaches the target"
+                   : fine_fits             ? "both reach the target: the less recompute and transfer"
+                                           : "neither reaches the target: the lower peak, or the less recompute at equal peaks")
+       << "). Target " << detail::format_bytes(decided.target_bytes) << "; the " << coarse_units << " unit(s) at "
+       << depth_name(level_) << ": projected peak " << detail::format_bytes(decided.planned_peak) << ", "
+       << coarse_s * 1e3 << " ms of recompute and transfer per step; the " << fine_units << " at "
+       << depth_name(finer.depth) << ": " << detail::format_bytes(fine.planned_peak) << ", " << fine_s * 1e3
+       << " ms (with " << detail::format_bytes(outside) << " the outer calls keep outside the inner ones, fixed)";
+  if (!take) {
+    out.notes.push_back(note.str());
+    return false;
+  }
+
+  // The finer level replaces the coarser: its chains (the coarser ones were
+  // never applied), its call sequence and notes, and its plan.
+  chains_.resize(coarse_ids.front());
+  which.resize(head);
+  for (auto& chain : finer.chains) {
+    chains_.push_back(std::move(chain));
+    which.push_back(chains_.size() - 1);
+  }
+  profiles.resize(head);
+  profiles.insert(profiles.end(), std::make_move_iterator(fine_profiles.begin()),
+                  std::make_move_iterator(fine_profiles.end()));
+  costs = std::move(fine_costs);
+  supported = std::move(fine_supported);
+  decided = std::move(fine);
+  level_ = finer.depth;
+  pending_sequence_ = std::move(finer.sequence);
+  const auto coarse_notes = std::min(coarse_note_count_, pending_notes_.size());
+  pending_notes_.erase(pending_notes_.begin(), pending_notes_.begin() + static_cast<std::ptrdiff_t>(coarse_notes));
+  pending_notes_.insert(pending_notes_.begin(), finer.notes.begin(), finer.notes.end());
+  out.outside_units_bytes = outside;
+  out.notes.push_back(note.str());
+  return true;
+}
+
+}  // namespace memscale::core
