@@ -158,13 +158,14 @@ inline void register_memscale_rule() {
         memscale::layer_estimate e;
         e.output_shape = in.shape;
         e.output_dtype = in.dtype;
-        e.saves_input = true;  // ln1 keeps it
-        // Kept for backward: ln1's output (by qkv), the q and k copies matmul makes
-        // contiguous, softmax's output, the v copy, y (by proj), x1 (by ln2), ln2's
-        // output, fc's and gelu's outputs (4 wide each), LayerNorm statistics. The
-        // qkv output itself dies once q, k and v are copied out of it.
-        std::int64_t saved = act /*ln1*/ + 2 * act /*q, k*/ + scores /*softmax*/ + act /*v*/ + act /*y*/ +
-                             act /*x1*/ + act /*ln2*/ + 4 * act /*fc*/ + 4 * act /*gelu*/ + 2 * rows;
+        e.saves_input = true;  // attn.ln keeps it
+        // Kept for backward: attn.ln's output (by qkv), the q and k copies matmul makes
+        // contiguous, softmax's output, the v copy, y (by proj), the attention half's
+        // output x1 (by mlp.ln), mlp.ln's output, fc's and gelu's outputs (4 wide
+        // each), LayerNorm statistics. The qkv output itself dies once q, k and v are
+        // copied out of it.
+        std::int64_t saved = act /*attn.ln*/ + 2 * act /*q, k*/ + scores /*softmax*/ + act /*v*/ + act /*y*/ +
+                             act /*x1*/ + act /*mlp.ln*/ + 4 * act /*fc*/ + 4 * act /*gelu*/ + 2 * rows;
         // Dropout keeps its noise (input * noise on CPU) or a 1-byte mask (CUDA's
         // fused kernel); attention dropout's output is kept by the next matmul as well.
         if (dropout) {

@@ -439,6 +439,7 @@ TEST_CASE("nested call sites: the finer level is planned where it reaches the ta
     CHECK(same_runs(expected, train(model, x, 2)));
   }
   // Detached: direct calls again, and the same steps as the reference.
+  CHECK_FALSE(memscale::is_optimized(model));
   CHECK(same_runs(train(reference, x, 1), train(model, x, 1)));
 }
 

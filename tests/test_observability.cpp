@@ -179,6 +179,10 @@ TEST_CASE("Report::to_json: every field, and from_json takes back what to_json w
   const auto back = memscale::Report::from_json(text);
   CHECK(back.to_json() == text);
   CHECK(back.str() == report.str());
+  // A document written before outside_units_bytes existed reads as none.
+  auto older = j;
+  older.erase("outside_units_bytes");
+  CHECK(memscale::Report::from_json(older.dump()).outside_units_bytes == 0);
   // Bad input names what is wrong.
   CHECK_THROWS_WITH(memscale::Report::from_json("{"), Catch::Contains("not JSON"));
   CHECK_THROWS_WITH(memscale::Report::from_json("{\"schema\": \"x\"}"), Catch::Contains("not a Report document"));

@@ -100,7 +100,15 @@ inline void attachment::commit_plan(std::vector<std::size_t> ready, const std::v
   planning_scope planning;
   Report next = report_;
   std::vector<std::vector<unit>> units;
-  if (!ready.empty()) units = plan(ready, inputs, next);
+  try {
+    if (!ready.empty()) units = plan(ready, inputs, next);
+  } catch (...) {
+    finer_.reset();  // with its recorded inputs
+    coarse_ids_.clear();
+    throw;
+  }
+  finer_.reset();
+  coarse_ids_.clear();
   pending_changes changes;
   bool first_change = true;
   for (std::size_t i = 0; i < ready.size(); ++i) {

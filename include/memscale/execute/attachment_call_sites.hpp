@@ -136,6 +136,7 @@ inline void attachment::plan_recorded_calls() {
     if (added.empty()) {
       sites_ = sites_state::off;
       pending_notes_.clear();
+      finer_.reset();
       return;
     }
     std::vector<torch::Tensor> inputs(chains_.size());
@@ -145,6 +146,7 @@ inline void attachment::plan_recorded_calls() {
     sites_ = sites_state::off;
     pending_sequence_.clear();
     pending_notes_.clear();
+    finer_.reset();
     throw;
   }
 }

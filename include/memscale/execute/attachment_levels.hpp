@@ -98,6 +98,10 @@ inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, co
     out.notes.push_back("call sites: the calls at " + depth_name(finer.depth) + " were not weighed as units: " +
                         e.what());
     return false;
+  } catch (const c10::Error& e) {  // out of memory, or a unit that fails on its input: the coarser plan stands
+    out.notes.push_back("call sites: the calls at " + depth_name(finer.depth) + " were not weighed as units: " +
+                        e.what_without_backtrace());
+    return false;
   }
   adjust_profiles(fine_profiles);
 
@@ -133,7 +137,10 @@ inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, co
   // Less recompute by a margin over the profiling's timing noise.
   const bool cheaper = fine_s < 0.98 * coarse_s;
   bool take = false;
-  if (fine.overall == rule_id::low_pressure_skip || fine.overall == rule_id::checkpointing_disabled)
+  // A finer plan that changes nothing "fits" only where the two levels' projections of the same model
+  // disagree (a static rule against measured parts): the coarser plan, which acts, stands.
+  if (fine.overall == rule_id::low_pressure_skip || fine.overall == rule_id::checkpointing_disabled ||
+      count_units(fine.units, &unit::checkpointed) + count_units(fine.units, &unit::offloaded) == 0)
     take = false;
   else if (fine_fits != coarse_fits)
     take = fine_fits;
