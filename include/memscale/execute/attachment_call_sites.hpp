@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -176,18 +177,14 @@ inline std::vector<std::size_t> attachment::add_call_chains(bool lazy) {
   // next depth below it with at least two calls, which plan() weighs against it.
   std::map<int, int> per_depth;
   for (const auto* r : eligible) ++per_depth[r->depth];
-  level_ = per_depth.empty() ? 0 : per_depth.begin()->first;
-  for (const auto& [d, n] : per_depth)
-    if (n >= 2) {
-      level_ = d;
-      break;
-    }
-  std::optional<int> finer_depth;
-  for (const auto& [d, n] : per_depth)
-    if (d > level_ && n >= 2) {
-      finer_depth = d;
-      break;
-    }
+  const auto two_calls_below = [&](int above) -> std::optional<int> {
+    for (const auto& [d, n] : per_depth)
+      if (d > above && n >= 2) return d;
+    return std::nullopt;
+  };
+  level_ = two_calls_below(std::numeric_limits<int>::min())
+               .value_or(per_depth.empty() ? 0 : per_depth.begin()->first);
+  const auto finer_depth = two_calls_below(level_);
   auto coarse = build_call_level(eligible, level_, lazy);
   if (level_ > per_depth.begin()->first && !coarse.notes.empty())
     coarse.notes.front() += "; the outermost depth has a single call, so the plan goes one level finer";

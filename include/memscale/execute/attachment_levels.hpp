@@ -46,6 +46,11 @@ inline double extra_seconds(const std::vector<std::vector<slot_cost>>& costs, co
          2.0 * static_cast<double>(offloaded_bytes(costs, plan.units)) / std::max(offload_bytes_per_second, 1.0);
 }
 
+/// Whether a plan changes anything: a unit checkpointed or offloaded.
+inline bool acts(const engine_plan& plan) {
+  return count_units(plan.units, &unit::checkpointed) + count_units(plan.units, &unit::offloaded) > 0;
+}
+
 /// Bytes a chain keeps once its forward is done, nothing checkpointed.
 inline std::int64_t kept_after_forward(const std::vector<slot_cost>& slots) {
   return project_chain(slots, keep_all(slots.size())).forward_end;
@@ -85,8 +90,7 @@ inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, co
       coarse_ids.front() + k != chains_.size())
     return false;
   // Nothing to do at the coarser level: nothing to do more cheaply.
-  if (count_units(decided.units, &unit::checkpointed) + count_units(decided.units, &unit::offloaded) == 0)
-    return false;
+  if (!detail_levels::acts(decided)) return false;
   const auto head = which.size() - k;  // chains planned beside them (Sequentials)
   const auto depth_name = [](int d) { return "depth " + std::to_string(d); };
 
@@ -140,7 +144,7 @@ inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, co
   // A finer plan that changes nothing "fits" only where the two levels' projections of the same model
   // disagree (a static rule against measured parts): the coarser plan, which acts, stands.
   if (fine.overall == rule_id::low_pressure_skip || fine.overall == rule_id::checkpointing_disabled ||
-      count_units(fine.units, &unit::checkpointed) + count_units(fine.units, &unit::offloaded) == 0)
+      !detail_levels::acts(fine))
     take = false;
   else if (fine_fits != coarse_fits)
     take = fine_fits;
