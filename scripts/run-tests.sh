@@ -12,7 +12,9 @@
 # core idle at its tail (its last translation unit, its link, the precompiled
 # header the others wait for). Stages that run tests run alone, as before: a
 # plan measures compute rates, and what the tests check must not depend on a
-# compile beside them. A stage run beside another prints its log when it ends;
+# compile beside them. The exception is the CTest tests that are compiles
+# (labels consumer, package, compile_fail: ctest-compile), which run beside the
+# sanitizer builds. A stage run beside another prints its log when it ends;
 # its time in the summary is its own, the stages overlapping.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -92,11 +94,31 @@ header_checks() {  # against 1.13, then 2.x
   return "$status"
 }
 
-run_ctest() {
-  local log=build/ctest.log status=0
-  ctest --preset default -j "$jobs" 2>&1 | tee "$log" || status=$?
-  ctest_summary=$(grep -E 'tests passed, [0-9]+ tests? failed out of' "$log" | tail -n 1 || true)
+# The CTest tests that only compile and run a small program (a consumer's
+# build, the packages, the negative compile tests): 180 s of compiling on CI's
+# two cores, nothing they check depends on a compile beside them, and they run
+# beside the sanitizer builds, which leave a core idle at their tail.
+compile_labels='^(consumer|package|compile_fail)$'
+run_ctest() {  # run_ctest <log name> <ctest arguments...>
+  local log=build/$1.log status=0 line
+  shift
+  ctest --preset default "$@" 2>&1 | tee "$log" || status=$?
+  line=$(grep -E 'tests passed, [0-9]+ tests? failed out of' "$log" | tail -n 1 || true)
+  echo "$line" > "$log.summary"
   return "$status"
+}
+ctest_summaries() {  # the results of both CTest runs, once both have run
+  local runs=0 failed=0 total=0 f line
+  for f in build/ctest.log.summary build/ctest-compile.log.summary; do
+    [[ -s $f ]] || continue
+    read -r line < "$f"
+    if [[ $line =~ ([0-9]+)\ tests?\ failed\ out\ of\ ([0-9]+) ]]; then
+      runs=$((runs + 1)) failed=$((failed + BASH_REMATCH[1])) total=$((total + BASH_REMATCH[2]))
+    fi
+  done
+  if ((runs)); then
+    ctest_summary="$((total - failed)) of $total tests passed, $failed failed ($runs runs)"
+  fi
 }
 
 total_start=$SECONDS
@@ -110,13 +132,19 @@ if [[ ! " ${failures[*]} " =~ " "(setup-deps|configure)" " ]]; then stage build 
 join header-checks
 if [[ " ${failures[*]} " =~ " "(setup-deps|configure|build)" " ]]; then summary; fi
 
-stage ctest run_ctest
+rm -f build/ctest.log.summary build/ctest-compile.log.summary
+stage ctest run_ctest ctest -j "$jobs" -LE "$compile_labels"
 if [[ ${MEMSCALE_SANITIZERS:-1} != 0 ]]; then
+  beside ctest-compile run_ctest ctest-compile -j 1 -L "$compile_labels"
   beside tsan-build sanitized_build tsan
   stage asan-build sanitized_build asan
   join tsan-build
+  join ctest-compile
   if [[ ! " ${failures[*]} " =~ " asan-build " ]]; then stage asan-ubsan sanitized_run asan; fi
   if [[ ! " ${failures[*]} " =~ " tsan-build " ]]; then stage tsan sanitized_run tsan; fi
+else
+  stage ctest-compile run_ctest ctest-compile -j "$jobs" -L "$compile_labels"
 fi
+ctest_summaries
 timings+=("$(printf '%-22s %4ss' total "$((SECONDS - total_start))")")
 summary
