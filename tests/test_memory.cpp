@@ -426,8 +426,13 @@ std::int64_t train_peak(Model& model, Loss&& loss, std::int64_t origin, int step
   return peak;
 }
 
+/// Trains the baseline, then memscale under a budget of `fraction` of the
+/// baseline's total peak. The budget must bind (pressure above 1) and leave
+/// room for a plan: the plan's projected peak fits it, so the measured checks
+/// test the plan, not a projection that happened to be pessimistic.
 template <class MakeModel, class MakeLoss>
-void check_balanced_budget(MakeModel&& make_model, MakeLoss&& make_loss, const torch::Tensor& example) {
+void check_balanced_budget(MakeModel&& make_model, MakeLoss&& make_loss, const torch::Tensor& example,
+                           double fraction = 0.6) {
   memory_tracker::install();
   memscale::fix_malloc_mmap_threshold();  // freed blocks go back to the system: the process's figures hold
   constexpr double gib = 1024.0 * 1024.0 * 1024.0;
@@ -437,7 +442,7 @@ void check_balanced_budget(MakeModel&& make_model, MakeLoss&& make_loss, const t
     auto reference = make_model();
     baseline_total = train_peak(reference, make_loss(reference), origin, 2);
   }
-  const auto budget = static_cast<std::int64_t>(0.6 * static_cast<double>(baseline_total));
+  const auto budget = static_cast<std::int64_t>(fraction * static_cast<double>(baseline_total));
   const auto origin = memory_tracker::current_bytes();
   memory_tracker::process_peak_scope process;  // what the process holds, the allocator's share included
   auto model = make_model();
@@ -459,6 +464,7 @@ void check_balanced_budget(MakeModel&& make_model, MakeLoss&& make_loss, const t
   CHECK(report.plan.pressure > 1.0);  // the budget really binds
   CHECK(report.checkpointed_segments() > 0);
   CHECK(report.planned_peak_bytes() < report.baseline_peak_bytes());
+  REQUIRE(report.planned_peak_bytes() <= budget);  // a budget the plan can meet, as projected
   // Where some plan reaches the target (the optimal DP says so), the rules reach it too.
   const auto optimum = memscale::core::optimal_segmentation(report.chains.at(0).slots,
                                                             report.plan.target_bytes - report.static_bytes());
@@ -473,6 +479,12 @@ void check_balanced_budget(MakeModel&& make_model, MakeLoss&& make_loss, const t
 
 }  // namespace
 
+// At 60% of the baseline the flat chain's budget sat at the edge of what any
+// plan reaches: its static bytes (parameters, gradients, AdamW's state) are 48
+// MiB of the 71, and Balanced's lowest plan projects 66 MiB. On LibTorch 2.14
+// the baseline measures 10% less (111 against 124 MB), the budget fell to 64
+// MiB, below that plan, and the process's growth passed it by 0.1-0.3% in most
+// runs (2026-11-26). At 75% both versions leave the plan room.
 TEST_CASE("Balanced under a budget keeps the measured peak within it: flat chain", "[memory][acceptance]") {
   auto x = torch::randn({16, 64, 256});
   check_balanced_budget(
@@ -480,7 +492,7 @@ TEST_CASE("Balanced under a budget keeps the measured peak within it: flat chain
         torch::manual_seed(12);
         return test::flat_chain(6, 256, 1024, 0.1);
       },
-      [&](torch::nn::Sequential& m) { return [&m, x] { return m->forward(x).pow(2).mean(); }; }, x);
+      [&](torch::nn::Sequential& m) { return [&m, x] { return m->forward(x).pow(2).mean(); }; }, x, 0.75);
 }
 
 TEST_CASE("Balanced under a budget keeps the measured peak within it: example GPT", "[memory][acceptance]") {
