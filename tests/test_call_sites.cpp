@@ -130,6 +130,42 @@ class TwoPartNetImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TwoPartNet);
 
+/// A two-part block that keeps something outside its halves: a gate between
+/// them (y * sigmoid(y) saves y and the sigmoid's output), which no unit at the
+/// halves' level frees.
+class GatedBlockImpl : public torch::nn::Module {
+ public:
+  explicit GatedBlockImpl(std::int64_t width)
+      : costly(register_module("costly", CostlyPart(width))), wide(register_module("wide", WidePart(width))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    auto y = memscale::forward(costly, x);
+    return memscale::forward(wide, y * torch::sigmoid(y));
+  }
+  CostlyPart costly;
+  WidePart wide;
+};
+TORCH_MODULE(GatedBlock);
+
+/// A Sequential stem, planned as a chain of its own, then gated two-part blocks
+/// through memscale::forward: a Sequential beside nested call sites.
+class StemAndBlocksImpl : public torch::nn::Module {
+ public:
+  StemAndBlocksImpl(int blocks_count, std::int64_t width)
+      : stem(register_module("stem", torch::nn::Sequential(torch::nn::Linear(width, 8 * width), torch::nn::GELU(),
+                                                           torch::nn::Linear(8 * width, width)))),
+        blocks(register_module("blocks", torch::nn::ModuleList())) {
+    for (int i = 0; i < blocks_count; ++i) blocks->push_back(GatedBlock(width));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = stem->forward(x);
+    for (const auto& block : *blocks) x = memscale::forward(*block->as<GatedBlock>(), x);
+    return x;
+  }
+  torch::nn::Sequential stem;
+  torch::nn::ModuleList blocks;
+};
+TORCH_MODULE(StemAndBlocks);
+
 /// The whole loop behind one call site: the outermost depth has a single call.
 class WrapperNetImpl : public torch::nn::Module {
  public:
@@ -439,6 +475,39 @@ TEST_CASE("nested call sites: the finer level is planned where it reaches the ta
     CHECK(same_runs(expected, train(model, x, 2)));
   }
   // Detached: direct calls again, and the same steps as the reference.
+  CHECK_FALSE(memscale::is_optimized(model));
+  CHECK(same_runs(train(reference, x, 1), train(model, x, 1)));
+}
+
+TEST_CASE("nested call sites beside a Sequential: the finer level keeps the Sequential's chain and counts what the "
+          "blocks keep outside their halves",
+          "[call_sites][nested]") {
+  auto [reference, model] = twins<StemAndBlocks>(22, 4, 64);
+  auto x = torch::randn({8, 64, 64});
+  const auto expected = train(reference, x, 2);
+  const auto light_touch = test::quiet(
+      {.mode = OptimizationMode::Balanced, .enable_offloading = false, .force_optimize = true});
+  {
+    auto guard = memscale::optimize(model, x, light_touch);
+    const auto report = guard.report();
+    INFO(report.str());
+    REQUIRE(report.chains.size() == 2);
+    CHECK(report.chains[0].path == "stem");  // planned beside the blocks' parts
+    CHECK(report.chains[0].slot_names.size() == 3);
+    REQUIRE(has_note(report, "call sites: the calls nest; planned at depth 1"));
+    CHECK(report.chains[1].slot_names[0] == "blocks.0.costly (CostlyPart)");
+    CHECK(report.chains[1].slot_names[1] == "blocks.0.wide (WidePart)");
+    REQUIRE(report.plan.units.size() == 2);
+    // The gate keeps y and sigmoid(y), one [8, 64, 64] float tensor each, per
+    // block: counted as fixed, within what the projection could round.
+    const std::int64_t activation = 8 * 64 * 64 * 4;
+    CHECK(report.outside_units_bytes >= 4 * 2 * activation - activation);
+    CHECK(report.outside_units_bytes <= 4 * 2 * activation + activation);
+    CHECK(report.static_bytes() >= report.outside_units_bytes);
+    CHECK(report.checkpointed_segments() >= 1);
+    CHECK(report.planned_peak_bytes() <= report.plan.target_bytes);
+    CHECK(same_runs(expected, train(model, x, 2)));
+  }
   CHECK_FALSE(memscale::is_optimized(model));
   CHECK(same_runs(train(reference, x, 1), train(model, x, 1)));
 }
