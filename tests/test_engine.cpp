@@ -1,5 +1,6 @@
 // The decision engine against its yardstick: the optimal-chain dynamic program
 // (checked itself against brute force), determinism, and how the modes differ.
+#include <functional>
 #include <random>
 
 #include "test_support.hpp"
@@ -71,7 +72,121 @@ double brute_force_best(const std::vector<slot_cost>& s, std::int64_t budget) {
   return best;
 }
 
+/// Every plan of a call-site chain: each unit kept or checkpointed alone, or,
+/// where a group starts (group_end[i] > i), the group checkpointed as one run.
+double brute_force_grouped(const std::vector<slot_cost>& s, std::int64_t budget, const std::vector<int>& group_end) {
+  const int n = static_cast<int>(s.size());
+  double best = std::numeric_limits<double>::infinity();
+  std::vector<unit> units;
+  const std::function<void(int)> walk = [&](int i) {
+    if (i == n) {
+      if (project_chain(s, units).peak <= budget) best = std::min(best, recompute_seconds(s, units));
+      return;
+    }
+    for (bool checkpointed : {false, true}) {
+      units.push_back({i, i, checkpointed});
+      walk(i + 1);
+      units.pop_back();
+    }
+    if (group_end[static_cast<std::size_t>(i)] > i) {
+      units.push_back({i, group_end[static_cast<std::size_t>(i)], true});
+      walk(group_end[static_cast<std::size_t>(i)] + 1);
+      units.pop_back();
+    }
+  };
+  walk(0);
+  return best;
+}
+
+/// Groups of two or three consecutive units, some units in none.
+std::vector<int> random_groups(std::mt19937& rng, int n) {
+  std::vector<int> group_end(static_cast<std::size_t>(n), -1);
+  std::uniform_int_distribution<int> size(1, 3);
+  for (int i = 0; i < n;) {
+    const int k = std::min(size(rng), n - i);
+    if (k >= 2) group_end[static_cast<std::size_t>(i)] = i + k - 1;
+    i += k;
+  }
+  return group_end;
+}
+
+/// The DP's plan against the brute force's least recompute: feasible alike, as
+/// cheap, within the budget, its peak the projection's. Whether it was feasible.
+bool matches_brute_force(const std::vector<slot_cost>& chain, const optimal_plan& dp, double expected,
+                         std::int64_t budget) {
+  REQUIRE(dp.feasible == std::isfinite(expected));
+  if (!dp.feasible) return false;
+  CHECK(dp.recompute_seconds == Approx(expected).epsilon(1e-12));
+  CHECK(dp.peak <= budget);
+  CHECK(project_chain(chain, dp.units).peak == dp.peak);
+  return true;
+}
+
 }  // namespace
+
+TEST_CASE("the optimal-chain DP over call-site units and whole groups of them finds the brute-force optimum",
+          "[engine][optimal]") {
+  std::mt19937 rng(4321);
+  int feasible = 0, grouped_wins = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int n = 3 + trial % 7;
+    auto chain = random_chain(rng, n, trial % 2 == 1);
+    const auto group_end = random_groups(rng, n);
+    const auto baseline = project_chain(chain, keep_all(chain.size())).peak;
+    for (double fraction : {0.5, 0.7, 0.9}) {
+      const auto budget = static_cast<std::int64_t>(fraction * static_cast<double>(baseline));
+      const double expected = brute_force_grouped(chain, budget, group_end);
+      const auto dp = optimal_segmentation(chain, budget, static_cast<int>(budget), 1, group_end);
+      INFO("trial " << trial << " n " << n << " budget " << budget);
+      if (!matches_brute_force(chain, dp, expected, budget)) continue;
+      ++feasible;
+      for (const auto& u : dp.units)  // a run longer than one unit is a whole group
+        if (u.last > u.first) CHECK(group_end[static_cast<std::size_t>(u.first)] == u.last);
+      const auto singles = optimal_segmentation(chain, budget, static_cast<int>(budget), 1);
+      if (!singles.feasible || singles.recompute_seconds > dp.recompute_seconds * (1.0 + 1e-9)) ++grouped_wins;
+    }
+  }
+  CHECK(feasible > 60);
+  CHECK(grouped_wins > 5);  // whole groups pay on some of these chains
+}
+
+TEST_CASE("the engine's optimal schedule (R11) checkpoints a call-site chain's groups whole where that recomputes "
+          "less, and only whole groups",
+          "[engine][optimal]") {
+  std::mt19937 rng(777);
+  int used = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    const int n = 4 + trial % 9;
+    auto chain = random_chain(rng, n, trial % 2 == 1);
+    const auto group_end = random_groups(rng, n);
+    const auto baseline = project_chain(chain, keep_all(chain.size())).peak;
+    const auto mode = trial % 3 == 0 ? memscale::OptimizationMode::Aggressive : memscale::OptimizationMode::Balanced;
+    engine_input in{mode, true, true,
+                    static_cast<std::int64_t>((0.4 + 0.05 * (trial % 8)) * static_cast<double>(baseline)), 0};
+    in.segment_limit = {1};
+    const auto singles = decide({chain}, {true}, in);
+    in.segment_groups = {group_end};
+    const auto grouped = decide({chain}, {true}, in);
+    INFO("trial " << trial << " n " << n);
+    bool has_group = false;
+    for (const auto& u : grouped.units[0]) {
+      if (u.last == u.first) continue;
+      has_group = true;
+      CHECK(u.checkpointed);
+      CHECK(group_end[static_cast<std::size_t>(u.first)] == u.last);
+    }
+    for (const auto& u : singles.units[0]) CHECK(u.last == u.first);
+    // The same greedy, the same peak to keep; the optimum over more schedules recomputes no more.
+    CHECK(grouped.planned_peak <= std::max(singles.target_bytes, singles.planned_peak));
+    CHECK(recompute_seconds(chain, grouped.units[0]) <= recompute_seconds(chain, singles.units[0]) * (1.0 + 1e-9));
+    if (has_group) {
+      ++used;
+      CHECK(std::any_of(grouped.decisions.begin(), grouped.decisions.end(),
+                        [](const segment_decision& d) { return d.rule == rule_id::optimal_schedule && d.last > d.first; }));
+    }
+  }
+  CHECK(used > 0);  // 2 of these 80 plans: most reach their target as cheaply with single units
+}
 
 TEST_CASE("the optimal-chain DP finds the brute-force optimum", "[engine][optimal]") {
   std::mt19937 rng(1234);
@@ -86,12 +201,8 @@ TEST_CASE("the optimal-chain DP finds the brute-force optimum", "[engine][optima
       // One byte per level: the DP is exact.
       const auto dp = optimal_segmentation(chain, budget, static_cast<int>(budget));
       INFO("trial " << trial << " n " << n << " budget " << budget);
-      REQUIRE(dp.feasible == std::isfinite(expected));
-      if (!dp.feasible) continue;
+      if (!matches_brute_force(chain, dp, expected, budget)) continue;
       ++feasible;
-      CHECK(dp.recompute_seconds == Approx(expected).epsilon(1e-12));
-      CHECK(dp.peak <= budget);
-      CHECK(project_chain(chain, dp.units).peak == dp.peak);
     }
   }
   CHECK(feasible > 100);

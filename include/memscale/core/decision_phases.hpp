@@ -103,13 +103,16 @@ constexpr void assign_optimal(const std::vector<std::vector<slot_cost>>& chains,
     for (int e = 0; e < c; ++e) room -= project_chain(chains[e], plan.units[e]).forward_end;
     if (room <= 0) continue;
     const int limit = static_cast<std::size_t>(c) < in.segment_limit.size() ? in.segment_limit[c] : 0;
+    const std::span<const int> groups = static_cast<std::size_t>(c) < in.segment_groups.size()
+                                            ? std::span<const int>(in.segment_groups[static_cast<std::size_t>(c)])
+                                            : std::span<const int>();
     const int buckets = static_cast<int>(std::min<std::int64_t>(room, 2048));
     const std::int64_t tolerance = tolerant ? room / buckets : 0;
     std::vector<unit> best;
     double best_seconds = greedy_seconds * (1.0 - 1e-9);
     std::int64_t best_peak = 0;
     auto consider = [&](std::int64_t dp_budget) {
-      const auto dp = optimal_segmentation(s, dp_budget, buckets, limit);
+      const auto dp = optimal_segmentation(s, dp_budget, buckets, limit, groups);
       if (!dp.feasible || dp.recompute_seconds >= best_seconds) return;
       auto trial = plan.units;
       trial[c] = dp.units;

@@ -89,6 +89,12 @@ struct engine_input {
   /// Per chain: the most slots one segment may span (0: any). A chain of call
   /// sites has 1: user code runs between its units, so none can share a segment.
   std::vector<int> segment_limit{};
+  /// Per chain, where segment_limit is 1: group_end[i] > i where units i..
+  /// group_end[i] are all the inner calls of one outer memscale::forward call,
+  /// so that run may be one checkpointed segment (the outer call checkpointed
+  /// whole); -1 elsewhere. The optimal-schedule phase (R11) considers such runs
+  /// beside single units; the greedy expansion does not. Empty: no groups.
+  std::vector<std::vector<int>> segment_groups{};
   /// One chain of one slot that is the whole model (no unit boundaries): its
   /// saved tensors stream to the tiers in prefetch groups of about this many bytes.
   std::int64_t whole_model_group_bytes = 0;

@@ -7,7 +7,9 @@
 // returns always fits, but a plan whose exact peak is within n x (budget / buckets)
 // of the budget may be missed: give that much slack, or buckets = budget (exact).
 // With max_run > 0 no checkpointed run spans more than max_run slots (a chain of
-// call sites has 1: user code runs between its units).
+// call sites has 1: user code runs between its units), except the runs
+// group_end allows: where group_end[i] > i, the run [i, group_end[i]] (a group of
+// units one outer call holds, checkpointed as that call).
 #pragma once
 
 #include <algorithm>
@@ -28,7 +30,8 @@ struct optimal_plan {
 };
 
 [[nodiscard]] constexpr optimal_plan optimal_segmentation(std::span<const slot_cost> s, std::int64_t budget,
-                                                         int buckets = 1024, int max_run = 0) {
+                                                         int buckets = 1024, int max_run = 0,
+                                                         std::span<const int> group_end = {}) {
   constexpr double infeasible = std::numeric_limits<double>::infinity();
   const int n = static_cast<int>(s.size());
   optimal_plan result;
@@ -94,16 +97,24 @@ struct optimal_plan {
         // run longer than [i, j - 1] recomputes all of it: once that is over
         // budget, the search ends.
         const int end = max_run > 0 ? std::min(n, i + max_run) : n;
-        for (int j = i; j < end && !s[i].mutates_input; ++j) {
-          if (j > i && live + plain_peak[i * n + j - 1] > budget) break;
-          if (live + run_peak[i * n + j] > budget) continue;
+        const auto try_run = [&](int j) {
+          if (live + run_peak[i * n + j] > budget) return;
           const std::int64_t next = live + s[j].output_bytes;
-          if (next > budget) continue;
+          if (next > budget) return;
           const double c = run_seconds[i * n + j] + cost[index(j + 1, level_of(next), 0)];
           if (c < best) {
             best = c;
             best_choice = j;
           }
+        };
+        for (int j = i; j < end && !s[i].mutates_input; ++j) {
+          if (j > i && live + plain_peak[i * n + j - 1] > budget) break;
+          try_run(j);
+        }
+        // A group's run, where the runs above stop short of it.
+        if (static_cast<std::size_t>(i) < group_end.size() && !s[i].mutates_input) {
+          const int g = group_end[static_cast<std::size_t>(i)];
+          if (g >= end && g < n && live + plain_peak[i * n + g - 1] <= budget) try_run(g);
         }
         cost[index(i, level, keeps)] = best;
         choice[index(i, level, keeps)] = best_choice;
