@@ -166,6 +166,53 @@ class StemAndBlocksImpl : public torch::nn::Module {
 };
 TORCH_MODULE(StemAndBlocks);
 
+/// A Linear and an activation: a block's `up` part (16 times wider, GELU) or
+/// its `down` part (back, tanh).
+class LinearActImpl : public torch::nn::Module {
+ public:
+  LinearActImpl(std::int64_t in, std::int64_t out, bool gelu)
+      : fc(register_module("fc", torch::nn::Linear(in, out))), gelu_(gelu) {}
+  torch::Tensor forward(torch::Tensor x) { return gelu_ ? torch::gelu(fc(x)) : torch::tanh(fc(x)); }
+  torch::nn::Linear fc;
+
+ private:
+  bool gelu_;
+};
+TORCH_MODULE(LinearAct);
+
+/// Parts whose boundary is wide: checkpointed one by one they keep it (down's
+/// input); only the block checkpointed whole frees it.
+class WideBoundaryBlockImpl : public torch::nn::Module {
+ public:
+  explicit WideBoundaryBlockImpl(std::int64_t width)
+      : up(register_module("up", LinearAct(width, 16 * width, true))),
+        down(register_module("down", LinearAct(16 * width, width, false))) {}
+  torch::Tensor forward(torch::Tensor x) { return x + memscale::forward(down, memscale::forward(up, x)); }
+  LinearAct up, down;
+};
+TORCH_MODULE(WideBoundaryBlock);
+
+/// Blocks of two kinds taking turns: where the parts' boundary is wide the
+/// cheapest plan checkpoints the block whole; where one part is costly and the
+/// other wide, only the wide part. Neither level alone plans both.
+class MixedNetImpl : public torch::nn::Module {
+ public:
+  MixedNetImpl(int pairs, std::int64_t width) : blocks(register_module("blocks", torch::nn::ModuleList())) {
+    for (int i = 0; i < pairs; ++i) {
+      blocks->push_back(WideBoundaryBlock(width));
+      blocks->push_back(TwoPartBlock(width));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (std::size_t i = 0; i < blocks->size(); ++i)
+      x = i % 2 == 0 ? memscale::forward(*blocks[i]->as<WideBoundaryBlock>(), x)
+                     : memscale::forward(*blocks[i]->as<TwoPartBlock>(), x);
+    return x;
+  }
+  torch::nn::ModuleList blocks;
+};
+TORCH_MODULE(MixedNet);
+
 /// The whole loop behind one call site: the outermost depth has a single call.
 class WrapperNetImpl : public torch::nn::Module {
  public:
@@ -209,6 +256,11 @@ std::pair<Model, Model> twins(std::uint64_t seed, Args... args) {
   torch::manual_seed(seed);
   Model model(args...);
   return {reference, model};
+}
+
+/// Balanced forced, checkpoint-only: the light touch, cheapest memory first.
+memscale::Config light_touch() {
+  return test::quiet({.mode = OptimizationMode::Balanced, .enable_offloading = false, .force_optimize = true});
 }
 
 /// Checkpoint-only, always acting: the plan checkpoints every unit it can.
@@ -456,10 +508,8 @@ TEST_CASE("nested call sites: the finer level is planned where it reaches the ta
   auto [reference, model] = twins<TwoPartNet>(21, 4, 64);
   auto x = torch::randn({8, 64, 64});
   const auto expected = train(reference, x, 2);
-  const auto light_touch = test::quiet(
-      {.mode = OptimizationMode::Balanced, .enable_offloading = false, .force_optimize = true});
   {
-    auto guard = memscale::optimize(model, x, light_touch);
+    auto guard = memscale::optimize(model, x, light_touch());
     const auto report = guard.report();
     INFO(report.str());
     REQUIRE(report.chains.size() == 1);
@@ -485,10 +535,8 @@ TEST_CASE("nested call sites beside a Sequential: the finer level keeps the Sequ
   auto [reference, model] = twins<StemAndBlocks>(22, 4, 64);
   auto x = torch::randn({8, 64, 64});
   const auto expected = train(reference, x, 2);
-  const auto light_touch = test::quiet(
-      {.mode = OptimizationMode::Balanced, .enable_offloading = false, .force_optimize = true});
   {
-    auto guard = memscale::optimize(model, x, light_touch);
+    auto guard = memscale::optimize(model, x, light_touch());
     const auto report = guard.report();
     INFO(report.str());
     REQUIRE(report.chains.size() == 2);
@@ -510,6 +558,54 @@ TEST_CASE("nested call sites beside a Sequential: the finer level keeps the Sequ
   }
   CHECK_FALSE(memscale::is_optimized(model));
   CHECK(same_runs(train(reference, x, 1), train(model, x, 1)));
+}
+
+TEST_CASE("nested call sites: a plan mixes the levels, blocks checkpointed whole beside single parts, bit-exactly",
+          "[call_sites][nested]") {
+  auto [reference, model] = twins<MixedNet>(23, 3, 64);
+  auto x = torch::randn({8, 64, 64});
+  const auto expected = train(reference, x, 2);
+  {
+    auto guard = memscale::optimize(model, x, light_touch());
+    const auto report = guard.report();
+    INFO(report.str());
+    REQUIRE(report.chains.size() == 1);
+    REQUIRE(has_note(report, "call sites: the calls nest; planned at depth 1"));
+    const auto& names = report.chains[0].slot_names;
+    int groups = 0, singles = 0;
+    for (const auto& u : report.plan.units[0]) {
+      if (!u.checkpointed) continue;
+      if (u.last > u.first) {  // a whole block: its up and down parts, nothing else
+        ++groups;
+        CHECK(u.last == u.first + 1);
+        CHECK(names[static_cast<std::size_t>(u.first)].find(".up (LinearAct)") != std::string::npos);
+        CHECK(names[static_cast<std::size_t>(u.last)].find(".down (LinearAct)") != std::string::npos);
+      } else {
+        ++singles;
+      }
+    }
+    CHECK(groups >= 1);
+    CHECK(singles >= 1);
+    CHECK(report.planned_peak_bytes() <= report.plan.target_bytes);
+    CHECK(same_runs(expected, train(model, x, 2)));
+    // Traced: one mark per unit, a group's at its outer call.
+    const auto traced = guard.trace_step([&] { (void)train(model, x, 1); });
+    CHECK(traced.measured_timeline.size() == 2 * report.plan.units[0].size());
+    CHECK_FALSE(has_note(guard.report(), "left the recorded call sequence"));
+  }
+  CHECK_FALSE(memscale::is_optimized(model));
+  CHECK(same_runs(train(reference, x, 1), train(model, x, 1)));
+  // The reference step of verify_correctness under mixed precision runs a
+  // group's outer call autocast, its inner calls inside it.
+  auto [reference2, model2] = twins<MixedNet>(24, 3, 64);
+  auto autocast_verified = light_touch();
+  autocast_verified.use_mixed_precision = true;
+  autocast_verified.verify_correctness = true;
+  auto guard = memscale::optimize(model2, x, autocast_verified);
+  const auto report = guard.report();
+  INFO(report.str());
+  REQUIRE(report.verification.has_value());
+  CHECK(report.verification->passed);
 }
 
 TEST_CASE("a model with no unit boundaries gets whole-forward offload, bit-exactly, detach ends it",

@@ -151,10 +151,10 @@ TEST_CASE("the optimal-chain DP over call-site units and whole groups of them fi
 }
 
 TEST_CASE("the engine's optimal schedule (R11) checkpoints a call-site chain's groups whole where that recomputes "
-          "less, and only whole groups",
+          "less or reaches lower, and only whole groups",
           "[engine][optimal]") {
   std::mt19937 rng(777);
-  int used = 0;
+  int used = 0, lowered_count = 0;
   for (int trial = 0; trial < 80; ++trial) {
     const int n = 4 + trial % 9;
     auto chain = random_chain(rng, n, trial % 2 == 1);
@@ -176,16 +176,26 @@ TEST_CASE("the engine's optimal schedule (R11) checkpoints a call-site chain's g
       CHECK(group_end[static_cast<std::size_t>(u.first)] == u.last);
     }
     for (const auto& u : singles.units[0]) CHECK(u.last == u.first);
-    // The same greedy, the same peak to keep; the optimum over more schedules recomputes no more.
+    // The same greedy: where it stopped above the target, groups may lower the
+    // peak (at whatever recompute); else, the same peak kept, the optimum over
+    // more schedules recomputes no more.
     CHECK(grouped.planned_peak <= std::max(singles.target_bytes, singles.planned_peak));
-    CHECK(recompute_seconds(chain, grouped.units[0]) <= recompute_seconds(chain, singles.units[0]) * (1.0 + 1e-9));
+    const bool lowered = grouped.planned_peak + singles.planned_peak / 2048 < singles.planned_peak;
+    if (lowered) {
+      CHECK(singles.planned_peak > singles.target_bytes);
+      ++lowered_count;
+    } else {
+      CHECK(recompute_seconds(chain, grouped.units[0]) <= recompute_seconds(chain, singles.units[0]) * (1.0 + 1e-9));
+    }
     if (has_group) {
       ++used;
       CHECK(std::any_of(grouped.decisions.begin(), grouped.decisions.end(),
                         [](const segment_decision& d) { return d.rule == rule_id::optimal_schedule && d.last > d.first; }));
     }
   }
-  CHECK(used > 0);  // 2 of these 80 plans: most reach their target as cheaply with single units
+  CHECK(used > 0);
+  CHECK(lowered_count > 0);  // where single units stop above the target, whole groups go lower
+  WARN(used << " of 80 plans checkpoint a group whole; " << lowered_count << " reach below the greedy's peak");
 }
 
 TEST_CASE("the optimal-chain DP finds the brute-force optimum", "[engine][optimal]") {

@@ -46,6 +46,9 @@ namespace memscale::core {
 /// technique wrapper (`runner`) instead of the module itself.
 struct call_ticket {
   torch::nn::AnyModule runner;  ///< empty: call the module directly
+  /// The runner stands for the call's inner calls too (an outer call
+  /// checkpointed whole): memscale::forward calls inside it run directly.
+  bool inner_calls_direct = false;
 };
 
 /// The side of an attachment that memscale::forward talks to.
@@ -113,6 +116,19 @@ struct depth_scope {
   ~depth_scope() { --depth(); }
 };
 
+/// Open while a runner that stands for its inner calls runs on this thread
+/// (call_ticket::inner_calls_direct): those calls are direct calls.
+inline int& direct() {
+  thread_local int d = 0;
+  return d;
+}
+struct direct_scope {
+  direct_scope() { ++direct(); }
+  direct_scope(const direct_scope&) = delete;
+  direct_scope& operator=(const direct_scope&) = delete;
+  ~direct_scope() { --direct(); }
+};
+
 }  // namespace call_sites
 }  // namespace memscale::core
 
@@ -147,6 +163,7 @@ decltype(auto) forward(M&& module, Args&&... args) {
   using Impl = std::remove_cvref_t<decltype(impl)>;
   if (core::call_sites::active_hosts().load(std::memory_order_relaxed) == 0)
     return impl.forward(std::forward<Args>(args)...);
+  if (core::call_sites::direct() > 0) return impl.forward(std::forward<Args>(args)...);
   auto host = core::call_sites::index::global().find(&impl);
   if (!host) return impl.forward(std::forward<Args>(args)...);
   core::call_sites::depth_scope nested;
@@ -156,7 +173,13 @@ decltype(auto) forward(M&& module, Args&&... args) {
       return torch::nn::AnyModule(std::dynamic_pointer_cast<Impl>(impl.shared_from_this()));
     };
     auto ticket = host->begin_call(impl, nested.at, &make_slot, &x, nullptr);
-    if (!ticket.runner.is_empty()) return ticket.runner.template forward<torch::Tensor>(x);
+    if (!ticket.runner.is_empty()) {
+      if (ticket.inner_calls_direct) {
+        const core::call_sites::direct_scope inner_direct;
+        return ticket.runner.template forward<torch::Tensor>(x);
+      }
+      return ticket.runner.template forward<torch::Tensor>(x);
+    }
     return impl.forward(std::forward<Args>(args)...);
   } else {
     (void)host->begin_call(impl, nested.at, nullptr, nullptr,

@@ -7,7 +7,7 @@
 // decision records the rule behind it.
 // Plain data and constexpr functions throughout: tests run it in static_assert.
 // Its input and output types are in core/decisions.hpp, its phases in
-// core/decision_phases.hpp; decide() below runs them.
+// core/decision_phases.hpp and core/decision_optimal.hpp (R11); decide() below runs them.
 #pragma once
 
 #include <algorithm>
@@ -17,6 +17,7 @@
 
 #include <memscale/config.hpp>
 #include <memscale/core/graph.hpp>
+#include <memscale/core/decision_optimal.hpp>
 #include <memscale/core/decision_phases.hpp>
 #include <memscale/core/decisions.hpp>
 #include <memscale/core/memory_model.hpp>
@@ -168,6 +169,7 @@ namespace memscale::core {
   // offload the strict plan's segments may offload more: there it stays).
   const bool at_minimum = plan.target_bytes < plan.planned_peak;
   engine_plan tolerant = plan;  // copied whatever at_minimum: GCC's constant evaluation rejects a conditional copy
+  engine_plan lowered = plan;
   assign_optimal(chains, supported, in, plan);
   assign_tiling(chains, supported, in, plan);
   assign_offload(chains, supported, in, plan);
@@ -178,7 +180,20 @@ namespace memscale::core {
       assign_offload(chains, supported, in, tolerant);
       if (tolerant.planned_peak <= plan.planned_peak + plan.planned_peak / 2048 &&
           recompute_seconds(chains, tolerant.units) < recompute_seconds(chains, plan.units))
-        return tolerant;
+        plan = std::move(tolerant);
+    }
+    // Call sites' groups (segment_groups) checkpointed whole can reach below the
+    // greedy's single units: taken where, tiled and offloaded as well, that plan
+    // reaches the target and the other does not, or peaks lower, or peaks the
+    // same for less recompute and transfer.
+    const bool groups = std::any_of(in.segment_groups.begin(), in.segment_groups.end(), [](const auto& ends) {
+      return std::any_of(ends.begin(), ends.end(), [](int g) { return g >= 0; });
+    });
+    if (groups) assign_optimal(chains, supported, in, lowered, /*tolerant=*/false, /*lower_with_groups=*/true);
+    if (groups && !lowered.overrides.empty()) {
+      assign_tiling(chains, supported, in, lowered);
+      assign_offload(chains, supported, in, lowered);
+      if (detail_engine::better_final_plan(chains, in, lowered, plan)) plan = std::move(lowered);
     }
   }
   return plan;

@@ -80,80 +80,6 @@ constexpr bool better(const candidate& x, const candidate& y) {
 }
 }  // namespace detail_engine
 
-/// Optimal-schedule phase, after the greedy expansion and its refinement: per
-/// supported chain, the optimal segmentation (core/optimal_chain.hpp) within the
-/// step peak the plan must keep (the target, or the greedy's own peak where it
-/// could not reach the target) replaces the greedy's segments when it recomputes
-/// less; the chain's decisions then read R11 and plan.overrides records the
-/// greedy's figures beside the optimum's. The DP rounds live bytes up once per
-/// unit: it is asked with that rounding as slack first and, should its plan then
-/// overshoot, without. `tolerant` (decide() tries it where the peak to keep is
-/// the greedy's own, Aggressive's minimum): a schedule within one of the DP's
-/// levels (1/2048 of the chain's room) above that peak counts as keeping it.
-/// Earlier chains are final when a later one is re-planned.
-constexpr void assign_optimal(const std::vector<std::vector<slot_cost>>& chains, const std::vector<bool>& supported,
-                              const engine_input& in, engine_plan& plan, bool tolerant = false) {
-  const auto budget = std::max(plan.target_bytes, plan.planned_peak);
-  for (int c = 0; c < static_cast<int>(chains.size()); ++c) {
-    const auto& s = chains[c];
-    const int n = static_cast<int>(s.size());
-    const double greedy_seconds = recompute_seconds(s, plan.units[c]);
-    if (!supported[c] || n == 0 || greedy_seconds <= 0.0) continue;
-    std::int64_t room = budget - in.static_bytes;
-    for (int e = 0; e < c; ++e) room -= project_chain(chains[e], plan.units[e]).forward_end;
-    if (room <= 0) continue;
-    const int limit = static_cast<std::size_t>(c) < in.segment_limit.size() ? in.segment_limit[c] : 0;
-    const std::span<const int> groups = static_cast<std::size_t>(c) < in.segment_groups.size()
-                                            ? std::span<const int>(in.segment_groups[static_cast<std::size_t>(c)])
-                                            : std::span<const int>();
-    const int buckets = static_cast<int>(std::min<std::int64_t>(room, 2048));
-    const std::int64_t tolerance = tolerant ? room / buckets : 0;
-    std::vector<unit> best;
-    double best_seconds = greedy_seconds * (1.0 - 1e-9);
-    std::int64_t best_peak = 0;
-    auto consider = [&](std::int64_t dp_budget) {
-      const auto dp = optimal_segmentation(s, dp_budget, buckets, limit, groups);
-      if (!dp.feasible || dp.recompute_seconds >= best_seconds) return;
-      auto trial = plan.units;
-      trial[c] = dp.units;
-      const auto peak = project_model_peak(chains, trial, in.static_bytes);
-      if (peak > budget + tolerance) return;
-      best = dp.units;
-      best_seconds = dp.recompute_seconds;
-      best_peak = peak;
-    };
-    if (buckets < room && buckets > n + 1)
-      consider(room + tolerance + ((room + tolerance) * (n + 1) + buckets - n - 2) / (buckets - n - 1));
-    if (best.empty()) consider(room + tolerance);
-    if (best.empty()) continue;
-
-    plan.overrides.push_back({c, greedy_seconds, best_seconds, plan.planned_peak, best_peak, budget});
-    std::erase_if(plan.decisions, [c](const segment_decision& d) { return d.chain == c; });
-    // The schedule's units in chain order, each checkpoint applied in turn.
-    auto units = plan.units;
-    units[c] = keep_all(s.size());
-    auto peak = project_model_peak(chains, units, in.static_bytes);
-    for (std::size_t i = 0; i < best.size(); ++i) {
-      const auto& u = best[i];
-      if (!u.checkpointed) {
-        std::size_t j = i;
-        while (j + 1 < best.size() && !best[j + 1].checkpointed) ++j;  // one line per kept run
-        plan.decisions.push_back({c, u.first, best[j].last, false, rule_id::optimal_schedule, 0, 0.0, peak, peak});
-        i = j;
-        continue;
-      }
-      units[c] = with_checkpoint(units[c], u.first, u.last);
-      const auto after = project_model_peak(chains, units, in.static_bytes);
-      plan.decisions.push_back({c, u.first, u.last, true, rule_id::optimal_schedule,
-                                checkpoint_frees(s, u.first, u.last), checkpoint_recompute_seconds(s, u.first, u.last), peak,
-                                after});
-      peak = after;
-    }
-    plan.units[c] = std::move(best);
-    plan.planned_peak = best_peak;
-  }
-}
-
 /// The largest tile count the planner considers: beyond it chunks get small
 /// enough that per-chunk overhead outweighs what one more halving saves.
 inline constexpr int max_tiles = 64;
@@ -187,8 +113,12 @@ constexpr void assign_tiling(const std::vector<std::vector<slot_cost>>& chains, 
   std::vector<place> places;
   for (int c = 0; c < static_cast<int>(chains.size()); ++c) {
     if (!supported[c]) continue;
+    // A run of call-site units (a group, one outer call) is not tiled: the
+    // outer call may do more than its units, row by row or not.
+    const bool call_sites = static_cast<std::size_t>(c) < in.segment_limit.size() && in.segment_limit[c] == 1;
     for (std::size_t i = 0; i < plan.units[c].size(); ++i) {
       const auto& u = plan.units[c][i];
+      if (call_sites && u.last > u.first) continue;
       if (!u.offloaded && !chains[c][u.first].mutates_input && tile_dimension(chains[c], u.first, u.last, 2) >= 0)
         places.push_back({c, i});
     }

@@ -269,7 +269,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   void choose_strategy(const std::vector<chain_profile>& profiles, const std::vector<std::vector<slot_cost>>& costs,
                        const std::vector<bool>& supported, engine_input& in, const c10::Device& device, Report& out);
 
-  /// Profiles chains `which` (inputs indexed by chain) and runs the engine; fills `out`.
+  /// Profiles chains `which` (inputs indexed by chain), runs the engine, fills `out`;
   /// `which` may come back naming a finer level's chains (consider_finer_level).
   std::vector<std::vector<unit>> plan(std::vector<std::size_t>& which, const std::vector<torch::Tensor>& inputs,
                                       Report& out);
@@ -278,8 +278,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   chain_profile profile_of(const managed_chain& chain, const torch::Tensor& input, const profile_options& options) const;
   void adjust_profiles(std::vector<chain_profile>& profiles) const;
 
-  /// Plans finer_ at `decided`'s target; where cheaper (attachment_levels.hpp), its
-  /// chains, profiles and plan replace level_'s in every argument and in chains_.
+  /// Plans finer_ at `decided`'s target; where cheaper, its chains, profiles and plan replace level_'s.
   bool consider_finer_level(std::vector<std::size_t>& which, const profile_options& options,
                             std::vector<chain_profile>& profiles, std::vector<std::vector<slot_cost>>& costs,
                             std::vector<bool>& supported, const engine_input& in, engine_plan& decided, Report& out);
@@ -350,10 +349,11 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   void plan_recorded_calls();
 
   /// The recorded calls as chains of call-site units (appended to chains_, their
-  /// indices returned), call sequence and notes; where calls nest, finer_ too.
+  /// indices returned), call sequence and notes; where calls nest, finer_ too
+  /// (build_call_level with outer = level_: the outer calls in its sequence too).
   std::vector<std::size_t> add_call_chains(bool lazy);
   [[nodiscard]] call_level build_call_level(const std::vector<const call_record*>& eligible, int depth,
-                                            bool lazy) const;
+                                            bool lazy, int outer = -1) const;
 
   /// A model with no Sequential and no call site: its whole forward, one unit.
   void add_whole_model_chain();
@@ -394,7 +394,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   std::vector<planned_call> sequence_;
   std::vector<std::size_t> report_order_;  ///< chains_ index of each Report chain (the order they were planned)
   std::unordered_set<const torch::nn::Module*> excluded_;
-  int level_ = 0;
+  int level_ = 0, outer_level_ = -1;  ///< outer >= 0: the sequence holds the calls one depth up too
   std::optional<call_level> finer_;      ///< the level plan() weighs against level_ (until planned)
   std::vector<std::size_t> coarse_ids_;  ///< chains_ indices of level_'s chains (until planned)
   std::size_t coarse_note_count_ = 0;    ///< pending_notes_ that describe level_ (the first ones)

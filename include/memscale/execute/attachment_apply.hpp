@@ -167,10 +167,18 @@ inline void attachment::apply_units(std::size_t c, const std::vector<unit>& unit
     return;
   }
   std::vector<torch::nn::AnyModule> target = chain.originals;
+  std::vector<std::pair<std::size_t, torch::nn::AnyModule>> group_runners;  // call sites: outer calls run whole
   for (const auto& u : units) {
     if (!u.checkpointed && !u.offloaded) continue;
-    std::vector<torch::nn::AnyModule> segment(chain.originals.begin() + u.first,
-                                              chain.originals.begin() + u.last + 1);
+    // A group of call-site units runs as the outer call that holds them.
+    const bool group = chain.is_group(u.first, u.last);
+    MEMSCALE_ASSERT(group || u.first == u.last || chain.source != chain_source::call_sites,
+                    "a plan spans call-site units that no one outer call holds");
+    MEMSCALE_ASSERT(!group || u.tiles <= 1, "a plan tiles a group of call-site units");
+    std::vector<torch::nn::AnyModule> segment =
+        group ? std::vector<torch::nn::AnyModule>{chain.original_of(u.first, u.last)}
+              : std::vector<torch::nn::AnyModule>(chain.originals.begin() + u.first,
+                                                  chain.originals.begin() + u.last + 1);
     wrap_context context;
     if (u.checkpointed && u.tiles > 1) {
       MEMSCALE_ASSERT(techniques_.tile, "a plan tiles although the Strategy or Config excludes it");
@@ -194,19 +202,27 @@ inline void attachment::apply_units(std::size_t c, const std::vector<unit>& unit
       auto* offloaded = dynamic_cast<OffloadSegmentImpl*>(wrapper);
       wrapper = offloaded != nullptr && offloaded->slots().size() == 1 ? offloaded->slots().front().ptr().get() : nullptr;
     }
+    if (group) {
+      group_runners.emplace_back(chain.position_of(u.first, u.last), std::move(segment.front()));
+      continue;
+    }
     target[static_cast<std::size_t>(u.first)] = std::move(segment.front());
     for (int k = u.first + 1; k <= u.last; ++k)
       target[static_cast<std::size_t>(k)] = torch::nn::AnyModule(std::make_shared<PassThroughImpl>());
   }
   // A chain whose slots are not all Tensor -> Tensor runs as it is: the
   // autocast wrapper has one Tensor forward.
-  if (config_.use_mixed_precision && supported)
+  if (config_.use_mixed_precision && supported) {
     for (auto& slot : target)
       if (!std::dynamic_pointer_cast<PassThroughImpl>(slot.ptr()))
         slot = torch::nn::AnyModule(std::make_shared<AutocastSlotImpl>(std::move(slot)));
+    for (auto& [position, runner] : group_runners)
+      runner = torch::nn::AnyModule(std::make_shared<AutocastSlotImpl>(std::move(runner)));
+  }
   if (chain.source == chain_source::call_sites) {
     for (std::size_t k = 0; k < target.size(); ++k)
       if (target[k].ptr() != chain.originals[k].ptr()) changes.runners.emplace_back(chain.positions[k], target[k]);
+    for (auto& runner : group_runners) changes.runners.push_back(std::move(runner));
     return;
   }
   auto& seq = *chain.ref.sequential;

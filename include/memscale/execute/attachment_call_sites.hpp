@@ -184,6 +184,7 @@ inline std::vector<std::size_t> attachment::add_call_chains(bool lazy) {
   };
   level_ = two_calls_below(std::numeric_limits<int>::min())
                .value_or(per_depth.empty() ? 0 : per_depth.begin()->first);
+  outer_level_ = -1;
   const auto finer_depth = two_calls_below(level_);
   auto coarse = build_call_level(eligible, level_, lazy);
   if (level_ > per_depth.begin()->first && !coarse.notes.empty())
@@ -191,7 +192,9 @@ inline std::vector<std::size_t> attachment::add_call_chains(bool lazy) {
   finer_.reset();
   coarse_ids_.clear();
   if (finer_depth && !agree_) {
-    auto finer = build_call_level(eligible, *finer_depth, lazy);
+    // One depth below: the outer calls join the sequence, so that a group of
+    // their inner calls can be checkpointed as the outer call.
+    auto finer = build_call_level(eligible, *finer_depth, lazy, *finer_depth == level_ + 1 ? level_ : -1);
     if (!finer.chains.empty()) finer_ = std::move(finer);
   }
   pending_sequence_ = std::move(coarse.sequence);
@@ -214,22 +217,53 @@ inline std::vector<std::size_t> attachment::add_call_chains(bool lazy) {
 }
 
 inline call_level attachment::build_call_level(const std::vector<const call_record*>& eligible, int depth,
-                                                           bool lazy) const {
+                                                           bool lazy, int outer) const {
   call_level out;
   out.depth = depth;
+  out.outer_depth = outer;
   std::unordered_map<const torch::nn::Module*, int> calls_of;
   bool is_open = false;
   int nested = 0, around = 0;
   std::vector<std::string> direct;
+  // The outer call whose inner calls come now (outer >= 0: one depth up): its
+  // inner calls are a group where they are all units of one chain, two or more.
+  struct open_group {
+    std::size_t position = 0;
+    torch::nn::AnyModule slot;
+    std::size_t chain = 0;
+    int first = -1;
+    int count = 0;
+    bool ok = true;
+  };
+  std::optional<open_group> group;
+  const auto close_group = [&] {
+    if (group && group->ok && group->count >= 2 && !group->slot.is_empty()) {
+      auto& chain = out.chains[group->chain];
+      const auto first = static_cast<std::size_t>(group->first);
+      chain.group_end[first] = group->first + group->count - 1;
+      chain.group_positions[first] = group->position;
+      chain.group_slots[first] = group->slot;
+    }
+    group.reset();
+  };
   for (const auto* r : eligible) {
+    if (outer >= 0 && r->depth <= outer) close_group();
+    if (outer >= 0 && r->depth == outer) {
+      around += 1;
+      group = open_group{out.sequence.size(), r->slot};
+      out.sequence.push_back({r->module, {}, outer, 0});
+      continue;
+    }
     if (r->depth != depth) {
       (r->depth > depth ? nested : around) += 1;
       continue;
     }
     const auto position = out.sequence.size();
-    out.sequence.push_back({r->module, {}});
+    out.sequence.push_back({r->module, {}, depth, 0});
+    if (group) ++out.sequence[group->position].inner;
     if (r->slot.is_empty()) {
       is_open = false;
+      if (group) group->ok = false;
       const auto line = "call site '" + path_of(r->module) + "' (" + type_name(*r->module) + ") runs as it is: " +
                         r->why_not;
       if (std::find(direct.begin(), direct.end(), line) == direct.end()) direct.push_back(line);
@@ -242,13 +276,26 @@ inline call_level attachment::build_call_level(const std::vector<const call_reco
       is_open = true;
     }
     auto& chain = out.chains.back();
+    if (group) {
+      if (group->count == 0) {
+        group->chain = out.chains.size() - 1;
+        group->first = static_cast<int>(chain.originals.size());
+      } else if (group->chain != out.chains.size() - 1) {
+        group->ok = false;
+      }
+      ++group->count;
+    }
     auto name = path_of(r->module) + " (" + type_name(*r->module) + ")";
     if (const int k = ++calls_of[r->module]; k > 1) name += " call " + std::to_string(k);
     chain.originals.push_back(r->slot);
     chain.unit_inputs.push_back(r->input);
     chain.positions.push_back(position);
     chain.unit_names.push_back(std::move(name));
+    chain.group_end.push_back(-1);
+    chain.group_positions.push_back(0);
+    chain.group_slots.emplace_back();
   }
+  close_group();
   int units = 0;
   for (auto& chain : out.chains) {
     chain.ref.path = "memscale::forward call sites " +
@@ -256,8 +303,10 @@ inline call_level attachment::build_call_level(const std::vector<const call_reco
                      chain.unit_names.back().substr(0, chain.unit_names.back().find(' '));
     units += static_cast<int>(chain.originals.size());
   }
-  if (!out.sequence.empty()) {
-    std::string line = "call sites: " + std::to_string(out.sequence.size()) + " memscale::forward call(s) per " +
+  const auto calls = std::count_if(out.sequence.begin(), out.sequence.end(),
+                                   [depth](const planned_call& c) { return c.depth == depth; });
+  if (calls > 0) {
+    std::string line = "call sites: " + std::to_string(calls) + " memscale::forward call(s) per " +
                        "forward at depth " + std::to_string(depth) + ", " + std::to_string(units) +
                        " of them planned as units";
     if (nested > 0)
@@ -291,7 +340,7 @@ inline void attachment::add_whole_model_chain() {
 }
 
 inline call_ticket attachment::next_call(const torch::nn::Module& module, int depth) {
-  if (depth != level_ || sequence_.empty() || excluded_.count(&module) != 0) return {};
+  if ((depth != level_ && depth != outer_level_) || sequence_.empty() || excluded_.count(&module) != 0) return {};
   if (!torch::GradMode::is_enabled() || c10::InferenceMode::is_enabled()) return {};  // nothing is saved
   const auto epoch = offload::backwards_started();
   if (epoch != cursor_epoch_) {
@@ -299,13 +348,14 @@ inline call_ticket attachment::next_call(const torch::nn::Module& module, int de
     cursor_epoch_ = epoch;
   }
   if (diverged_) return {};
-  const auto* first = sequence_.front().module;
-  if (cursor_ == sequence_.size() && &module == first) {
+  const auto is = [&](const planned_call& call) { return call.module == &module && call.depth == depth; };
+  const bool first = is(sequence_.front());
+  if (cursor_ == sequence_.size() && first) {
     cursor_ = 0;  // the sequence completed: a new forward
-  } else if (cursor_ > 0 && cursor_ < sequence_.size() && sequence_[cursor_].module != &module && &module == first) {
+  } else if (cursor_ > 0 && cursor_ < sequence_.size() && !is(sequence_[cursor_]) && first) {
     end_forward();  // a shorter forward ended; this call starts the next
   }
-  if (cursor_ >= sequence_.size() || sequence_[cursor_].module != &module) {
+  if (cursor_ >= sequence_.size() || !is(sequence_[cursor_])) {
     diverged_ = true;
     const auto n = ++diverged_forwards_;
     if (n <= 5 && log_.wants(spdlog::level::warn))
@@ -317,7 +367,15 @@ inline call_ticket attachment::next_call(const torch::nn::Module& module, int de
                 (n == 5 ? " (further occurrences are only counted in the report)" : ""));
     return {};
   }
-  return {sequence_[cursor_++].runner};
+  const auto& call = sequence_[cursor_];
+  // An outer call checkpointed whole stands for its inner calls: they run
+  // inside it directly, and the cursor passes over them.
+  if (call.inner > 0 && !call.runner.is_empty()) {
+    cursor_ += 1 + call.inner;
+    return {call.runner, true};
+  }
+  ++cursor_;
+  return {call.runner};
 }
 
 }  // namespace memscale::core

@@ -130,6 +130,9 @@ inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, co
   fine_in.fixed_target = decided.target_bytes;
   fine_in.segment_limit.resize(head);
   fine_in.segment_limit.insert(fine_in.segment_limit.end(), fine_costs.size() - head, 1);
+  // A group of units one outer call holds may be one run: that call checkpointed whole.
+  fine_in.segment_groups.assign(head, {});
+  for (const auto& chain : finer.chains) fine_in.segment_groups.push_back(chain.group_end);
   auto fine = decide(fine_costs, fine_supported, fine_in);
 
   const double coarse_s = detail_levels::extra_seconds(costs, decided, in.offload_bytes_per_second);
@@ -188,11 +191,25 @@ inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, co
   supported = std::move(fine_supported);
   decided = std::move(fine);
   level_ = finer.depth;
+  outer_level_ = finer.outer_depth;
   pending_sequence_ = std::move(finer.sequence);
   const auto coarse_notes = std::min(coarse_note_count_, pending_notes_.size());
   pending_notes_.erase(pending_notes_.begin(), pending_notes_.begin() + static_cast<std::ptrdiff_t>(coarse_notes));
   pending_notes_.insert(pending_notes_.begin(), finer.notes.begin(), finer.notes.end());
   out.outside_units_bytes = outside;
+  // Groups the plan made one run: their outer calls run checkpointed whole.
+  std::vector<std::string> whole;
+  for (std::size_t i = head; i < which.size(); ++i) {
+    const auto& chain = chains_[which[i]];
+    for (const auto& u : decided.units[i])
+      if (chain.is_group(u.first, u.last)) whole.push_back(path_of(pending_sequence_[chain.position_of(u.first, u.last)].module));
+  }
+  if (!whole.empty()) {
+    note << "; " << whole.size() << " outer call(s) checkpointed whole, where their inner calls together free what "
+         << "no one of them does (";
+    for (std::size_t k = 0; k < whole.size(); ++k) note << (k ? ", " : "") << whole[k];
+    note << ")";
+  }
   out.notes.push_back(note.str());
   return true;
 }

@@ -78,11 +78,14 @@ inline Report attachment::trace_step(const std::function<void()>& step) {
           if (chain.source == chain_source::sequential) {
             auto slot = *(chain.ref.sequential->begin() + static_cast<std::ptrdiff_t>(k));
             marks.replace(*chain.ref.sequential, k, mark(std::move(slot)));
-          } else if (chain.source == chain_source::call_sites && k < chain.positions.size() &&
-                     chain.positions[k] < sequence_.size() &&
-                     !(sequence_[chain.positions[k]].runner.is_empty() && chain.originals[k].is_empty())) {
-            const auto& runner = sequence_[chain.positions[k]].runner;
-            runners.replace(chain.positions[k], mark(runner.is_empty() ? chain.originals[k] : runner));
+          } else if (chain.source == chain_source::call_sites && k < chain.positions.size()) {
+            // A group of units runs at its outer call.
+            const auto position = chain.position_of(units[i].first, units[i].last);
+            const auto& original = chain.original_of(units[i].first, units[i].last);
+            if (position < sequence_.size() && !(sequence_[position].runner.is_empty() && original.is_empty())) {
+              const auto& runner = sequence_[position].runner;
+              runners.replace(position, mark(runner.is_empty() ? original : runner));
+            }
           }
         }
       }
@@ -184,6 +187,14 @@ inline std::optional<verify::step_outcome> attachment::autocast_reference_step(v
         if (!autocast_chain) continue;
         for (std::size_t k = 0; k < chain.positions.size() && k < chain.originals.size(); ++k)
           if (at(k) != nullptr) runners.replace(chain.positions[k], autocast(chain.originals[k]));
+        // A group checkpointed whole runs at its outer call: that call, autocast.
+        for (std::size_t k = 0; k < chain.group_end.size(); ++k) {
+          const auto last = chain.group_end[k];
+          if (last < 0) continue;
+          const auto position = chain.position_of(static_cast<int>(k), last);
+          if (position < sequence_.size() && autocasts(sequence_[position].runner))
+            runners.replace(position, autocast(chain.original_of(static_cast<int>(k), last)));
+        }
         any = true;
       }
     }

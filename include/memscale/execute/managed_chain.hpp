@@ -89,6 +89,30 @@ struct managed_chain {
   std::vector<torch::Tensor> unit_inputs;  ///< call sites: what each call received (until planned)
   std::vector<std::size_t> positions;      ///< call sites: each unit's place in the call sequence
   bool inside_call_site = false;           ///< a Sequential first run inside a memscale::forward call
+  /// Call sites, per unit: where units i..group_end[i] are all the inner calls
+  /// of one outer call (a group, checkpointed whole as that call where the plan
+  /// makes it one run), its last unit; -1 elsewhere. The outer call's place in
+  /// the sequence and its AnyModule are at the group's first unit.
+  std::vector<int> group_end;
+  std::vector<std::size_t> group_positions;
+  std::vector<torch::nn::AnyModule> group_slots;
+
+  /// Whether the plan's unit [first, last] is a group run (call sites only).
+  [[nodiscard]] bool is_group(int first, int last) const {
+    return last > first && source == chain_source::call_sites && static_cast<std::size_t>(first) < group_end.size() &&
+           group_end[static_cast<std::size_t>(first)] == last;
+  }
+  /// The place in the call sequence where unit [first, last] runs: the outer
+  /// call's for a group, else the first unit's.
+  [[nodiscard]] std::size_t position_of(int first, int last) const {
+    return is_group(first, last) ? group_positions[static_cast<std::size_t>(first)]
+                                 : positions[static_cast<std::size_t>(first)];
+  }
+  /// What runs there unoptimized: the outer call's module for a group.
+  [[nodiscard]] const torch::nn::AnyModule& original_of(int first, int last) const {
+    return is_group(first, last) ? group_slots[static_cast<std::size_t>(first)]
+                                 : originals[static_cast<std::size_t>(first)];
+  }
 };
 
 /// One memscale::forward call seen while recording.
@@ -101,15 +125,22 @@ struct call_record {
 };
 
 /// A call of the planned sequence and what runs for it (empty: the module itself).
+/// Where the plan's level is one below the outermost, the outer calls are in
+/// the sequence too, each followed by its `inner` calls: an outer call with a
+/// runner (its group checkpointed whole) stands for them, and the cursor
+/// passes over them; one without runs directly and they follow.
 struct planned_call {
   const torch::nn::Module* module = nullptr;
   torch::nn::AnyModule runner;
+  int depth = 0;
+  std::size_t inner = 0;  ///< an outer call: how many calls after it are its inner ones
 };
 
 /// The chains of call-site units, the call sequence and the report notes of
 /// one depth of recorded memscale::forward calls.
 struct call_level {
   int depth = 0;
+  int outer_depth = -1;  ///< >= 0: the outer calls, one depth up, are in the sequence too
   std::vector<managed_chain> chains;
   std::vector<planned_call> sequence;
   std::vector<std::string> notes;
