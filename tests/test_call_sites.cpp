@@ -595,8 +595,8 @@ TEST_CASE("nested call sites: a plan mixes the levels, blocks checkpointed whole
   }
   CHECK_FALSE(memscale::is_optimized(model));
   CHECK(same_runs(train(reference, x, 1), train(model, x, 1)));
-  // The reference step of verify_correctness under mixed precision runs a
-  // group's outer call autocast, its inner calls inside it.
+  // Under mixed precision no group runs whole (its runner would autocast the
+  // block's own code too, outside its parts): single parts, verified.
   auto [reference2, model2] = twins<MixedNet>(24, 3, 64);
   auto autocast_verified = light_touch();
   autocast_verified.use_mixed_precision = true;
@@ -606,6 +606,9 @@ TEST_CASE("nested call sites: a plan mixes the levels, blocks checkpointed whole
   INFO(report.str());
   REQUIRE(report.verification.has_value());
   CHECK(report.verification->passed);
+  REQUIRE(report.plan.units.size() == 1);
+  for (const auto& u : report.plan.units[0]) CHECK(u.last == u.first);
+  CHECK_FALSE(has_note(report, "checkpointed whole"));
 }
 
 TEST_CASE("a model with no unit boundaries gets whole-forward offload, bit-exactly, detach ends it",

@@ -15,7 +15,9 @@
 //   plan uses the outermost depth with at least two calls (whole blocks), or the
 //   next depth with at least two (their parts) where its plan reaches the same
 //   target with less recompute (execute/attachment_levels.hpp); calls at the
-//   other depths then run directly.
+//   other depths then run directly, but for the outer calls a plan at the parts'
+//   depth checkpoints whole (all their parts one run): those are in the
+//   sequence too, and their parts run directly inside them.
 // - A forward that leaves the recorded sequence (another module than recorded,
 //   or more calls) runs the rest of that forward unoptimized and is counted and
 //   logged; a new forward starts after a backward (seen by memscale's engine) or

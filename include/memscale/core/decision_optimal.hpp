@@ -58,7 +58,7 @@ namespace detail_engine {
 constexpr void assign_optimal(const std::vector<std::vector<slot_cost>>& chains, const std::vector<bool>& supported,
                               const engine_input& in, engine_plan& plan, bool tolerant = false,
                               bool lower_with_groups = false) {
-  const auto budget = std::max(plan.target_bytes, plan.planned_peak);
+  auto budget = std::max(plan.target_bytes, plan.planned_peak);
   for (int c = 0; c < static_cast<int>(chains.size()); ++c) {
     const auto& s = chains[c];
     const int n = static_cast<int>(s.size());
@@ -165,6 +165,8 @@ constexpr void assign_optimal(const std::vector<std::vector<slot_cost>>& chains,
     }
     plan.units[c] = std::move(best);
     plan.planned_peak = best_peak;
+    // A lowered peak holds for the chains after this one too.
+    if (kept < budget) budget = std::max(plan.target_bytes, plan.planned_peak);
   }
 }
 

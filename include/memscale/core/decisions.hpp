@@ -137,7 +137,7 @@ struct optimal_override {
   double optimal_seconds = 0.0;  ///< ... and the optimal schedule's
   std::int64_t greedy_peak = 0;  ///< projected step peak with the greedy segments
   std::int64_t optimal_peak = 0; ///< ... and with the optimal schedule
-  std::int64_t budget = 0;       ///< the step peak both stay within
+  std::int64_t budget = 0;       ///< the step peak the schedule keeps (lowered with groups: below the greedy's)
 };
 
 struct engine_plan {

@@ -278,10 +278,12 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   chain_profile profile_of(const managed_chain& chain, const torch::Tensor& input, const profile_options& options) const;
   void adjust_profiles(std::vector<chain_profile>& profiles) const;
 
-  /// Plans finer_ at `decided`'s target; where cheaper, its chains, profiles and plan replace level_'s.
+  /// Plans finer_ at `decided`'s target; where cheaper, its chains, profiles and plan replace level_'s
+  /// (keep_outer_calls_run_whole: of the outer calls, only those `decided` runs whole stay in the sequence).
   bool consider_finer_level(std::vector<std::size_t>& which, const profile_options& options,
                             std::vector<chain_profile>& profiles, std::vector<std::vector<slot_cost>>& costs,
                             std::vector<bool>& supported, const engine_input& in, engine_plan& decided, Report& out);
+  bool keep_outer_calls_run_whole(std::size_t head, const std::vector<std::size_t>& which, const engine_plan& decided);
 
   /// The engine offloaded units share; created at the first plan that offloads.
   std::shared_ptr<offload::engine> engine_for_plan() {
@@ -354,9 +356,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   std::vector<std::size_t> add_call_chains(bool lazy);
   [[nodiscard]] call_level build_call_level(const std::vector<const call_record*>& eligible, int depth,
                                             bool lazy, int outer = -1) const;
-
-  /// A model with no Sequential and no call site: its whole forward, one unit.
-  void add_whole_model_chain();
+  void add_whole_model_chain();  ///< no Sequential and no call site: the whole forward, one unit
 
   /// The planned call for a memscale::forward call at `depth`, following the
   /// recorded sequence (call_sites.hpp has the rules).

@@ -103,7 +103,10 @@ inline void attachment::record(torch::nn::Module& module, int depth,
   } else if (why_not != nullptr) {
     r.why_not = why_not;
   }
-  if (input != nullptr && !r.slot.is_empty()) r.input = input->detach();
+  if (input != nullptr && !r.slot.is_empty()) {
+    r.input = input->detach();
+    r.version = r.input._version();
+  }
   records_.push_back(std::move(r));
 }
 
@@ -250,7 +253,10 @@ inline call_level attachment::build_call_level(const std::vector<const call_reco
     if (outer >= 0 && r->depth <= outer) close_group();
     if (outer >= 0 && r->depth == outer) {
       around += 1;
-      group = open_group{out.sequence.size(), r->slot};
+      // An outer call that changed its input in place cannot be checkpointed
+      // whole (its recompute would read the changed input): no group.
+      const bool in_place = r->input.defined() && r->input._version() != r->version;
+      group = open_group{out.sequence.size(), in_place ? torch::nn::AnyModule() : r->slot};
       out.sequence.push_back({r->module, {}, outer, 0});
       continue;
     }
@@ -314,7 +320,8 @@ inline call_level attachment::build_call_level(const std::vector<const call_reco
               "re-runs its nested calls anyway)";
     if (around > 0)
       line += "; the " + std::to_string(around) + " call(s) around them at depth " + std::to_string(depth - 1) +
-              (depth > 1 ? " and above" : "") + " run directly (their inner calls are the units)";
+              (depth > 1 ? " and above" : "") + " run directly (their inner calls are the units)" +
+              (outer >= 0 ? ", but for those the plan checkpoints whole" : "");
     line += lazy ? "; recorded over the first training forward" : "; recorded from the example forward";
     out.notes.push_back(std::move(line));
   }
@@ -356,6 +363,9 @@ inline call_ticket attachment::next_call(const torch::nn::Module& module, int de
     end_forward();  // a shorter forward ended; this call starts the next
   }
   if (cursor_ >= sequence_.size() || !is(sequence_[cursor_])) {
+    // The outer calls are in the sequence only where the plan runs one whole:
+    // another one runs directly, as calls at other depths do.
+    if (depth == outer_level_) return {};
     diverged_ = true;
     const auto n = ++diverged_forwards_;
     if (n <= 5 && log_.wants(spdlog::level::warn))

@@ -130,9 +130,20 @@ inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, co
   fine_in.fixed_target = decided.target_bytes;
   fine_in.segment_limit.resize(head);
   fine_in.segment_limit.insert(fine_in.segment_limit.end(), fine_costs.size() - head, 1);
-  // A group of units one outer call holds may be one run: that call checkpointed whole.
+  // A group of units one outer call holds may be one run: that call checkpointed
+  // whole. Not under mixed precision (its runner would autocast the outer call's
+  // own code too), nor where the last unit's gradients come from its input alone
+  // (projected not recomputed, where the outer call recomputes all of it).
   fine_in.segment_groups.assign(head, {});
-  for (const auto& chain : finer.chains) fine_in.segment_groups.push_back(chain.group_end);
+  for (std::size_t i = 0; i < finer.chains.size(); ++i) {
+    auto& ends = finer.chains[i].group_end;
+    const auto& slots = fine_costs[head + i];
+    for (auto& end : ends)
+      if (end >= 0 && (config_.use_mixed_precision || static_cast<std::size_t>(end) >= slots.size() ||
+                       slots[static_cast<std::size_t>(end)].backward_from_input))
+        end = -1;
+    fine_in.segment_groups.push_back(ends);
+  }
   auto fine = decide(fine_costs, fine_supported, fine_in);
 
   const double coarse_s = detail_levels::extra_seconds(costs, decided, in.offload_bytes_per_second);
@@ -191,8 +202,8 @@ inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, co
   supported = std::move(fine_supported);
   decided = std::move(fine);
   level_ = finer.depth;
-  outer_level_ = finer.outer_depth;
   pending_sequence_ = std::move(finer.sequence);
+  outer_level_ = keep_outer_calls_run_whole(head, which, decided) ? finer.outer_depth : -1;
   const auto coarse_notes = std::min(coarse_note_count_, pending_notes_.size());
   pending_notes_.erase(pending_notes_.begin(), pending_notes_.begin() + static_cast<std::ptrdiff_t>(coarse_notes));
   pending_notes_.insert(pending_notes_.begin(), finer.notes.begin(), finer.notes.end());
@@ -202,16 +213,45 @@ inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, co
   for (std::size_t i = head; i < which.size(); ++i) {
     const auto& chain = chains_[which[i]];
     for (const auto& u : decided.units[i])
-      if (chain.is_group(u.first, u.last)) whole.push_back(path_of(pending_sequence_[chain.position_of(u.first, u.last)].module));
+      if (chain.is_group(u.first, u.last))
+        whole.push_back(path_of(pending_sequence_[chain.position_of(u.first, u.last)].module));
   }
   if (!whole.empty()) {
-    note << "; " << whole.size() << " outer call(s) checkpointed whole, where their inner calls together free what "
-         << "no one of them does (";
+    note << "; " << whole.size() << " outer call(s) checkpointed whole, their inner calls one run (";
     for (std::size_t k = 0; k < whole.size(); ++k) note << (k ? ", " : "") << whole[k];
     note << ")";
   }
   out.notes.push_back(note.str());
   return true;
+}
+
+inline bool attachment::keep_outer_calls_run_whole(std::size_t head, const std::vector<std::size_t>& which,
+                                                    const engine_plan& decided) {
+  std::vector<bool> whole(pending_sequence_.size(), false);
+  for (std::size_t i = head; i < which.size(); ++i) {
+    const auto& chain = chains_[which[i]];
+    for (const auto& u : decided.units[i])
+      if (chain.is_group(u.first, u.last)) whole[chain.position_of(u.first, u.last)] = true;
+  }
+  // Only the outer calls a group runs as stay in the sequence; the others run
+  // directly, as at the coarser depths, and the positions move up.
+  std::vector<std::size_t> moved(pending_sequence_.size(), 0);
+  std::vector<planned_call> kept;
+  for (std::size_t p = 0; p < pending_sequence_.size(); ++p) {
+    moved[p] = kept.size();
+    if (pending_sequence_[p].depth == level_ || whole[p]) kept.push_back(std::move(pending_sequence_[p]));
+  }
+  pending_sequence_ = std::move(kept);
+  for (std::size_t i = head; i < which.size(); ++i) {
+    auto& chain = chains_[which[i]];
+    for (auto& p : chain.positions) p = moved[p];
+    for (std::size_t k = 0; k < chain.group_end.size(); ++k) {
+      if (chain.group_end[k] < 0) continue;
+      if (whole[chain.group_positions[k]]) chain.group_positions[k] = moved[chain.group_positions[k]];
+      else chain.group_end[k] = -1;  // not run as one
+    }
+  }
+  return std::find(whole.begin(), whole.end(), true) != whole.end();
 }
 
 }  // namespace memscale::core

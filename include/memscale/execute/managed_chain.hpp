@@ -120,7 +120,8 @@ struct call_record {
   const torch::nn::Module* module = nullptr;
   torch::nn::AnyModule slot;  ///< empty: the call cannot be a unit (why_not says why)
   std::string why_not;
-  torch::Tensor input;        ///< detached
+  torch::Tensor input;        ///< detached (it shares the version counter)
+  std::int64_t version = 0;   ///< the input's version when the call began
   int depth = 0;
 };
 
