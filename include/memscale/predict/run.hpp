@@ -182,9 +182,13 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   if (!base_shape_only) out.notes.push_back("calibration ran for real: " + base_real_why);
   if (base_shape_only) {
     const auto resident_after = resident_before ? memscale::detail::read_process_memory() : std::nullopt;
+    // The resident size can fall over the calibration (pages the allocator or
+    // a sanitizer's allocator gave back): then nothing was measured outside the
+    // allocator, 0, not the "not measured" of a negative figure.
     if (resident_after)
-      process_growth = allocator_growth + resident_after->resident_bytes - resident_before->resident_bytes -
-                       (memory_tracker::installed() ? memory_tracker::current_bytes() - allocator_before : 0);
+      process_growth = std::max<std::int64_t>(
+          0, allocator_growth + resident_after->resident_bytes - resident_before->resident_bytes -
+                 (memory_tracker::installed() ? memory_tracker::current_bytes() - allocator_before : 0));
   } else if (process && process->active()) {
     process_growth = process->peak_growth();
   }
