@@ -110,6 +110,27 @@ std::vector<int> random_groups(std::mt19937& rng, int n) {
   return group_end;
 }
 
+/// A random chain of n units, groups over it, and its projected peak with nothing checkpointed.
+struct grouped_chain {
+  std::vector<slot_cost> slots;
+  std::vector<int> group_end;
+  std::int64_t baseline = 0;
+};
+grouped_chain random_grouped_chain(std::mt19937& rng, int n, bool linears) {
+  grouped_chain g;
+  g.slots = random_chain(rng, n, linears);
+  g.group_end = random_groups(rng, n);
+  g.baseline = project_chain(g.slots, keep_all(g.slots.size())).peak;
+  return g;
+}
+
+/// Whether every run longer than one unit is a whole group, checkpointed.
+bool runs_are_whole_groups(const std::vector<unit>& units, const std::vector<int>& group_end) {
+  return std::all_of(units.begin(), units.end(), [&](const unit& u) {
+    return u.last == u.first || (u.checkpointed && group_end[static_cast<std::size_t>(u.first)] == u.last);
+  });
+}
+
 /// The DP's plan against the brute force's least recompute: feasible alike, as
 /// cheap, within the budget, its peak the projection's. Whether it was feasible.
 bool matches_brute_force(const std::vector<slot_cost>& chain, const optimal_plan& dp, double expected,
@@ -130,9 +151,7 @@ TEST_CASE("the optimal-chain DP over call-site units and whole groups of them fi
   int feasible = 0, grouped_wins = 0;
   for (int trial = 0; trial < 60; ++trial) {
     const int n = 3 + trial % 7;
-    auto chain = random_chain(rng, n, trial % 2 == 1);
-    const auto group_end = random_groups(rng, n);
-    const auto baseline = project_chain(chain, keep_all(chain.size())).peak;
+    const auto [chain, group_end, baseline] = random_grouped_chain(rng, n, trial % 2 == 1);
     for (double fraction : {0.5, 0.7, 0.9}) {
       const auto budget = static_cast<std::int64_t>(fraction * static_cast<double>(baseline));
       const double expected = brute_force_grouped(chain, budget, group_end);
@@ -140,8 +159,7 @@ TEST_CASE("the optimal-chain DP over call-site units and whole groups of them fi
       INFO("trial " << trial << " n " << n << " budget " << budget);
       if (!matches_brute_force(chain, dp, expected, budget)) continue;
       ++feasible;
-      for (const auto& u : dp.units)  // a run longer than one unit is a whole group
-        if (u.last > u.first) CHECK(group_end[static_cast<std::size_t>(u.first)] == u.last);
+      CHECK(runs_are_whole_groups(dp.units, group_end));
       const auto singles = optimal_segmentation(chain, budget, static_cast<int>(budget), 1);
       if (!singles.feasible || singles.recompute_seconds > dp.recompute_seconds * (1.0 + 1e-9)) ++grouped_wins;
     }
@@ -157,9 +175,7 @@ TEST_CASE("the engine's optimal schedule (R11) checkpoints a call-site chain's g
   int used = 0, lowered_count = 0;
   for (int trial = 0; trial < 80; ++trial) {
     const int n = 4 + trial % 9;
-    auto chain = random_chain(rng, n, trial % 2 == 1);
-    const auto group_end = random_groups(rng, n);
-    const auto baseline = project_chain(chain, keep_all(chain.size())).peak;
+    const auto [chain, group_end, baseline] = random_grouped_chain(rng, n, trial % 2 == 1);
     const auto mode = trial % 3 == 0 ? memscale::OptimizationMode::Aggressive : memscale::OptimizationMode::Balanced;
     engine_input in{mode, true, true,
                     static_cast<std::int64_t>((0.4 + 0.05 * (trial % 8)) * static_cast<double>(baseline)), 0};
@@ -168,14 +184,10 @@ TEST_CASE("the engine's optimal schedule (R11) checkpoints a call-site chain's g
     in.segment_groups = {group_end};
     const auto grouped = decide({chain}, {true}, in);
     INFO("trial " << trial << " n " << n);
-    bool has_group = false;
-    for (const auto& u : grouped.units[0]) {
-      if (u.last == u.first) continue;
-      has_group = true;
-      CHECK(u.checkpointed);
-      CHECK(group_end[static_cast<std::size_t>(u.first)] == u.last);
-    }
-    for (const auto& u : singles.units[0]) CHECK(u.last == u.first);
+    CHECK(runs_are_whole_groups(grouped.units[0], group_end));
+    CHECK(runs_are_whole_groups(singles.units[0], std::vector<int>(group_end.size(), -1)));  // single units only
+    const bool has_group = std::any_of(grouped.units[0].begin(), grouped.units[0].end(),
+                                       [](const unit& u) { return u.last > u.first; });
     // The same greedy: where it stopped above the target, groups may lower the
     // peak (at whatever recompute); else, the same peak kept, the optimum over
     // more schedules recomputes no more.

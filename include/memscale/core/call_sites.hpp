@@ -33,6 +33,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -176,10 +177,8 @@ decltype(auto) forward(M&& module, Args&&... args) {
     };
     auto ticket = host->begin_call(impl, nested.at, &make_slot, &x, nullptr);
     if (!ticket.runner.is_empty()) {
-      if (ticket.inner_calls_direct) {
-        const core::call_sites::direct_scope inner_direct;
-        return ticket.runner.template forward<torch::Tensor>(x);
-      }
+      std::optional<core::call_sites::direct_scope> inner_direct;
+      if (ticket.inner_calls_direct) inner_direct.emplace();
       return ticket.runner.template forward<torch::Tensor>(x);
     }
     return impl.forward(std::forward<Args>(args)...);

@@ -186,9 +186,8 @@ namespace memscale::core {
     // greedy's single units: taken where, tiled and offloaded as well, that plan
     // reaches the target and the other does not, or peaks lower, or peaks the
     // same for less recompute and transfer.
-    const bool groups = std::any_of(in.segment_groups.begin(), in.segment_groups.end(), [](const auto& ends) {
-      return std::any_of(ends.begin(), ends.end(), [](int g) { return g >= 0; });
-    });
+    const bool groups = std::any_of(in.segment_groups.begin(), in.segment_groups.end(),
+                                    [](const std::vector<int>& ends) { return has_groups(ends); });
     if (groups) assign_optimal(chains, supported, in, lowered, /*tolerant=*/false, /*lower_with_groups=*/true);
     if (groups && !lowered.overrides.empty()) {
       assign_tiling(chains, supported, in, lowered);

@@ -69,8 +69,7 @@ constexpr void assign_optimal(const std::vector<std::vector<slot_cost>>& chains,
                                             : std::span<const int>();
     // Whole groups can free what no single unit does (the tensor between two
     // parts): where the greedy stopped above the target, they may lower the peak.
-    const bool lower = lower_with_groups && plan.planned_peak > plan.target_bytes &&
-                       std::any_of(groups.begin(), groups.end(), [](int g) { return g >= 0; });
+    const bool lower = lower_with_groups && plan.planned_peak > plan.target_bytes && has_groups(groups);
     if (!supported[c] || n == 0 || (greedy_seconds <= 0.0 && !lower)) continue;
     std::int64_t room = budget - in.static_bytes;
     for (int e = 0; e < c; ++e) room -= project_chain(chains[e], plan.units[e]).forward_end;

@@ -4,7 +4,9 @@
 // Plain data: tests build and read them in static_assert.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -103,6 +105,11 @@ struct engine_input {
   /// coarser level's target, so that their recompute compares.
   std::int64_t fixed_target = 0;
 };
+
+/// Whether a chain's segment_groups (engine_input) hold a group.
+[[nodiscard]] constexpr bool has_groups(std::span<const int> group_end) noexcept {
+  return std::any_of(group_end.begin(), group_end.end(), [](int g) { return g >= 0; });
+}
 
 /// Whether force_optimize finds nothing pressing: the baseline already meets the
 /// mode's target, so the engine aims at forced_target instead (the light touch).

@@ -279,12 +279,12 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   void adjust_profiles(std::vector<chain_profile>& profiles) const;
 
   /// Plans finer_ at `decided`'s target; where cheaper, its chains, profiles and plan replace level_'s
-  /// (keep_outer_calls_run_whole: of the outer calls, only those `decided` runs whole stay in the sequence).
+  /// (keep_outer_calls_run_whole: only the outer calls `decided` runs whole stay in the sequence; it returns them).
   bool consider_finer_level(std::vector<std::size_t>& which, const profile_options& options,
                             std::vector<chain_profile>& profiles, std::vector<std::vector<slot_cost>>& costs,
                             std::vector<bool>& supported, const engine_input& in, engine_plan& decided, Report& out);
-  bool keep_outer_calls_run_whole(std::size_t head, const std::vector<std::size_t>& which, const engine_plan& decided);
-
+  std::vector<const torch::nn::Module*> keep_outer_calls_run_whole(std::size_t head, const std::vector<std::size_t>& which,
+                                                                   const engine_plan& decided);
   /// The engine offloaded units share; created at the first plan that offloads.
   std::shared_ptr<offload::engine> engine_for_plan() {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -174,7 +174,8 @@ inline void attachment::apply_units(std::size_t c, const std::vector<unit>& unit
     const bool group = chain.is_group(u.first, u.last);
     MEMSCALE_ASSERT(group || u.first == u.last || chain.source != chain_source::call_sites,
                     "a plan spans call-site units that no one outer call holds");
-    MEMSCALE_ASSERT(!group || u.tiles <= 1, "a plan tiles a group of call-site units");
+    MEMSCALE_ASSERT(!group || (u.tiles <= 1 && !config_.use_mixed_precision),
+                    "a plan tiles a group of call-site units, or runs one under mixed precision");
     std::vector<torch::nn::AnyModule> segment =
         group ? std::vector<torch::nn::AnyModule>{chain.original_of(u.first, u.last)}
               : std::vector<torch::nn::AnyModule>(chain.originals.begin() + u.first,
@@ -212,13 +213,10 @@ inline void attachment::apply_units(std::size_t c, const std::vector<unit>& unit
   }
   // A chain whose slots are not all Tensor -> Tensor runs as it is: the
   // autocast wrapper has one Tensor forward.
-  if (config_.use_mixed_precision && supported) {
+  if (config_.use_mixed_precision && supported)
     for (auto& slot : target)
       if (!std::dynamic_pointer_cast<PassThroughImpl>(slot.ptr()))
         slot = torch::nn::AnyModule(std::make_shared<AutocastSlotImpl>(std::move(slot)));
-    for (auto& [position, runner] : group_runners)
-      runner = torch::nn::AnyModule(std::make_shared<AutocastSlotImpl>(std::move(runner)));
-  }
   if (chain.source == chain_source::call_sites) {
     for (std::size_t k = 0; k < target.size(); ++k)
       if (target[k].ptr() != chain.originals[k].ptr()) changes.runners.emplace_back(chain.positions[k], target[k]);

@@ -203,30 +203,23 @@ inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, co
   decided = std::move(fine);
   level_ = finer.depth;
   pending_sequence_ = std::move(finer.sequence);
-  outer_level_ = keep_outer_calls_run_whole(head, which, decided) ? finer.outer_depth : -1;
+  const auto whole = keep_outer_calls_run_whole(head, which, decided);
+  outer_level_ = whole.empty() ? -1 : finer.outer_depth;
   const auto coarse_notes = std::min(coarse_note_count_, pending_notes_.size());
   pending_notes_.erase(pending_notes_.begin(), pending_notes_.begin() + static_cast<std::ptrdiff_t>(coarse_notes));
   pending_notes_.insert(pending_notes_.begin(), finer.notes.begin(), finer.notes.end());
   out.outside_units_bytes = outside;
-  // Groups the plan made one run: their outer calls run checkpointed whole.
-  std::vector<std::string> whole;
-  for (std::size_t i = head; i < which.size(); ++i) {
-    const auto& chain = chains_[which[i]];
-    for (const auto& u : decided.units[i])
-      if (chain.is_group(u.first, u.last))
-        whole.push_back(path_of(pending_sequence_[chain.position_of(u.first, u.last)].module));
-  }
   if (!whole.empty()) {
     note << "; " << whole.size() << " outer call(s) checkpointed whole, their inner calls one run (";
-    for (std::size_t k = 0; k < whole.size(); ++k) note << (k ? ", " : "") << whole[k];
+    for (std::size_t k = 0; k < whole.size(); ++k) note << (k ? ", " : "") << path_of(whole[k]);
     note << ")";
   }
   out.notes.push_back(note.str());
   return true;
 }
 
-inline bool attachment::keep_outer_calls_run_whole(std::size_t head, const std::vector<std::size_t>& which,
-                                                    const engine_plan& decided) {
+inline std::vector<const torch::nn::Module*> attachment::keep_outer_calls_run_whole(
+    std::size_t head, const std::vector<std::size_t>& which, const engine_plan& decided) {
   std::vector<bool> whole(pending_sequence_.size(), false);
   for (std::size_t i = head; i < which.size(); ++i) {
     const auto& chain = chains_[which[i]];
@@ -237,8 +230,10 @@ inline bool attachment::keep_outer_calls_run_whole(std::size_t head, const std::
   // directly, as at the coarser depths, and the positions move up.
   std::vector<std::size_t> moved(pending_sequence_.size(), 0);
   std::vector<planned_call> kept;
+  std::vector<const torch::nn::Module*> run_whole;
   for (std::size_t p = 0; p < pending_sequence_.size(); ++p) {
     moved[p] = kept.size();
+    if (whole[p]) run_whole.push_back(pending_sequence_[p].module);
     if (pending_sequence_[p].depth == level_ || whole[p]) kept.push_back(std::move(pending_sequence_[p]));
   }
   pending_sequence_ = std::move(kept);
@@ -251,7 +246,7 @@ inline bool attachment::keep_outer_calls_run_whole(std::size_t head, const std::
       else chain.group_end[k] = -1;  // not run as one
     }
   }
-  return std::find(whole.begin(), whole.end(), true) != whole.end();
+  return run_whole;
 }
 
 }  // namespace memscale::core

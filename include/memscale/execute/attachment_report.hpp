@@ -187,14 +187,6 @@ inline std::optional<verify::step_outcome> attachment::autocast_reference_step(v
         if (!autocast_chain) continue;
         for (std::size_t k = 0; k < chain.positions.size() && k < chain.originals.size(); ++k)
           if (at(k) != nullptr) runners.replace(chain.positions[k], autocast(chain.originals[k]));
-        // A group checkpointed whole runs at its outer call: that call, autocast.
-        for (std::size_t k = 0; k < chain.group_end.size(); ++k) {
-          const auto last = chain.group_end[k];
-          if (last < 0) continue;
-          const auto position = chain.position_of(static_cast<int>(k), last);
-          if (position < sequence_.size() && autocasts(sequence_[position].runner))
-            runners.replace(position, autocast(chain.original_of(static_cast<int>(k), last)));
-        }
         any = true;
       }
     }
