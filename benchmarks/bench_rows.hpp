@@ -40,6 +40,22 @@ inline std::vector<std::pair<std::string, memscale::Config>> mode_rows(double ba
   return rows;
 }
 
+/// mode_rows, then Aggressive and Balanced forced with Config::replay_random_draws
+/// off: their recomputes draw the Dropout masks again, as before 2026-11-26 (what
+/// replaying them buys, side by side).
+inline const std::string drawn_again_suffix = ", masks drawn again";
+inline std::vector<std::pair<std::string, memscale::Config>> mode_rows_and_drawn_again(double balanced_budget_gb) {
+  auto rows = mode_rows(balanced_budget_gb);
+  for (const auto& name : {"Aggressive", "Balanced forced"})
+    for (const auto& [row_name, cfg] : mode_rows(balanced_budget_gb))
+      if (row_name == name) {
+        auto again = cfg;
+        again.replay_random_draws = false;
+        rows.emplace_back(row_name + drawn_again_suffix, again);
+      }
+  return rows;
+}
+
 /// Balanced planned at the hand-placed row's memory: all of the budget usable, and
 /// `budget_gb` set (run_workload) so that Balanced's target, its fraction of that,
 /// is the hand row's measured total (resident + a step's growth). Both are the

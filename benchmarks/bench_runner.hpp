@@ -325,7 +325,7 @@ Workload run_workload(const std::string& title, const std::string& description,
   // planning the finer level buys, side by side.
   if (make_coarse)
     for (const auto& [name, cfg] : rows_for(w.balanced_budget_gb)) {
-      if (name.rfind("Balanced", 0) != 0) continue;
+      if (name != "Balanced" && name != "Balanced forced") continue;
       std::cerr << "[bench] " << title << ": " << name << coarse_suffix << "\n";
       runners.push_back(std::make_unique<Runner<Model>>(name + coarse_suffix, make_coarse, loss_of, data, cfg));
     }

@@ -88,6 +88,11 @@ struct Config {
   /// Balanced halves the step's growth above the static bytes, Conservative cuts
   /// it to 3/4, Aggressive minimizes the peak as always (core::forced_target).
   bool force_optimize = false;
+  /// A checkpoint's recompute writes back the random masks its forward drew
+  /// (Dropout's, on CPU), kept a bit an element, instead of drawing them again:
+  /// the same values bit for bit, without the draws' time, which the planner
+  /// counts (detail/draw_replay.hpp). false: drawn again from the forward's state.
+  bool replay_random_draws = true;
   bool use_static_profiling = true;
   bool use_empirical_fallback = true;
   int warmup_steps = 2;  ///< instrumented passes per layer when profiling empirically

@@ -30,8 +30,12 @@ struct slot_cost {
   /// unmeasured, and the forward's workspace stands in); a convolution's on CPU
   /// is several activations.
   std::int64_t backward_workspace_bytes = 0;
-  double forward_seconds = 0.0;      ///< one forward (= the recompute cost of checkpointing it)
+  double forward_seconds = 0.0;      ///< one forward
   double backward_seconds = 0.0;
+  /// What a checkpoint's recompute of it saves by writing back the random masks
+  /// its forward drew instead of drawing them again (detail/draw_replay.hpp):
+  /// the draws' time less packing and writing back their outcomes.
+  double replay_saved_seconds = 0.0;
   /// Leading input dimensions along which the slot treats rows independently
   /// (core/tile_rules.hpp): it may run over chunks of any of them. 0: it mixes
   /// rows (attention, BatchNorm in training), so it is never tiled.
@@ -41,6 +45,11 @@ struct slot_cost {
   /// Transient bytes beside its input and output gradients while its backward runs.
   [[nodiscard]] constexpr std::int64_t backward_extra_bytes() const noexcept {
     return backward_workspace_bytes > workspace_bytes ? backward_workspace_bytes : workspace_bytes;
+  }
+
+  /// What recomputing it in a checkpoint's backward costs.
+  [[nodiscard]] constexpr double recompute_seconds() const noexcept {
+    return forward_seconds > replay_saved_seconds ? forward_seconds - replay_saved_seconds : 0.0;
   }
 
   /// New bytes the forward allocates and keeps (output plus saved extras).

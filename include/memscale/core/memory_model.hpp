@@ -259,10 +259,12 @@ struct step_point {
 }
 
 /// Forward time a checkpointed run [first, last] spends recomputing in backward:
-/// every slot's forward but that of a last slot with backward_from_input, whose
-/// gradients come from its recomputed input.
+/// every slot's recompute_seconds but that of a last slot with
+/// backward_from_input, whose gradients come from its recomputed input.
 [[nodiscard]] constexpr double checkpoint_recompute_seconds(std::span<const slot_cost> s, int first, int last) {
-  return run_forward_seconds(s, first, s[last].backward_from_input ? last - 1 : last);
+  double seconds = 0.0;
+  for (int k = first; k <= (s[last].backward_from_input ? last - 1 : last); ++k) seconds += s[k].recompute_seconds();
+  return seconds;
 }
 
 /// What a unit recomputes: nothing kept; a tiled run all of its slots (each

@@ -54,14 +54,14 @@ struct optimal_plan {
   std::vector<std::int64_t> plain_peak(static_cast<std::size_t>(n) * n, 0);
   std::vector<double> run_seconds(static_cast<std::size_t>(n) * n, 0.0);
   for (int a = 0; a < n; ++a) {
-    double seconds = 0.0;  // the forwards of a..b-1
+    double seconds = 0.0;  // the recomputes of a..b-1
     for (int b = a; b < n; ++b) {
       const auto r = project_plain_range(s, a, b, 0);
       const auto forward_extra = checkpointed_forward_extra(s, a, b);
       plain_peak[a * n + b] = std::max({forward_extra, r.forward_peak, r.backward_peak});
       run_peak[a * n + b] = std::max(forward_extra, checkpoint_backward_peak(s, a, b, 0));
-      run_seconds[a * n + b] = s[b].backward_from_input ? seconds : seconds + s[b].forward_seconds;
-      seconds += s[b].forward_seconds;
+      run_seconds[a * n + b] = s[b].backward_from_input ? seconds : seconds + s[b].recompute_seconds();
+      seconds += s[b].recompute_seconds();
     }
   }
 

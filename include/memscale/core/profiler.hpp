@@ -75,10 +75,12 @@ struct profile_options {
   bool use_empirical = true;
   int passes = 2;  ///< Config::warmup_steps (at least one pass runs)
   bool training = true;
+  bool replay_draws = true;  ///< Config::replay_random_draws: a recompute saves its random draws' time
 };
 
 inline profile_options profile_options_from(const Config& config, bool training) {
-  return {config.use_static_profiling, config.use_empirical_fallback, std::max(1, config.warmup_steps), training};
+  return {config.use_static_profiling, config.use_empirical_fallback, std::max(1, config.warmup_steps), training,
+          config.replay_random_draws};
 }
 
 /// Profiles the original `slots` of a chain for the given chain input. With
@@ -140,6 +142,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       cost.row_dims = row_independent_dims(*slot.ptr(), in);
       for (std::size_t d = 0; d < cost.input_extents.size() && d < in.shape.size(); ++d)
         cost.input_extents[d] = in.shape[d];
+      if (!options.replay_draws) cost.replay_saved_seconds = 0.0;  // a recompute draws again
       return cost;
     };
     std::optional<layer_estimate> estimate;
@@ -159,6 +162,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
                                                         options.passes, reporting ? &*reporting : nullptr)) {
           cost.forward_seconds = timed->forward_seconds;
           cost.backward_seconds = timed->backward_seconds;
+          cost.replay_saved_seconds = timed->replay_saved_seconds;
           cost.mutates_input = timed->mutates_input;
           note = timed->rows == (current.shape.empty() ? 0 : current.shape[0])
                      ? "static rule; times measured"
@@ -205,6 +209,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       auto cost = detail::static_cost(*fallback, measured.cost.input_bytes, detail::compute_rates{});
       cost.forward_seconds = measured.cost.forward_seconds;
       cost.backward_seconds = measured.cost.backward_seconds;
+      cost.replay_saved_seconds = measured.cost.replay_saved_seconds;
       cost.mutates_input = measured.cost.mutates_input;
       profile.slots.push_back(shape_facts(cost));
       profile.sources.push_back(profile_source::static_rule);

@@ -24,6 +24,7 @@
 #include <memscale/core/graph.hpp>
 #include <memscale/core/layer_rules.hpp>
 #include <memscale/detail/buffers.hpp>
+#include <memscale/detail/draw_replay.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/device/compute_rates.hpp>
 #include <memscale/device/memory_tracker.hpp>
@@ -170,8 +171,14 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       } else if (source == byte_source::saved_tensors) {
         log.emplace();
       }
+      // The random draws a recompute could replay are timed apart, with what
+      // replaying them costs (packing and writing back their outcomes), which is
+      // not the forward's own time.
+      draw_log draws;
       const auto start = profile_clock_scope::now();
+      std::optional<draw_span> timed_draws(std::in_place, draws, draw_mode::measure);
       auto out = slot.any_forward(x);
+      timed_draws.reset();
       auto* tensor = out.try_get<torch::Tensor>();
       if (tensor == nullptr) {
         result.tensor_output = false;
@@ -179,7 +186,8 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       }
       y = *tensor;
       synchronize(device);
-      cost.forward_seconds = profile_clock_scope::now() - start;
+      cost.forward_seconds = std::max(0.0, profile_clock_scope::now() - start - draws.replay_seconds);
+      cost.replay_saved_seconds = std::max(0.0, draws.draw_seconds - draws.replay_seconds);
       if (by_allocations) {
         live_after = memory_tracker::current_bytes(device);
         peak = scope->peak();
@@ -305,6 +313,7 @@ inline slot_cost static_cost(const layer_estimate& e, std::int64_t input_bytes, 
 struct static_slot_times {
   double forward_seconds = 0.0;
   double backward_seconds = 0.0;
+  double replay_saved_seconds = 0.0;
   bool mutates_input = false;
   std::int64_t rows = 0;  ///< the first extent it ran at
 };
@@ -353,7 +362,8 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
     auto timed = measure_slot(slot, x, passes, reporting);
     if (!timed.tensor_output || timed.output.sizes().vec() != expected_shape) return std::nullopt;
     return static_slot_times{timed.cost.forward_seconds * forward_scale, timed.cost.backward_seconds * backward_scale,
-                             timed.cost.mutates_input, part.shape.empty() ? 0 : part.shape[0]};
+                             timed.cost.replay_saved_seconds * forward_scale, timed.cost.mutates_input,
+                             part.shape.empty() ? 0 : part.shape[0]};
   } catch (const std::exception&) {
     return std::nullopt;  // it cannot run on an input of that shape: the caller keeps the rates' times
   }

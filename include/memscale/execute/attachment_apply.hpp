@@ -181,6 +181,7 @@ inline void attachment::apply_units(std::size_t c, const std::vector<unit>& unit
               : std::vector<torch::nn::AnyModule>(chain.originals.begin() + u.first,
                                                   chain.originals.begin() + u.last + 1);
     wrap_context context;
+    context.replay_random_draws = config_.replay_random_draws;
     if (u.checkpointed && u.tiles > 1) {
       MEMSCALE_ASSERT(techniques_.tile, "a plan tiles although the Strategy or Config excludes it");
       context.tiles = u.tiles;

@@ -12,6 +12,7 @@
 #include <iomanip>
 #include <memory>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -273,6 +274,28 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
                                              " above the greedy's minimum: within the schedule search's resolution, "
                                              "1/2048 of the chain's room)"
                                        : " (within " + detail::format_bytes(o.budget) + ")");
+    out.notes.push_back(note.str());
+  }
+  // What replaying random masks takes off the plan's recompute (detail/draw_replay.hpp).
+  double replay_saved = 0.0;
+  int replaying_units = 0;
+  for (std::size_t c = 0; c < decided.units.size() && c < profiles.size(); ++c) {
+    const std::span<const slot_cost> s(profiles[c].slots);
+    for (const auto& u : decided.units[c]) {
+      if (!u.checkpointed || u.tiles > 1) continue;
+      double saved = 0.0;
+      for (int k = u.first; k <= (s[u.last].backward_from_input ? u.last - 1 : u.last); ++k)
+        saved += s[k].forward_seconds - s[k].recompute_seconds();
+      if (saved <= 0.0) continue;
+      replay_saved += saved;
+      ++replaying_units;
+    }
+  }
+  if (replaying_units > 0) {
+    std::ostringstream note;
+    note << replaying_units << " checkpointed unit(s) replay the random masks their forwards drew (Dropout's), "
+         << "kept a bit an element: their recompute skips " << std::setprecision(3) << replay_saved * 1e3
+         << " ms of draws per step, counted in the plan (Config::replay_random_draws)";
     out.notes.push_back(note.str());
   }
   // A plan's cut reaches the process only if freed blocks leave it: say so on CPU

@@ -146,6 +146,7 @@ inline void to_json(nlohmann::json& j, const Config& c) {
        {"use_8bit_optimizer", c.use_8bit_optimizer},
        {"target_gpu_utilization", c.target_gpu_utilization},
        {"force_optimize", c.force_optimize},
+       {"replay_random_draws", c.replay_random_draws},
        {"use_static_profiling", c.use_static_profiling},
        {"use_empirical_fallback", c.use_empirical_fallback},
        {"warmup_steps", c.warmup_steps},
@@ -187,6 +188,7 @@ inline void from_json(const nlohmann::json& j, Config& c) {
   field("use_8bit_optimizer", c.use_8bit_optimizer);
   field("target_gpu_utilization", c.target_gpu_utilization);
   field("force_optimize", c.force_optimize);
+  field("replay_random_draws", c.replay_random_draws);
   field("use_static_profiling", c.use_static_profiling);
   field("use_empirical_fallback", c.use_empirical_fallback);
   field("warmup_steps", c.warmup_steps);

@@ -1,6 +1,8 @@
 // memscale — activation checkpointing: a custom autograd function that runs a
 // segment without keeping its intermediates and recomputes it in backward, with
-// the RNG state of the forward restored so Dropout draws the same masks. The
+// the RNG state of the forward restored so Dropout draws the same masks (on CPU
+// the forward keeps them, a bit an element, and the recompute writes them back
+// instead of drawing: detail/draw_replay.hpp). The
 // executor puts a CheckpointSegment in a chain's slot; custom forward code can call
 // memscale::checkpoint(fn, inputs, params) directly.
 //
@@ -13,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -22,6 +25,7 @@
 
 #include <memscale/detail/assert.hpp>
 #include <memscale/detail/compat.hpp>
+#include <memscale/detail/draw_replay.hpp>
 #include <memscale/detail/fault_injection.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
@@ -49,7 +53,11 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     std::vector<torch::Tensor> args(inputs.begin(), inputs.end());
     std::vector<std::int64_t> versions;
     for (const auto& x : args) versions.push_back(x.defined() ? static_cast<std::int64_t>(x._version()) : 0);
+    // On CPU the forward keeps its random masks (a bit an element) for the recompute to replay.
+    std::optional<draw_span> keep_draws;
+    if (body->replay_draws && context->devices.empty()) keep_draws.emplace(context->draws, draw_mode::record);
     auto outputs = body->fn(args);  // grad mode is off here: nothing inside is kept
+    keep_draws.reset();
     fault_point(pipeline_stage::checkpoint_forward);
     for (std::size_t i = 0; i < args.size(); ++i)
       if (args[i].defined() && static_cast<std::int64_t>(args[i]._version()) != versions[i])
@@ -100,6 +108,10 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
       if (!technique_fault_injected(technique_fault::checkpoint_skips_rng_restore)) restore_rng(context->state);
       compat::autocast_as same_casts(context->autocast);
       torch::AutoGradMode grad_on(true);
+      // The fault draws the masks again from the wrong state: it replays nothing.
+      const bool replay = !technique_fault_injected(technique_fault::checkpoint_skips_rng_restore);
+      std::optional<draw_span> replayed;
+      if (replay) replayed.emplace(context->draws, draw_mode::replay);
       if (tail != nullptr) {
         outputs = tail->prefix(inputs);
         if (!tail->applies_to(outputs.at(0))) {
@@ -108,9 +120,12 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
           tail = nullptr;
           outputs.clear();
           if (!technique_fault_injected(technique_fault::checkpoint_skips_rng_restore)) restore_rng(context->state);
+          replayed.reset();
+          if (replay) replayed.emplace(context->draws, draw_mode::replay);
         }
       }
       if (tail == nullptr) outputs = body->fn(inputs);
+      replayed.reset();
       fault_point(pipeline_stage::checkpoint_backward);  // inside the RNG fork and the recompute scope
       if (technique_fault_injected(technique_fault::checkpoint_recompute_scaled))
         for (auto& o : outputs)

@@ -24,6 +24,7 @@
 
 #include <memscale/detail/buffers.hpp>
 #include <memscale/detail/compat.hpp>
+#include <memscale/detail/draw_replay.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/detail/step_gate.hpp>
 #include <memscale/errors.hpp>
@@ -85,7 +86,8 @@ inline linear_gradients linear_backward(const torch::nn::LinearImpl& linear, con
 struct checkpoint_body : torch::CustomClassHolder {
   explicit checkpoint_body(tensors_fn f) : fn(std::move(f)) {}
   tensors_fn fn;
-  std::optional<linear_tail> tail;  ///< set: backward recomputes only up to the Linear's input
+  std::optional<linear_tail> tail;
+  bool replay_draws = true;  ///< the recompute replays the forward's random masks (detail/draw_replay.hpp)  ///< set: backward recomputes only up to the Linear's input
 };
 
 /// What the recompute must reproduce of the forward: RNG and autocast state.
@@ -94,6 +96,7 @@ struct forward_context : torch::CustomClassHolder {
   std::vector<c10::Device> devices;
   compat::autocast_state autocast;
   std::shared_ptr<step_token> step;  ///< the step in flight (detail/step_gate.hpp), until backward reaches here
+  draw_log draws;                    ///< the forward's random masks, where it kept them
 
   /// What a forward on `devices` runs under now.
   static c10::intrusive_ptr<forward_context> now(std::vector<c10::Device> devices) {

@@ -85,11 +85,14 @@ class slot_wrapper {
 /// nothing, so parameters() and state-dict names do not change.
 class CheckpointSegmentImpl : public torch::nn::Module, public detail::slot_wrapper, public detail::gated {
  public:
-  explicit CheckpointSegmentImpl(std::vector<torch::nn::AnyModule> slots)
+  /// `replay_random_draws`: the recompute writes back the forward's random masks
+  /// rather than drawing them again (Config::replay_random_draws).
+  explicit CheckpointSegmentImpl(std::vector<torch::nn::AnyModule> slots, bool replay_random_draws = true)
       : torch::nn::Module("memscale::CheckpointSegment"), slots_(std::move(slots)) {
     params_ = detail::parameters_of(slots_);
     body_ = detail::slots_body(slots_);
     body_->tail = detail::linear_tail_of(slots_, params_);
+    body_->replay_draws = replay_random_draws;
   }
 
   torch::Tensor forward(torch::Tensor x) {
@@ -121,8 +124,8 @@ struct Checkpoint {
   static constexpr technique_id id = technique_id::checkpoint;
   static constexpr std::string_view name = "checkpoint";
   static constexpr bool available = true;
-  static torch::nn::AnyModule wrap(std::vector<torch::nn::AnyModule> slots, const wrap_context& = {}) {
-    return torch::nn::AnyModule(std::make_shared<CheckpointSegmentImpl>(std::move(slots)));
+  static torch::nn::AnyModule wrap(std::vector<torch::nn::AnyModule> slots, const wrap_context& context = {}) {
+    return torch::nn::AnyModule(std::make_shared<CheckpointSegmentImpl>(std::move(slots), context.replay_random_draws));
   }
 };
 

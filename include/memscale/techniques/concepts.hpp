@@ -27,6 +27,7 @@ struct wrap_context {
   std::shared_ptr<offload::engine> offload_engine;
   int tiles = 1;
   int tile_dim = 0;
+  bool replay_random_draws = true;  ///< Config::replay_random_draws
 };
 
 enum class technique_id : std::uint8_t { checkpoint, offload, tile };

@@ -1,0 +1,281 @@
+// memscale::detail — a checkpoint's recompute replays the random masks its
+// forward drew instead of drawing them again. Internal; not part of the public
+// surface.
+//
+// Dropout on CPU draws its mask with bernoulli_ (on a fresh tensor; input *
+// noise), and LibTorch's CPU generator draws serially: 4-6 ns an element here,
+// half of a GPT block's forward (benchmarks/RESULTS.md, 2026-11-25). A
+// recompute restores the forward's generator state and draws the same masks
+// again. Here the forward keeps each draw's outcomes instead, one bit an element
+// (a 32nd of a float mask), with the generator's state after the draw; the
+// recompute writes the outcomes back and sets that state, so the values, and
+// every draw after it, are what drawing again would give, bit for bit.
+//
+// How: a kernel for aten::bernoulli_.float on DispatchKey::TESTING_ONLY_GenericMode
+// (a mode key above autograd, in LibTorch 1.13 and 2.x; nothing in LibTorch
+// registers for it), turned on for a span by a thread-local include guard; every
+// other operator falls through it at no cost. Should another library have
+// registered for that key, the registration is refused and draws are simply
+// drawn again (draw_replay_available() is false).
+//
+// A draw is replayed only where the recompute's n-th draw matches the forward's
+// n-th (shape, type, probability, generator) on a contiguous CPU tensor that does
+// not require grad; anything else draws for real from the generator's right
+// state, and a mismatch stops the replay for the rest of that recompute (it
+// then draws as a plain recompute would). Nested spans: the innermost replay
+// serves a draw, and every recording span open records it.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+namespace memscale::detail {
+
+inline constexpr c10::DispatchKey draw_replay_key = c10::DispatchKey::TESTING_ONLY_GenericMode;
+
+/// One bernoulli_ draw as a forward made it.
+struct recorded_draw {
+  at::Tensor outcomes;  ///< 0/1 per element, 8 to a byte; undefined where the draw was not kept
+  std::vector<std::int64_t> sizes;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  double p = 0.0;
+  const c10::GeneratorImpl* generator = nullptr;  ///< the one the draw used
+  at::Tensor state_after;                         ///< its state after the draw
+};
+
+/// The draws of one forward, in order; or, measuring, what drawing and replaying them took.
+struct draw_log {
+  std::vector<recorded_draw> draws;
+  double draw_seconds = 0.0;    ///< measuring: the draws that could be replayed
+  double replay_seconds = 0.0;  ///< measuring: packing their outcomes and writing them back
+  [[nodiscard]] std::int64_t bytes() const {
+    std::int64_t total = 0;
+    for (const auto& d : draws) {
+      if (d.outcomes.defined()) total += d.outcomes.numel();
+      if (d.state_after.defined()) total += d.state_after.numel() * d.state_after.element_size();
+    }
+    return total;
+  }
+};
+
+enum class draw_mode {
+  record,   ///< keep each draw in the log
+  replay,   ///< serve draws from the log
+  measure,  ///< time each draw, and packing and writing back its outcomes (a profiler's forward)
+};
+
+struct draw_frame {
+  draw_log* log;
+  draw_mode mode;
+  std::size_t next = 0;   ///< replay: the next draw to serve
+  bool diverged = false;  ///< replay: a draw did not match; the rest are drawn
+};
+
+/// Draws served from a log in this process so far (tests read it).
+inline std::atomic<std::int64_t>& replayed_draw_count() {
+  static std::atomic<std::int64_t> count{0};
+  return count;
+}
+
+inline std::vector<draw_frame*>& draw_frames() {
+  thread_local std::vector<draw_frame*> frames;
+  return frames;
+}
+
+/// The element types pack_outcomes takes.
+inline bool packable(c10::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+/// The 0/1 values of a contiguous floating-point tensor, packed 8 to a byte
+/// (bit j of byte i is element 8i + j).
+inline at::Tensor pack_outcomes(const at::Tensor& values) {
+  const auto n = values.numel();
+  auto packed = at::empty({(n + 7) / 8}, at::TensorOptions(at::kByte));
+  auto* out = packed.data_ptr<std::uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "memscale_pack_outcomes", [&] {
+    const auto* in = values.data_ptr<scalar_t>();
+    at::parallel_for(0, packed.numel(), 1 << 13, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin; i < end; ++i) {
+        const auto* v = in + 8 * i;
+        unsigned byte = 0;
+        if (8 * i + 8 <= n) {
+          for (int j = 0; j < 8; ++j) byte |= (v[j] != scalar_t(0) ? 1U : 0U) << j;
+        } else {
+          for (std::int64_t j = 0; j < n - 8 * i; ++j) byte |= (v[j] != scalar_t(0) ? 1U : 0U) << j;
+        }
+        out[i] = static_cast<std::uint8_t>(byte);
+      }
+    });
+  });
+  return packed;
+}
+
+/// Writes packed 0/1 values into `target` (contiguous, of the packed tensor's
+/// type and size), and counts the write in its version, as the draw would.
+inline void unpack_outcomes(const at::Tensor& packed, at::Tensor& target) {
+  const auto n = target.numel();
+  const auto* in = packed.data_ptr<std::uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target.scalar_type(), "memscale_unpack_outcomes", [&] {
+    auto* out = target.data_ptr<scalar_t>();
+    at::parallel_for(0, packed.numel(), 1 << 13, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin; i < end; ++i) {
+        auto* v = out + 8 * i;
+        const unsigned byte = in[i];
+        if (8 * i + 8 <= n) {
+          for (int j = 0; j < 8; ++j) v[j] = scalar_t((byte >> j) & 1U);
+        } else {
+          for (std::int64_t j = 0; j < n - 8 * i; ++j) v[j] = scalar_t((byte >> j) & 1U);
+        }
+      }
+    });
+  });
+  target.unsafeGetTensorImpl()->bump_version();
+}
+
+/// Whether this thread's operators compute nothing now (memscale::predict's
+/// shape-only dispatch on LibTorch 1.x, FakeTensor on 2.x): there are no outcomes to keep.
+inline bool computing_nothing() {
+  return c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Fake) &&
+         !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Fake);
+}
+
+inline at::Tensor generator_state(at::Generator& g) {
+  std::lock_guard<std::mutex> lock(g.mutex());
+  return g.get_state();
+}
+
+/// bernoulli_.float(Tensor(a!) self, float p, *, Generator? generator) on the replay key.
+inline void draw_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  auto& frames = draw_frames();
+  const auto n = stack->size();
+  auto self = (*stack)[n - 3].toTensor();
+  const double p = (*stack)[n - 2].toDouble();
+  const bool own_generator = !(*stack)[n - 1].isNone();
+  const bool keepable = self.device().is_cpu() && self.is_contiguous() && !self.requires_grad() &&
+                        !self.is_inference() && packable(self.scalar_type()) && !frames.empty();
+  // Under shape-only dispatch nothing is drawn, written or timed, but a
+  // recording allocates what it would (predict sizes the real step by it).
+  const bool shape_only = computing_nothing();
+  at::Generator generator = own_generator          ? (*stack)[n - 1].toGenerator()
+                            : self.device().is_cpu() ? at::detail::getDefaultCPUGenerator()
+                                                     : at::globalContext().defaultGenerator(self.device());
+
+  draw_frame* replay = nullptr;
+  for (auto it = frames.rbegin(); it != frames.rend(); ++it)
+    if ((*it)->mode == draw_mode::replay) {
+      replay = *it;
+      break;
+    }
+  bool served = false;
+  if (replay != nullptr && !replay->diverged) {
+    const auto& draws = replay->log->draws;
+    const recorded_draw* d = replay->next < draws.size() ? &draws[replay->next] : nullptr;
+    if (d == nullptr || d->dtype != self.scalar_type() || d->p != p ||
+        d->generator != generator.unsafeGetGeneratorImpl() || d->sizes != self.sizes().vec()) {
+      replay->diverged = true;
+    } else {
+      ++replay->next;  // one not kept, or not to be written here, is drawn: the generator is where it was then
+      if (d->outcomes.defined() && keepable && !shape_only) {
+        unpack_outcomes(d->outcomes, self);
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        generator.set_state(d->state_after);
+        served = true;
+        replayed_draw_count().fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+  }
+  bool measuring = false, recording = false;
+  for (const auto* f : frames) {
+    measuring = measuring || f->mode == draw_mode::measure;
+    recording = recording || f->mode == draw_mode::record;
+  }
+  if (served) {
+    torch::jit::drop(*stack, 3);
+    stack->emplace_back(self);
+  } else {
+    const auto start = std::chrono::steady_clock::now();
+    op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, draw_replay_key), stack);
+    if (measuring && keepable && !shape_only) {
+      const auto drawn = std::chrono::steady_clock::now();
+      unpack_outcomes(pack_outcomes(self), self);  // the same values back: what a replay costs both ways
+      const auto replayed = std::chrono::steady_clock::now();
+      for (auto* f : frames)
+        if (f->mode == draw_mode::measure) {
+          f->log->draw_seconds += std::chrono::duration<double>(drawn - start).count();
+          f->log->replay_seconds += std::chrono::duration<double>(replayed - drawn).count();
+        }
+    }
+  }
+  if (!recording) return;
+  recorded_draw d;
+  d.sizes = self.sizes().vec();
+  d.dtype = self.scalar_type();
+  d.p = p;
+  d.generator = generator.unsafeGetGeneratorImpl();
+  if (keepable) {
+    d.outcomes = shape_only ? at::empty({(self.numel() + 7) / 8}, at::TensorOptions(at::kByte)) : pack_outcomes(self);
+    d.state_after = generator_state(generator);
+  }
+  for (auto* f : frames)
+    if (f->mode == draw_mode::record) f->log->draws.push_back(d);
+}
+
+/// Registers the kernel once per process; false where LibTorch refused it.
+inline bool draw_replay_available() {
+  static const bool registered = [] {
+    try {
+      // Kept for the process's lifetime: a registration is undone when its Library is destroyed.
+      static auto* others = new torch::Library(torch::Library::IMPL, "_", draw_replay_key, __FILE__, __LINE__);
+      others->fallback(torch::CppFunction::makeFallthrough());
+      static auto* draws = new torch::Library(torch::Library::IMPL, "aten", draw_replay_key, __FILE__, __LINE__);
+      draws->impl("bernoulli_.float", torch::CppFunction::makeFromBoxedFunction<&draw_kernel>());
+      return true;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return registered;
+}
+
+/// Open while a forward records its draws into a log, a recompute replays them,
+/// or a profiler's forward measures them. Opens nothing where the kernel is not
+/// registered.
+class draw_span {
+ public:
+  draw_span(draw_log& log, draw_mode mode) {
+    if (!draw_replay_available()) return;
+    frame_ = std::make_unique<draw_frame>(draw_frame{&log, mode});
+    draw_frames().push_back(frame_.get());
+    include_.emplace(draw_replay_key);
+  }
+  draw_span(const draw_span&) = delete;
+  draw_span& operator=(const draw_span&) = delete;
+  ~draw_span() {
+    include_.reset();
+    if (!frame_) return;
+    auto& frames = draw_frames();
+    if (!frames.empty() && frames.back() == frame_.get()) frames.pop_back();
+  }
+
+ private:
+  std::unique_ptr<draw_frame> frame_;
+  std::optional<c10::impl::IncludeDispatchKeyGuard> include_;
+};
+
+}  // namespace memscale::detail
