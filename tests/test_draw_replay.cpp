@@ -35,12 +35,13 @@ bool same(const outcome& a, const outcome& b) {
 
 /// A body drawing masks of several sizes (none a multiple of 8 elements) and
 /// types, with other draws between them that must see the generator where the
-/// forward left it.
+/// forward left it, and one too small to keep.
 torch::Tensor mixed_draws(const torch::Tensor& t, torch::nn::Linear& lin) {
-  auto h = torch::dropout(lin->forward(t), 0.3, true);              // [5, 7, 13]: 455 elements
+  auto h = torch::dropout(lin->forward(t), 0.3, true);  // [50, 70, 13]: 45500 elements
   h = h * (1 + torch::rand_like(h));  // another kind of draw in between, which the gradients depend on
   auto d = torch::dropout(h.to(torch::kDouble), 0.5, true).to(torch::kFloat);  // a double mask
-  return torch::dropout(d.narrow(2, 0, 9).contiguous(), 0.2, true);  // [5, 7, 9]: 315 elements
+  d = torch::dropout(d.narrow(2, 0, 9).contiguous(), 0.2, true);  // [50, 70, 9]: 31500 elements
+  return d * torch::dropout(torch::ones({9}), 0.5, true);       // 9 elements: drawn again
 }
 
 }  // namespace
@@ -66,7 +67,7 @@ TEST_CASE("a recompute replays the forward's Dropout masks: gradients and the RN
   REQUIRE(memscale::detail::draw_replay_available());
   torch::manual_seed(5);
   torch::nn::Linear lin(11, 13);
-  auto x = torch::randn({5, 7, 11}, torch::requires_grad());
+  auto x = torch::randn({50, 70, 11}, torch::requires_grad());
   const auto params = lin->parameters();
   const auto plain = run([&] { return mixed_draws(x, lin).pow(2).sum(); }, x, params);
 
@@ -78,7 +79,7 @@ TEST_CASE("a recompute replays the forward's Dropout masks: gradients and the RN
             .sum();
       },
       x, params);
-  CHECK(replayed() - before == 3);  // the three Dropouts; rand_like is drawn again
+  CHECK(replayed() - before == 3);  // the three large Dropouts; rand_like and the small one are drawn again
   CHECK(same(plain, replaying));
 
   // The same through a CheckpointSegment that draws again (Config::replay_random_draws = false).
@@ -100,7 +101,7 @@ TEST_CASE("a recompute that draws otherwise than its forward draws as a plain re
           "[checkpoint][draws]") {
   REQUIRE(memscale::detail::draw_replay_available());
   torch::manual_seed(6);
-  auto x = torch::randn({4, 10}, torch::requires_grad());
+  auto x = torch::randn({64, 500}, torch::requires_grad());
   // The recompute (grad mode on) draws one mask more, first: every draw after
   // it is drawn, from the generator's state as the forward left it before.
   const auto diverging = [](const torch::Tensor& t) {
@@ -125,8 +126,8 @@ TEST_CASE("a recompute that draws otherwise than its forward draws as a plain re
 TEST_CASE("nested checkpoints replay each draw once, bit-identical to the plain step", "[checkpoint][draws]") {
   REQUIRE(memscale::detail::draw_replay_available());
   torch::manual_seed(7);
-  torch::nn::Linear inner_lin(16, 16), outer_lin(16, 16);
-  auto x = torch::randn({8, 16}, torch::requires_grad());
+  torch::nn::Linear inner_lin(32, 32), outer_lin(32, 32);
+  auto x = torch::randn({64, 16, 32}, torch::requires_grad());
   std::vector<torch::Tensor> params = inner_lin->parameters();
   for (const auto& p : outer_lin->parameters()) params.push_back(p);
   const auto inner = [&](const torch::Tensor& t) { return torch::dropout(inner_lin->forward(t), 0.4, true); };

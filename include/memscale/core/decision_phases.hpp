@@ -18,10 +18,10 @@
 namespace memscale::core {
 
 /// Forward bytes that slots [a, b] keep when run plainly, minus what a checkpoint
-/// of them keeps (its output): what checkpointing the run frees.
+/// of them keeps (its output and its random masks): what checkpointing the run frees.
 [[nodiscard]] constexpr std::int64_t checkpoint_frees(std::span<const slot_cost> s, int a, int b) {
   const auto plain = project_plain_range(s, a, b, 0);
-  return plain.forward_end - s[b].output_bytes;
+  return plain.forward_end - s[b].output_bytes - run_replay_kept_bytes(s, a, b);
 }
 
 /// Segments of `length` slots, checkpointed, except that a segment is extended

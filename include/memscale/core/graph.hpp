@@ -36,6 +36,9 @@ struct slot_cost {
   /// its forward drew instead of drawing them again (detail/draw_replay.hpp):
   /// the draws' time less packing and writing back their outcomes.
   double replay_saved_seconds = 0.0;
+  /// What a checkpoint keeps of its forward's random draws for that replay: a
+  /// bit an element of each mask and the generator's state after each draw.
+  std::int64_t replay_kept_bytes = 0;
   /// Leading input dimensions along which the slot treats rows independently
   /// (core/tile_rules.hpp): it may run over chunks of any of them. 0: it mixes
   /// rows (attention, BatchNorm in training), so it is never tiled.

@@ -105,6 +105,14 @@ struct range_projection {
   return extra;
 }
 
+/// What a checkpointed run [a, b] keeps of its forward's random draws from its
+/// forward to its backward (slot_cost::replay_kept_bytes; a tiled run keeps none).
+[[nodiscard]] constexpr std::int64_t run_replay_kept_bytes(std::span<const slot_cost> s, int a, int b) {
+  std::int64_t bytes = 0;
+  for (int k = a; k <= b; ++k) bytes += s[k].replay_kept_bytes;
+  return bytes;
+}
+
 /// Peak of a checkpointed run's backward (its recompute with grad, then its
 /// gradients), from `live` bytes that hold its input. A last slot with
 /// backward_from_input is not run again; what its backward holds instead: its
@@ -168,8 +176,9 @@ struct step_point {
       // Tiled: the whole output is allocated up front, one chunk's work at a time.
       const auto extra = u.tiles > 1 ? s[u.last].output_bytes + checkpointed_forward_extra(s, u.first, u.last) / u.tiles
                                      : checkpointed_forward_extra(s, u.first, u.last);
-      peak = std::max(peak, live + extra);
-      live += s[u.last].output_bytes;  // only the run's output survives forward
+      const auto masks = u.tiles > 1 ? 0 : run_replay_kept_bytes(s, u.first, u.last);
+      peak = std::max(peak, live + extra + masks);
+      live += s[u.last].output_bytes + masks;  // only the run's output (and its masks) survive forward
       // Offloaded, the kept input leaves too, unless someone else holds it.
       if (u.offloaded && u.first > 0 && !previous_keeps) {
         restored[i] = returned[i] = s[u.first].input_bytes;
@@ -213,7 +222,8 @@ struct step_point {
         peak = std::max(peak, before[i] + prefetched + s[u.last].output_bytes + s[u.first].input_bytes +
                                   std::max(r.forward_peak, r.backward_peak) / u.tiles);
       } else {
-        peak = std::max(peak, checkpoint_backward_peak(s, u.first, u.last, before[i]) + prefetched);
+        peak = std::max(peak, checkpoint_backward_peak(s, u.first, u.last, before[i]) + prefetched +
+                                  run_replay_kept_bytes(s, u.first, u.last));
       }
     } else {
       const int k = u.first;

@@ -59,7 +59,7 @@ struct optimal_plan {
       const auto r = project_plain_range(s, a, b, 0);
       const auto forward_extra = checkpointed_forward_extra(s, a, b);
       plain_peak[a * n + b] = std::max({forward_extra, r.forward_peak, r.backward_peak});
-      run_peak[a * n + b] = std::max(forward_extra, checkpoint_backward_peak(s, a, b, 0));
+      run_peak[a * n + b] = std::max(forward_extra, checkpoint_backward_peak(s, a, b, 0)) + run_replay_kept_bytes(s, a, b);
       run_seconds[a * n + b] = s[b].backward_from_input ? seconds : seconds + s[b].recompute_seconds();
       seconds += s[b].recompute_seconds();
     }
@@ -99,7 +99,7 @@ struct optimal_plan {
         const int end = max_run > 0 ? std::min(n, i + max_run) : n;
         const auto try_run = [&](int j) {
           if (live + run_peak[i * n + j] > budget) return;
-          const std::int64_t next = live + s[j].output_bytes;
+          const std::int64_t next = live + s[j].output_bytes + run_replay_kept_bytes(s, i, j);
           if (next > budget) return;
           const double c = run_seconds[i * n + j] + cost[index(j + 1, level_of(next), 0)];
           if (c < best) {
@@ -135,7 +135,7 @@ struct optimal_plan {
       ++i;
     } else {
       result.units.push_back({i, c, true, false});
-      live += s[c].output_bytes;
+      live += s[c].output_bytes + run_replay_kept_bytes(s, i, c);
       keeps = 0;
       i = c + 1;
     }

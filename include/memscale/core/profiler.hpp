@@ -142,7 +142,10 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       cost.row_dims = row_independent_dims(*slot.ptr(), in);
       for (std::size_t d = 0; d < cost.input_extents.size() && d < in.shape.size(); ++d)
         cost.input_extents[d] = in.shape[d];
-      if (!options.replay_draws) cost.replay_saved_seconds = 0.0;  // a recompute draws again
+      if (!options.replay_draws) {  // a recompute draws again, and nothing is kept for it
+        cost.replay_saved_seconds = 0.0;
+        cost.replay_kept_bytes = 0;
+      }
       return cost;
     };
     std::optional<layer_estimate> estimate;
@@ -163,6 +166,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
           cost.forward_seconds = timed->forward_seconds;
           cost.backward_seconds = timed->backward_seconds;
           cost.replay_saved_seconds = timed->replay_saved_seconds;
+          cost.replay_kept_bytes = timed->replay_kept_bytes;
           cost.mutates_input = timed->mutates_input;
           note = timed->rows == (current.shape.empty() ? 0 : current.shape[0])
                      ? "static rule; times measured"
@@ -210,6 +214,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       cost.forward_seconds = measured.cost.forward_seconds;
       cost.backward_seconds = measured.cost.backward_seconds;
       cost.replay_saved_seconds = measured.cost.replay_saved_seconds;
+      cost.replay_kept_bytes = measured.cost.replay_kept_bytes;
       cost.mutates_input = measured.cost.mutates_input;
       profile.slots.push_back(shape_facts(cost));
       profile.sources.push_back(profile_source::static_rule);

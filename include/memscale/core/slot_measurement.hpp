@@ -188,6 +188,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       synchronize(device);
       cost.forward_seconds = std::max(0.0, profile_clock_scope::now() - start - draws.replay_seconds);
       cost.replay_saved_seconds = std::max(0.0, draws.draw_seconds - draws.replay_seconds);
+      cost.replay_kept_bytes = draws.kept_bytes;
       if (by_allocations) {
         live_after = memory_tracker::current_bytes(device);
         peak = scope->peak();
@@ -314,6 +315,7 @@ struct static_slot_times {
   double forward_seconds = 0.0;
   double backward_seconds = 0.0;
   double replay_saved_seconds = 0.0;
+  std::int64_t replay_kept_bytes = 0;
   bool mutates_input = false;
   std::int64_t rows = 0;  ///< the first extent it ran at
 };
@@ -361,8 +363,13 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
       x = part.shape.empty() || part.shape[0] == in.shape[0] ? input : input.narrow(0, 0, part.shape[0]);
     auto timed = measure_slot(slot, x, passes, reporting);
     if (!timed.tensor_output || timed.output.sizes().vec() != expected_shape) return std::nullopt;
-    return static_slot_times{timed.cost.forward_seconds * forward_scale, timed.cost.backward_seconds * backward_scale,
-                             timed.cost.replay_saved_seconds * forward_scale, timed.cost.mutates_input,
+    // Masks have as many elements as the activations: they scale with the input's bytes.
+    const double bytes_scale = static_cast<double>(in.bytes()) / static_cast<double>(std::max<std::int64_t>(1, part.bytes()));
+    return static_slot_times{timed.cost.forward_seconds * forward_scale,
+                             timed.cost.backward_seconds * backward_scale,
+                             timed.cost.replay_saved_seconds * forward_scale,
+                             static_cast<std::int64_t>(static_cast<double>(timed.cost.replay_kept_bytes) * bytes_scale),
+                             timed.cost.mutates_input,
                              part.shape.empty() ? 0 : part.shape[0]};
   } catch (const std::exception&) {
     return std::nullopt;  // it cannot run on an input of that shape: the caller keeps the rates' times

@@ -19,11 +19,12 @@
 // drawn again (draw_replay_available() is false).
 //
 // A draw is replayed only where the recompute's n-th draw matches the forward's
-// n-th (shape, type, probability, generator) on a contiguous CPU tensor that does
-// not require grad; anything else draws for real from the generator's right
-// state, and a mismatch stops the replay for the rest of that recompute (it
-// then draws as a plain recompute would). Nested spans: the innermost replay
-// serves a draw, and every recording span open records it.
+// n-th (shape, type, probability, generator) on a contiguous CPU tensor of at
+// least min_replayed_elements that does not require grad; anything else draws
+// for real from the generator's right state, and a mismatch stops the replay
+// for the rest of that recompute (it then draws as a plain recompute would).
+// Nested spans: the innermost replay serves a draw, and every recording span
+// open records it.
 #pragma once
 
 #include <algorithm>
@@ -48,6 +49,11 @@ namespace memscale::detail {
 
 inline constexpr c10::DispatchKey draw_replay_key = c10::DispatchKey::TESTING_ONLY_GenericMode;
 
+/// The fewest elements a draw is kept for. Keeping one costs its bits and the
+/// generator's state after it (5 KB on CPU); below this a draw takes under
+/// about 0.1 ms, and is drawn again.
+inline constexpr std::int64_t min_replayed_elements = 16384;
+
 /// One bernoulli_ draw as a forward made it.
 struct recorded_draw {
   at::Tensor outcomes;  ///< 0/1 per element, 8 to a byte; undefined where the draw was not kept
@@ -61,8 +67,9 @@ struct recorded_draw {
 /// The draws of one forward, in order; or, measuring, what drawing and replaying them took.
 struct draw_log {
   std::vector<recorded_draw> draws;
-  double draw_seconds = 0.0;    ///< measuring: the draws that could be replayed
-  double replay_seconds = 0.0;  ///< measuring: packing their outcomes and writing them back
+  double draw_seconds = 0.0;      ///< measuring: the draws that could be replayed
+  double replay_seconds = 0.0;    ///< measuring: packing their outcomes and writing them back
+  std::int64_t kept_bytes = 0;    ///< measuring: what recording them would keep (bytes())
   [[nodiscard]] std::int64_t bytes() const {
     std::int64_t total = 0;
     for (const auto& d : draws) {
@@ -167,8 +174,9 @@ inline void draw_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   auto self = (*stack)[n - 3].toTensor();
   const double p = (*stack)[n - 2].toDouble();
   const bool own_generator = !(*stack)[n - 1].isNone();
-  const bool keepable = self.device().is_cpu() && self.is_contiguous() && !self.requires_grad() &&
-                        !self.is_inference() && packable(self.scalar_type()) && !frames.empty();
+  const bool keepable = self.device().is_cpu() && self.numel() >= min_replayed_elements && self.is_contiguous() &&
+                        !self.requires_grad() && !self.is_inference() && packable(self.scalar_type()) &&
+                        !frames.empty();
   // Under shape-only dispatch nothing is drawn, written or timed, but a
   // recording allocates what it would (predict sizes the real step by it).
   const bool shape_only = computing_nothing();
@@ -215,10 +223,13 @@ inline void draw_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
       const auto drawn = std::chrono::steady_clock::now();
       unpack_outcomes(pack_outcomes(self), self);  // the same values back: what a replay costs both ways
       const auto replayed = std::chrono::steady_clock::now();
+      const auto state = generator_state(generator);
+      const auto kept = (self.numel() + 7) / 8 + state.numel() * static_cast<std::int64_t>(state.element_size());
       for (auto* f : frames)
         if (f->mode == draw_mode::measure) {
           f->log->draw_seconds += std::chrono::duration<double>(drawn - start).count();
           f->log->replay_seconds += std::chrono::duration<double>(replayed - drawn).count();
+          f->log->kept_bytes += kept;
         }
     }
   }
