@@ -167,12 +167,25 @@ namespace memscale::core {
   // against 201, 32 KiB above 156 MiB). It is taken only if, tiled and offloaded
   // as well, its step peak stays within that resolution of the strict plan's (with
   // offload the strict plan's segments may offload more: there it stays).
+  //
+  // At the minimum, the optimal schedule keeps the greedy's checkpoint peak for
+  // less recompute, but its segments may offload less than the greedy's (runs
+  // that end at a Linear keep less of their own to move): the greedy's segments,
+  // tiled and offloaded as well, stay where that plan peaks lower
+  // (better_final_plan; Aggressive on the flat chain once Dropout's recompute
+  // was cheap: 188 against 204 MiB).
   const bool at_minimum = plan.target_bytes < plan.planned_peak;
   engine_plan tolerant = plan;  // copied whatever at_minimum: GCC's constant evaluation rejects a conditional copy
   engine_plan lowered = plan;
+  engine_plan greedy = plan;
   assign_optimal(chains, supported, in, plan);
   assign_tiling(chains, supported, in, plan);
   assign_offload(chains, supported, in, plan);
+  if (at_minimum && !plan.overrides.empty()) {
+    assign_tiling(chains, supported, in, greedy);
+    assign_offload(chains, supported, in, greedy);
+    if (detail_engine::better_final_plan(chains, in, greedy, plan)) plan = std::move(greedy);
+  }
   if (at_minimum) {
     assign_optimal(chains, supported, in, tolerant, /*tolerant=*/true);
     if (!tolerant.overrides.empty()) {
