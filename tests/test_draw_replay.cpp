@@ -102,15 +102,17 @@ TEST_CASE("a recompute that draws otherwise than its forward draws as a plain re
   REQUIRE(memscale::detail::draw_replay_available());
   torch::manual_seed(6);
   auto x = torch::randn({64, 500}, torch::requires_grad());
-  // The recompute (grad mode on) draws one mask more, first: every draw after
-  // it is drawn, from the generator's state as the forward left it before.
+  // The recompute (grad mode on) draws one mask more (another probability)
+  // after the first: that one and every draw after it are drawn, from where
+  // the replayed first draw left the generator.
   const auto diverging = [](const torch::Tensor& t) {
     auto y = torch::dropout(t, 0.5, true);
-    if (torch::GradMode::is_enabled()) y = y + torch::dropout(torch::ones_like(t), 0.5, true);
+    if (torch::GradMode::is_enabled()) y = y * torch::dropout(torch::ones_like(t), 0.3, true);
     return torch::dropout(y, 0.5, true);
   };
   std::vector<outcome> outcomes;
   for (const bool replay : {true, false}) {
+    const auto before = replayed();
     auto body = c10::make_intrusive<memscale::detail::checkpoint_body>(
         [&](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{diverging(in[0])}; });
     body->replay_draws = replay;
@@ -119,8 +121,63 @@ TEST_CASE("a recompute that draws otherwise than its forward draws as a plain re
           return memscale::detail::checkpoint_function::apply(body, at::TensorList(x), at::TensorList())[0].sum();
         },
         x, {}));
+    CHECK(replayed() - before == (replay ? 1 : 0));
   }
   CHECK(same(outcomes[0], outcomes[1]));
+}
+
+TEST_CASE("a backward run twice (retain_graph) draws again the second time, from the forward's state",
+          "[checkpoint][draws]") {
+  REQUIRE(memscale::detail::draw_replay_available());
+  torch::manual_seed(9);
+  torch::nn::Linear lin(32, 32);
+  auto x = torch::randn({64, 16, 32}, torch::requires_grad());
+  const auto params = lin->parameters();
+  const auto twice = [&](bool checkpointed) {
+    torch::manual_seed(22);
+    x.mutable_grad() = torch::Tensor();
+    for (auto p : params) p.mutable_grad() = torch::Tensor();
+    const auto body = [&](const torch::Tensor& t) { return torch::dropout(lin->forward(t), 0.4, true); };
+    auto loss = (checkpointed ? memscale::checkpoint(body, x, params) : body(x)).pow(2).sum();
+    loss.backward({}, /*retain_graph=*/true);
+    loss.backward();
+    std::vector<torch::Tensor> grads{x.grad().clone()};
+    for (const auto& p : params) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  const auto plain = twice(false);
+  const auto before = replayed();
+  const auto checkpointed = twice(true);
+  CHECK(replayed() - before == 1);  // the first backward; the second found the log freed
+  CHECK(test::bit_equal(plain, checkpointed));
+}
+
+TEST_CASE("a segment first run inside a replaying recompute: its probe's draws are hidden from the replay",
+          "[checkpoint][draws]") {
+  REQUIRE(memscale::detail::draw_replay_available());
+  torch::manual_seed(10);
+  torch::nn::Sequential inner(torch::nn::Linear(32, 32), torch::nn::Dropout(0.3));
+  torch::nn::Linear outer(32, 32);
+  auto x = torch::randn({64, 16, 32}, torch::requires_grad());
+  std::vector<torch::Tensor> params = inner->parameters();
+  for (const auto& p : outer->parameters()) params.push_back(p);
+  // The outer forward runs with grad off, so the segment first runs for
+  // training (and probes what it reads) inside the outer recompute; the
+  // Dropout after it draws a mask of the same shape and probability, which a
+  // probe that consumed the replay's draws would be served in its place.
+  auto segment = std::make_shared<memscale::CheckpointSegmentImpl>(
+      std::vector<torch::nn::AnyModule>(inner->begin(), inner->end()));
+  const auto body = [&](const torch::Tensor& t, bool checkpointed) {
+    auto h = checkpointed ? segment->forward(outer->forward(t)) : inner->forward(outer->forward(t));
+    return torch::dropout(h, 0.3, true);
+  };
+  const auto plain = run([&] { return body(x, false).pow(2).sum(); }, x, params);
+  const auto nested = run(
+      [&] {
+        return memscale::checkpoint([&](const torch::Tensor& t) { return body(t, true); }, x, params).pow(2).sum();
+      },
+      x, params);
+  CHECK(same(plain, nested));
 }
 
 TEST_CASE("nested checkpoints replay each draw once, bit-identical to the plain step", "[checkpoint][draws]") {
@@ -173,14 +230,19 @@ TEST_CASE("wrap replays Dropout masks unless replay_random_draws is off; the pla
       CHECK(test::bit_equal(baseline.first, optimized.first));
       CHECK(test::bit_equal(baseline.second, optimized.second));
     }
-    // Each Dropout slot's profile says what replaying saves; nothing when off.
-    double saved = 0.0;
+    // Each Dropout slot's profile says what replaying keeps (its mask, a bit an
+    // element, and the generator's state) and saves; nothing when off.
+    std::int64_t kept = 0;
     for (const auto& chain : report.chains)
       for (const auto& slot : chain.slots) {
+        CHECK(slot.replay_saved_seconds >= 0.0);
         CHECK(slot.replay_saved_seconds <= slot.forward_seconds);
-        saved += slot.replay_saved_seconds;
+        CHECK((slot.replay_kept_bytes > 0 || slot.replay_saved_seconds == 0.0));
+        kept += slot.replay_kept_bytes;
       }
-    CHECK((saved > 0.0) == replay);
+    const std::int64_t mask_bits = 32 * 24 * 64 / 8;
+    CHECK(kept >= (replay ? 3 * mask_bits : 0));
+    CHECK(kept <= (replay ? 3 * (mask_bits + 8192) : 0));
     const auto said = std::any_of(report.notes.begin(), report.notes.end(), [](const std::string& n) {
       return n.find("replay the random masks") != std::string::npos;
     });

@@ -19,12 +19,15 @@
 // drawn again (draw_replay_available() is false).
 //
 // A draw is replayed only where the recompute's n-th draw matches the forward's
-// n-th (shape, type, probability, generator) on a contiguous CPU tensor of at
-// least min_replayed_elements that does not require grad; anything else draws
-// for real from the generator's right state, and a mismatch stops the replay
-// for the rest of that recompute (it then draws as a plain recompute would).
-// Nested spans: the innermost replay serves a draw, and every recording span
-// open records it.
+// n-th (shape, type, probability, generator), from the default CPU generator, on
+// a plain contiguous CPU tensor of at least min_replayed_elements that does not
+// require grad (keepable_draw); any other draws for real from the generator's
+// right state, and a mismatch stops the replay for the rest of that recompute
+// (it then draws from where the replayed draws left the generator). Nested
+// spans: the innermost replay serves a draw, and every recording span open
+// records it, up to the innermost isolating span (a run whose draws are hidden:
+// a probe, a profile, another checkpoint's recompute that does not replay).
+// The registration is made at the first span, on whatever thread opens it.
 #pragma once
 
 #include <algorithm>
@@ -35,6 +38,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -60,7 +64,7 @@ struct recorded_draw {
   std::vector<std::int64_t> sizes;
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   double p = 0.0;
-  const c10::GeneratorImpl* generator = nullptr;  ///< the one the draw used
+  const c10::GeneratorImpl* generator = nullptr;  ///< the one the draw used (compared, never used: see state_after)
   at::Tensor state_after;                         ///< its state after the draw
 };
 
@@ -84,6 +88,7 @@ enum class draw_mode {
   record,   ///< keep each draw in the log
   replay,   ///< serve draws from the log
   measure,  ///< time each draw, and packing and writing back its outcomes (a profiler's forward)
+  isolate,  ///< hide the draws inside from the spans outside (a probe, a profile, another recompute)
 };
 
 struct draw_frame {
@@ -167,22 +172,49 @@ inline at::Tensor generator_state(at::Generator& g) {
   return g.get_state();
 }
 
+/// Bytes of the CPU generator's state, which a kept draw holds beside its bits.
+inline std::int64_t cpu_generator_state_bytes() {
+  static const std::int64_t bytes = [] {
+    auto g = at::detail::getDefaultCPUGenerator();
+    return static_cast<std::int64_t>(generator_state(g).nbytes());
+  }();
+  return bytes;
+}
+
+/// A tensor whose draw may be kept and written back above autograd: a plain,
+/// dense, contiguous CPU tensor (no functionalization, wrapper or forward-mode
+/// gradient whose own kernels the write would bypass) that does not require
+/// grad, of a packable type, large enough to be worth it.
+inline bool keepable_draw(const at::Tensor& self) {
+  if (!self.device().is_cpu() || self.layout() != c10::kStrided || self.numel() < min_replayed_elements) return false;
+  const auto plain = c10::DispatchKeySet(c10::DispatchKey::CPU) | c10::DispatchKeySet(c10::DispatchKey::AutogradCPU) |
+                     c10::DispatchKeySet(c10::DispatchKey::ADInplaceOrView) |
+                     c10::DispatchKeySet(c10::DispatchKey::AutocastCPU);
+  return plain.isSupersetOf(self.key_set()) && self.is_contiguous() && !self.requires_grad() && !self.is_inference() &&
+         !self._fw_grad(0).defined() && packable(self.scalar_type());
+}
+
 /// bernoulli_.float(Tensor(a!) self, float p, *, Generator? generator) on the replay key.
 inline void draw_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  auto& frames = draw_frames();
   const auto n = stack->size();
   auto self = (*stack)[n - 3].toTensor();
   const double p = (*stack)[n - 2].toDouble();
+  // Only draws from the default CPU generator are kept: a recompute does not
+  // restore another generator, and writing one's state back would rewind it.
   const bool own_generator = !(*stack)[n - 1].isNone();
-  const bool keepable = self.device().is_cpu() && self.numel() >= min_replayed_elements && self.is_contiguous() &&
-                        !self.requires_grad() && !self.is_inference() && packable(self.scalar_type()) &&
-                        !frames.empty();
+  // The frames after the innermost isolating one see this draw.
+  auto& all = draw_frames();
+  auto first = all.size();
+  while (first > 0 && all[first - 1]->mode != draw_mode::isolate) --first;
+  const std::span<draw_frame* const> frames(all.data() + first, all.size() - first);
+  const bool keepable = !frames.empty() && !own_generator && keepable_draw(self);
   // Under shape-only dispatch nothing is drawn, written or timed, but a
   // recording allocates what it would (predict sizes the real step by it).
   const bool shape_only = computing_nothing();
-  at::Generator generator = own_generator          ? (*stack)[n - 1].toGenerator()
-                            : self.device().is_cpu() ? at::detail::getDefaultCPUGenerator()
-                                                     : at::globalContext().defaultGenerator(self.device());
+  at::Generator generator;  // the default CPU generator where the draw is kept
+  if (keepable) generator = at::detail::getDefaultCPUGenerator();
+  const c10::GeneratorImpl* source =
+      own_generator ? (*stack)[n - 1].toGenerator().unsafeGetGeneratorImpl() : generator.unsafeGetGeneratorImpl();
 
   draw_frame* replay = nullptr;
   for (auto it = frames.rbegin(); it != frames.rend(); ++it)
@@ -194,17 +226,21 @@ inline void draw_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   if (replay != nullptr && !replay->diverged) {
     const auto& draws = replay->log->draws;
     const recorded_draw* d = replay->next < draws.size() ? &draws[replay->next] : nullptr;
-    if (d == nullptr || d->dtype != self.scalar_type() || d->p != p ||
-        d->generator != generator.unsafeGetGeneratorImpl() || d->sizes != self.sizes().vec()) {
+    if (d == nullptr || d->dtype != self.scalar_type() || d->p != p || d->generator != source ||
+        d->sizes != self.sizes().vec()) {
       replay->diverged = true;
     } else {
       ++replay->next;  // one not kept, or not to be written here, is drawn: the generator is where it was then
       if (d->outcomes.defined() && keepable && !shape_only) {
-        unpack_outcomes(d->outcomes, self);
-        std::lock_guard<std::mutex> lock(generator.mutex());
-        generator.set_state(d->state_after);
-        served = true;
-        replayed_draw_count().fetch_add(1, std::memory_order_relaxed);
+        try {
+          unpack_outcomes(d->outcomes, self);
+          std::lock_guard<std::mutex> lock(generator.mutex());
+          generator.set_state(d->state_after);
+          served = true;
+          replayed_draw_count().fetch_add(1, std::memory_order_relaxed);
+        } catch (const std::exception&) {
+          replay->diverged = true;  // drawn below, from the state the previous draws left
+        }
       }
     }
   }
@@ -219,17 +255,19 @@ inline void draw_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   } else {
     const auto start = std::chrono::steady_clock::now();
     op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, draw_replay_key), stack);
-    if (measuring && keepable && !shape_only) {
-      const auto drawn = std::chrono::steady_clock::now();
-      unpack_outcomes(pack_outcomes(self), self);  // the same values back: what a replay costs both ways
-      const auto replayed = std::chrono::steady_clock::now();
-      const auto state = generator_state(generator);
-      const auto kept = (self.numel() + 7) / 8 + state.numel() * static_cast<std::int64_t>(state.element_size());
+    if (measuring && keepable) {
+      double draw_seconds = 0.0, replay_seconds = 0.0;
+      if (!shape_only) {  // shape-only: nothing to time, but the bytes are the real step's
+        const auto drawn = std::chrono::steady_clock::now();
+        unpack_outcomes(pack_outcomes(self), self);  // the same values back: what a replay costs both ways
+        draw_seconds = std::chrono::duration<double>(drawn - start).count();
+        replay_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - drawn).count();
+      }
       for (auto* f : frames)
         if (f->mode == draw_mode::measure) {
-          f->log->draw_seconds += std::chrono::duration<double>(drawn - start).count();
-          f->log->replay_seconds += std::chrono::duration<double>(replayed - drawn).count();
-          f->log->kept_bytes += kept;
+          f->log->draw_seconds += draw_seconds;
+          f->log->replay_seconds += replay_seconds;
+          f->log->kept_bytes += (self.numel() + 7) / 8 + cpu_generator_state_bytes();
         }
     }
   }
@@ -238,10 +276,13 @@ inline void draw_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   d.sizes = self.sizes().vec();
   d.dtype = self.scalar_type();
   d.p = p;
-  d.generator = generator.unsafeGetGeneratorImpl();
+  d.generator = source;
   if (keepable) {
-    d.outcomes = shape_only ? at::empty({(self.numel() + 7) / 8}, at::TensorOptions(at::kByte)) : pack_outcomes(self);
-    d.state_after = generator_state(generator);
+    const recorded_draw* served_from = served ? &replay->log->draws[replay->next - 1] : nullptr;
+    d.outcomes = served_from != nullptr ? served_from->outcomes
+                 : shape_only ? at::empty({(self.numel() + 7) / 8}, at::TensorOptions(at::kByte))
+                              : pack_outcomes(self);
+    d.state_after = served_from != nullptr ? served_from->state_after : generator_state(generator);
   }
   for (auto* f : frames)
     if (f->mode == draw_mode::record) f->log->draws.push_back(d);
@@ -281,7 +322,8 @@ class draw_span {
     include_.reset();
     if (!frame_) return;
     auto& frames = draw_frames();
-    if (!frames.empty() && frames.back() == frame_.get()) frames.pop_back();
+    const auto it = std::find(frames.begin(), frames.end(), frame_.get());
+    if (it != frames.end()) frames.erase(it);  // the last one, but for spans closed out of order
   }
 
  private:

@@ -29,6 +29,7 @@
 #include <memscale/core/slots.hpp>
 #include <memscale/detail/assert.hpp>
 #include <memscale/detail/buffers.hpp>
+#include <memscale/detail/draw_replay.hpp>
 #include <memscale/detail/fault_injection.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/device/hardware.hpp>
@@ -67,6 +68,8 @@ inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function
     MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
     torch::NoGradGuard no_grad;
     detail::rng_fork no_visible_draws(detail::devices_of(root->parameters()));
+    detail::draw_log unseen;
+    detail::draw_span draws_apart(unseen, detail::draw_mode::isolate);
     detail::buffer_restore keep_buffers(*root);
     try {
       forward();
@@ -283,11 +286,9 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
     const std::span<const slot_cost> s(profiles[c].slots);
     for (const auto& u : decided.units[c]) {
       if (!u.checkpointed || u.tiles > 1) continue;
-      double saved = 0.0;
+      if (run_replay_kept_bytes(s, u.first, u.last) == 0) continue;  // nothing kept: nothing replayed
       for (int k = u.first; k <= (s[u.last].backward_from_input ? u.last - 1 : u.last); ++k)
-        saved += s[k].forward_seconds - s[k].recompute_seconds();
-      if (saved <= 0.0) continue;
-      replay_saved += saved;
+        replay_saved += s[k].forward_seconds - s[k].recompute_seconds();
       ++replaying_units;
     }
   }

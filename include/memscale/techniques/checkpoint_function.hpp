@@ -108,10 +108,14 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
       if (!technique_fault_injected(technique_fault::checkpoint_skips_rng_restore)) restore_rng(context->state);
       compat::autocast_as same_casts(context->autocast);
       torch::AutoGradMode grad_on(true);
-      // The fault draws the masks again from the wrong state: it replays nothing.
-      const bool replay = !technique_fault_injected(technique_fault::checkpoint_skips_rng_restore);
-      std::optional<draw_span> replayed;
-      if (replay) replayed.emplace(context->draws, draw_mode::replay);
+      // Replayed where the forward recorded; otherwise (and under the fault,
+      // which draws again from the wrong state) the draws are hidden from any
+      // span outside this recompute.
+      const auto draws = body->replay_draws && context->devices.empty() &&
+                                 !technique_fault_injected(technique_fault::checkpoint_skips_rng_restore)
+                             ? draw_mode::replay
+                             : draw_mode::isolate;
+      std::optional<draw_span> replayed(std::in_place, context->draws, draws);
       if (tail != nullptr) {
         outputs = tail->prefix(inputs);
         if (!tail->applies_to(outputs.at(0))) {
@@ -121,11 +125,14 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
           outputs.clear();
           if (!technique_fault_injected(technique_fault::checkpoint_skips_rng_restore)) restore_rng(context->state);
           replayed.reset();
-          if (replay) replayed.emplace(context->draws, draw_mode::replay);
+          replayed.emplace(context->draws, draws);
         }
       }
       if (tail == nullptr) outputs = body->fn(inputs);
       replayed.reset();
+      // Freed now, not with the graph: a backward that runs again (retain_graph)
+      // finds no log and draws from the restored state.
+      std::vector<recorded_draw>().swap(context->draws.draws);
       fault_point(pipeline_stage::checkpoint_backward);  // inside the RNG fork and the recompute scope
       if (technique_fault_injected(technique_fault::checkpoint_recompute_scaled))
         for (auto& o : outputs)
