@@ -28,6 +28,18 @@ outcome run(const std::function<torch::Tensor()>& loss_fn, torch::Tensor& x, con
   return o;
 }
 
+/// A Linear from `seed` and an input of `sizes` (its last size the Linear's
+/// width) that requires grad, for a body to draw masks behind.
+struct linear_case {
+  torch::nn::Linear lin;
+  torch::Tensor x;
+  std::vector<torch::Tensor> params;
+  linear_case(std::uint64_t seed, std::vector<std::int64_t> sizes, std::int64_t out)
+      : lin((torch::manual_seed(seed), torch::nn::Linear(sizes.back(), out))),
+        x(torch::randn(sizes, torch::requires_grad())),
+        params(lin->parameters()) {}
+};
+
 bool same(const outcome& a, const outcome& b) {
   return test::bit_equal(a.loss, b.loss) && test::bit_equal(a.grads, b.grads) &&
          test::bit_equal(a.next_draws, b.next_draws);
@@ -65,10 +77,8 @@ TEST_CASE("pack_outcomes and unpack_outcomes round-trip 0/1 values of every size
 TEST_CASE("a recompute replays the forward's Dropout masks: gradients and the RNG stream bit-identical",
           "[checkpoint][draws]") {
   REQUIRE(memscale::detail::draw_replay_available());
-  torch::manual_seed(5);
-  torch::nn::Linear lin(11, 13);
-  auto x = torch::randn({50, 70, 11}, torch::requires_grad());
-  const auto params = lin->parameters();
+  linear_case c(5, {50, 70, 11}, 13);
+  auto& [lin, x, params] = c;
   const auto plain = run([&] { return mixed_draws(x, lin).pow(2).sum(); }, x, params);
 
   const auto before = replayed();
@@ -129,10 +139,8 @@ TEST_CASE("a recompute that draws otherwise than its forward draws as a plain re
 TEST_CASE("a backward run twice (retain_graph) draws again the second time, from the forward's state",
           "[checkpoint][draws]") {
   REQUIRE(memscale::detail::draw_replay_available());
-  torch::manual_seed(9);
-  torch::nn::Linear lin(32, 32);
-  auto x = torch::randn({64, 16, 32}, torch::requires_grad());
-  const auto params = lin->parameters();
+  linear_case c(9, {64, 16, 32}, 32);
+  auto& [lin, x, params] = c;
   const auto twice = [&](bool checkpointed) {
     torch::manual_seed(22);
     x.mutable_grad() = torch::Tensor();
