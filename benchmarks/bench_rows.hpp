@@ -46,13 +46,12 @@ inline std::vector<std::pair<std::string, memscale::Config>> mode_rows(double ba
 inline const std::string drawn_again_suffix = ", masks drawn again";
 inline std::vector<std::pair<std::string, memscale::Config>> mode_rows_and_drawn_again(double balanced_budget_gb) {
   auto rows = mode_rows(balanced_budget_gb);
-  for (const auto& name : {"Aggressive", "Balanced forced"})
-    for (const auto& [row_name, cfg] : mode_rows(balanced_budget_gb))
-      if (row_name == name) {
-        auto again = cfg;
-        again.replay_random_draws = false;
-        rows.emplace_back(row_name + drawn_again_suffix, again);
-      }
+  const auto modes = rows;
+  for (auto [name, cfg] : modes)
+    if (name == "Aggressive" || name == "Balanced forced") {
+      cfg.replay_random_draws = false;
+      rows.emplace_back(name + drawn_again_suffix, cfg);
+    }
   return rows;
 }
 

@@ -73,15 +73,7 @@ struct draw_log {
   std::vector<recorded_draw> draws;
   double draw_seconds = 0.0;      ///< measuring: the draws that could be replayed
   double replay_seconds = 0.0;    ///< measuring: packing their outcomes and writing them back
-  std::int64_t kept_bytes = 0;    ///< measuring: what recording them would keep (bytes())
-  [[nodiscard]] std::int64_t bytes() const {
-    std::int64_t total = 0;
-    for (const auto& d : draws) {
-      if (d.outcomes.defined()) total += d.outcomes.numel();
-      if (d.state_after.defined()) total += d.state_after.numel() * d.state_after.element_size();
-    }
-    return total;
-  }
+  std::int64_t kept_bytes = 0;    ///< measuring: what recording them would keep (bits and generator states)
 };
 
 enum class draw_mode {
@@ -227,7 +219,7 @@ inline void draw_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
     const auto& draws = replay->log->draws;
     const recorded_draw* d = replay->next < draws.size() ? &draws[replay->next] : nullptr;
     if (d == nullptr || d->dtype != self.scalar_type() || d->p != p || d->generator != source ||
-        d->sizes != self.sizes().vec()) {
+        c10::IntArrayRef(d->sizes) != self.sizes()) {
       replay->diverged = true;
     } else {
       ++replay->next;  // one not kept, or not to be written here, is drawn: the generator is where it was then

@@ -287,8 +287,9 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
     for (const auto& u : decided.units[c]) {
       if (!u.checkpointed || u.tiles > 1) continue;
       if (run_replay_kept_bytes(s, u.first, u.last) == 0) continue;  // nothing kept: nothing replayed
-      for (int k = u.first; k <= (s[u.last].backward_from_input ? u.last - 1 : u.last); ++k)
-        replay_saved += s[k].forward_seconds - s[k].recompute_seconds();
+      // What the run recomputes, drawing again (its slots' forwards) and replaying.
+      replay_saved += run_forward_seconds(s, u.first, s[u.last].backward_from_input ? u.last - 1 : u.last) -
+                      checkpoint_recompute_seconds(s, u.first, u.last);
       ++replaying_units;
     }
   }
