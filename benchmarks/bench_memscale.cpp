@@ -124,7 +124,7 @@ Workload bench_gpt(int steps) {
   return run_workload<gpt::GPT>(
       "GPT", desc.str(), [o] { return gpt::GPT(o); },
       [](gpt::GPT& m, const Sample& s) { return gpt::loss(m->forward(s.input), s.target); }, data, steps,
-      mode_rows_and_drawn_again, [](gpt::GPT& m, const Sample& s) {
+      mode_rows_and_variants, [](gpt::GPT& m, const Sample& s) {
         // GPT's forward with memscale::checkpoint around each block instead of memscale::forward.
         auto x = m->token(s.input) + m->position.slice(0, 0, s.input.size(1));
         for (const auto& block : *m->blocks) {
@@ -212,7 +212,7 @@ Workload bench_flat(int steps) {
       "flat Sequential",
       "(Linear(256,1024), GELU, Linear(1024,256), LayerNorm(256), Dropout(0.1)) x 8 = 40 slots; input [32,128,256]; "
       "MSE loss, AdamW lr 3e-4; hand ckpt/block: memscale::checkpoint around each group of 5 slots",
-      99, steps, mode_rows_and_drawn_again, /*hand_placed=*/true);
+      99, steps, mode_rows_and_variants, /*hand_placed=*/true);
 }
 
 Workload bench_offload(int steps) {

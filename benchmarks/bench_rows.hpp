@@ -42,15 +42,23 @@ inline std::vector<std::pair<std::string, memscale::Config>> mode_rows(double ba
 
 /// mode_rows, then Aggressive and Balanced forced with Config::replay_random_draws
 /// off: their recomputes draw the Dropout masks again, as before 2026-11-26 (what
-/// replaying them buys, side by side).
+/// replaying them buys, side by side); and Balanced and Balanced forced with
+/// Config::selective_recompute off: their checkpoints recompute the matrix
+/// products too, as before 2026-11-27 (what keeping them buys).
 inline const std::string drawn_again_suffix = ", masks drawn again";
-inline std::vector<std::pair<std::string, memscale::Config>> mode_rows_and_drawn_again(double balanced_budget_gb) {
+inline const std::string all_recomputed_suffix = ", products recomputed";
+inline std::vector<std::pair<std::string, memscale::Config>> mode_rows_and_variants(double balanced_budget_gb) {
   auto rows = mode_rows(balanced_budget_gb);
   const auto modes = rows;
   for (auto [name, cfg] : modes)
     if (name == "Aggressive" || name == "Balanced forced") {
       cfg.replay_random_draws = false;
       rows.emplace_back(name + drawn_again_suffix, cfg);
+    }
+  for (auto [name, cfg] : modes)
+    if (name == "Balanced" || name == "Balanced forced") {
+      cfg.selective_recompute = false;
+      rows.emplace_back(name + all_recomputed_suffix, cfg);
     }
   return rows;
 }

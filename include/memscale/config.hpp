@@ -93,6 +93,12 @@ struct Config {
   /// the same values bit for bit, without the draws' time, which the planner
   /// counts (detail/draw_replay.hpp). false: drawn again from the forward's state.
   bool replay_random_draws = true;
+  /// Selective recompute: a checkpoint may keep the outputs of its matrix
+  /// products (a Linear's, a plain mm) and recompute only the rest (norms,
+  /// activations, softmax, dropout), as Megatron does by hand. The planner plans
+  /// with and without it and takes it where it reaches the target with less
+  /// recompute (detail/product_replay.hpp). false: checkpoints recompute everything.
+  bool selective_recompute = true;
   bool use_static_profiling = true;
   bool use_empirical_fallback = true;
   int warmup_steps = 2;  ///< instrumented passes per layer when profiling empirically

@@ -39,6 +39,16 @@ struct slot_cost {
   /// What a checkpoint keeps of its forward's random draws for that replay: a
   /// bit an element of each mask and the generator's state after each draw.
   std::int64_t replay_kept_bytes = 0;
+  /// Its matrix products (a Linear's addmm, a plain mm; detail/product_replay.hpp):
+  /// their time, which a selective recompute skips, and their outputs' bytes,
+  /// which it keeps from forward to backward; of those, the bytes of the one
+  /// it returns (a plain Linear's), not kept where it ends a checkpointed run.
+  double product_saved_seconds = 0.0;
+  std::int64_t product_kept_bytes = 0;
+  std::int64_t returned_product_bytes = 0;
+  /// A checkpoint holding it keeps its products (the plan chose selective
+  /// recompute): recompute_seconds() and run_replay_kept_bytes() count them.
+  bool keeps_products = false;
   /// Leading input dimensions along which the slot treats rows independently
   /// (core/tile_rules.hpp): it may run over chunks of any of them. 0: it mixes
   /// rows (attention, BatchNorm in training), so it is never tiled.
@@ -52,7 +62,8 @@ struct slot_cost {
 
   /// What recomputing it in a checkpoint's backward costs.
   [[nodiscard]] constexpr double recompute_seconds() const noexcept {
-    return forward_seconds > replay_saved_seconds ? forward_seconds - replay_saved_seconds : 0.0;
+    const double skipped = replay_saved_seconds + (keeps_products ? product_saved_seconds : 0.0);
+    return forward_seconds > skipped ? forward_seconds - skipped : 0.0;
   }
 
   /// New bytes the forward allocates and keeps (output plus saved extras).

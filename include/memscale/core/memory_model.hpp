@@ -105,11 +105,14 @@ struct range_projection {
   return extra;
 }
 
-/// What a checkpointed run [a, b] keeps of its forward's random draws from its
-/// forward to its backward (slot_cost::replay_kept_bytes; a tiled run keeps none).
+/// What a checkpointed run [a, b] keeps of its forward for its recompute, from
+/// its forward to its backward: its random draws (slot_cost::replay_kept_bytes)
+/// and, where its slots keep products, their outputs but the one the run
+/// returns (a tiled run keeps none).
 [[nodiscard]] constexpr std::int64_t run_replay_kept_bytes(std::span<const slot_cost> s, int a, int b) {
   std::int64_t bytes = 0;
-  for (int k = a; k <= b; ++k) bytes += s[k].replay_kept_bytes;
+  for (int k = a; k <= b; ++k) bytes += s[k].replay_kept_bytes + (s[k].keeps_products ? s[k].product_kept_bytes : 0);
+  if (s[b].keeps_products) bytes -= s[b].returned_product_bytes;
   return bytes;
 }
 

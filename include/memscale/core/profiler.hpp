@@ -170,6 +170,9 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
           cost.backward_seconds = timed->backward_seconds;
           cost.replay_saved_seconds = timed->replay_saved_seconds;
           cost.replay_kept_bytes = timed->replay_kept_bytes;
+          cost.product_saved_seconds = timed->product_saved_seconds;
+          cost.product_kept_bytes = timed->product_kept_bytes;
+          cost.returned_product_bytes = timed->returned_product_bytes;
           cost.mutates_input = timed->mutates_input;
           note = timed->rows == (current.shape.empty() ? 0 : current.shape[0])
                      ? "static rule; times measured"
@@ -218,6 +221,9 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       cost.backward_seconds = measured.cost.backward_seconds;
       cost.replay_saved_seconds = measured.cost.replay_saved_seconds;
       cost.replay_kept_bytes = measured.cost.replay_kept_bytes;
+      cost.product_saved_seconds = measured.cost.product_saved_seconds;
+      cost.product_kept_bytes = measured.cost.product_kept_bytes;
+      cost.returned_product_bytes = measured.cost.returned_product_bytes;
       cost.mutates_input = measured.cost.mutates_input;
       profile.slots.push_back(shape_facts(cost));
       profile.sources.push_back(profile_source::static_rule);

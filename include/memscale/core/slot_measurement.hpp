@@ -25,6 +25,7 @@
 #include <memscale/core/layer_rules.hpp>
 #include <memscale/detail/buffers.hpp>
 #include <memscale/detail/draw_replay.hpp>
+#include <memscale/detail/product_replay.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/device/compute_rates.hpp>
 #include <memscale/device/memory_tracker.hpp>
@@ -137,6 +138,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
   const auto device = input.device();
   double fastest_forward = 1e300, fastest_backward = 1e300;
   double fastest_replay_saved = 0.0;  // from the pass with the fastest forward, which holds its draws
+  double fastest_product_saved = 0.0;
   for (int pass = 0; pass < std::max(1, passes); ++pass) {
     slot_cost cost;
     const auto reported_before = reporting != nullptr ? reporting->allocated_bytes() : 0;
@@ -178,7 +180,9 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       draw_log draws;
       const auto start = profile_clock_scope::now();
       std::optional<draw_span> timed_draws(std::in_place, draws, draw_mode::measure);
+      std::optional<product_span> timed_products(std::in_place, draws, draw_mode::measure);
       auto out = slot.any_forward(x);
+      timed_products.reset();
       timed_draws.reset();
       auto* tensor = out.try_get<torch::Tensor>();
       if (tensor == nullptr) {
@@ -190,6 +194,10 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       cost.forward_seconds = std::max(0.0, profile_clock_scope::now() - start - draws.replay_seconds);
       cost.replay_saved_seconds = std::max(0.0, draws.draw_seconds - draws.replay_seconds);
       cost.replay_kept_bytes = draws.kept_bytes;
+      const auto products = measured_product_totals(draws, y);
+      cost.product_saved_seconds = std::min(products.seconds, cost.forward_seconds);
+      cost.product_kept_bytes = products.bytes;
+      cost.returned_product_bytes = products.returned_bytes;
       if (by_allocations) {
         live_after = memory_tracker::current_bytes(device);
         peak = scope->peak();
@@ -266,12 +274,16 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       cost.saved_bytes = 0;
     }
     // Memory from the last pass (one-time allocations are gone); the fastest times.
-    if (cost.forward_seconds < fastest_forward) fastest_replay_saved = cost.replay_saved_seconds;
+    if (cost.forward_seconds < fastest_forward) {
+      fastest_replay_saved = cost.replay_saved_seconds;
+      fastest_product_saved = cost.product_saved_seconds;
+    }
     fastest_forward = std::min(fastest_forward, cost.forward_seconds);
     fastest_backward = std::min(fastest_backward, cost.backward_seconds);
     result.cost = cost;
     result.cost.forward_seconds = fastest_forward;
     result.cost.replay_saved_seconds = std::min(fastest_replay_saved, fastest_forward);
+    result.cost.product_saved_seconds = std::min(fastest_product_saved, fastest_forward);
     result.cost.backward_seconds = fastest_backward;
     result.output = std::move(next);
     result.bytes = source;
@@ -319,6 +331,9 @@ struct static_slot_times {
   double backward_seconds = 0.0;
   double replay_saved_seconds = 0.0;
   std::int64_t replay_kept_bytes = 0;
+  double product_saved_seconds = 0.0;
+  std::int64_t product_kept_bytes = 0;
+  std::int64_t returned_product_bytes = 0;
   bool mutates_input = false;
   std::int64_t rows = 0;  ///< the first extent it ran at
 };
@@ -372,6 +387,9 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
                              timed.cost.backward_seconds * backward_scale,
                              timed.cost.replay_saved_seconds * forward_scale,
                              static_cast<std::int64_t>(static_cast<double>(timed.cost.replay_kept_bytes) * bytes_scale),
+                             timed.cost.product_saved_seconds * forward_scale,
+                             static_cast<std::int64_t>(static_cast<double>(timed.cost.product_kept_bytes) * bytes_scale),
+                             static_cast<std::int64_t>(static_cast<double>(timed.cost.returned_product_bytes) * bytes_scale),
                              timed.cost.mutates_input,
                              part.shape.empty() ? 0 : part.shape[0]};
   } catch (const std::exception&) {

@@ -68,12 +68,33 @@ struct recorded_draw {
   at::Tensor state_after;                         ///< its state after the draw
 };
 
+/// One matrix product's output as a forward computed it (detail/product_replay.hpp).
+struct kept_product {
+  at::Tensor output;                ///< undefined once served, or where it was not kept
+  std::int64_t version = 0;         ///< the output's version then: a later in-place write bars serving it
+  const void* source = nullptr;     ///< the product's own storage (output may be a copy: product_replay.hpp)
+  std::uint8_t op = 0;              ///< which product (product_replay.hpp's product_op)
+  c10::ScalarType dtype = c10::ScalarType::Undefined;  ///< its first operand's type
+  std::vector<std::int64_t> sizes;  ///< its operands' sizes, one after the other, each led by its rank
+  double beta = 1.0, alpha = 1.0;   ///< addmm's scalars
+};
+
+/// A product a profiler's forward measured: what keeping it costs and saves.
+struct measured_product {
+  const void* data = nullptr;  ///< its output's storage (one a slot returns is not kept)
+  std::int64_t bytes = 0;
+  double seconds = 0.0;
+};
+
 /// The draws of one forward, in order; or, measuring, what drawing and replaying them took.
+/// Also the matrix products a checkpoint keeps for its recompute (product_replay.hpp).
 struct draw_log {
   std::vector<recorded_draw> draws;
   double draw_seconds = 0.0;      ///< measuring: the draws that could be replayed
   double replay_seconds = 0.0;    ///< measuring: packing their outcomes and writing them back
   std::int64_t kept_bytes = 0;    ///< measuring: what recording them would keep (bits and generator states)
+  std::vector<kept_product> products;
+  std::vector<measured_product> measured_products;  ///< measuring
 };
 
 enum class draw_mode {
@@ -88,7 +109,16 @@ struct draw_frame {
   draw_mode mode;
   std::size_t next = 0;   ///< replay: the next draw to serve
   bool diverged = false;  ///< replay: a draw did not match; the rest are drawn
+  /// What the frame is about: random draws (draw_span), or matrix products
+  /// (product_replay.hpp's product_span). An isolating frame hides both.
+  bool products = false;
 };
+
+/// Whether `f` takes part in what a kernel for draws (products: false) or
+/// for matrix products (true) does.
+inline bool frame_covers(const draw_frame& f, bool products) {
+  return f.mode == draw_mode::isolate || f.products == products;
+}
 
 /// Draws served from a log in this process so far (tests read it).
 inline std::atomic<std::int64_t>& replayed_draw_count() {
@@ -98,6 +128,18 @@ inline std::atomic<std::int64_t>& replayed_draw_count() {
 
 inline std::vector<draw_frame*>& draw_frames() {
   thread_local std::vector<draw_frame*> frames;
+  return frames;
+}
+
+/// The frames after this thread's innermost isolating one that take part in
+/// draws or products (nullptr-free, outermost first).
+inline std::vector<draw_frame*> visible_frames(bool products) {
+  auto& all = draw_frames();
+  auto first = all.size();
+  while (first > 0 && all[first - 1]->mode != draw_mode::isolate) --first;
+  std::vector<draw_frame*> frames;
+  for (auto k = first; k < all.size(); ++k)
+    if (frame_covers(*all[k], products)) frames.push_back(all[k]);
   return frames;
 }
 
@@ -195,10 +237,7 @@ inline void draw_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   // restore another generator, and writing one's state back would rewind it.
   const bool own_generator = !(*stack)[n - 1].isNone();
   // The frames after the innermost isolating one see this draw.
-  auto& all = draw_frames();
-  auto first = all.size();
-  while (first > 0 && all[first - 1]->mode != draw_mode::isolate) --first;
-  const std::span<draw_frame* const> frames(all.data() + first, all.size() - first);
+  const auto frames = visible_frames(/*products=*/false);
   const bool keepable = !frames.empty() && !own_generator && keepable_draw(self);
   // Under shape-only dispatch nothing is drawn, written or timed, but a
   // recording allocates what it would (predict sizes the real step by it).
@@ -299,14 +338,18 @@ inline bool draw_replay_available() {
 
 /// Open while a forward records its draws into a log, a recompute replays them,
 /// or a profiler's forward measures them. Opens nothing where the kernel is not
-/// registered.
+/// registered (but for an isolating span, which hides products too).
+/// `products`: a frame for matrix products instead (product_replay.hpp's
+/// product_span, which registers their kernels first).
 class draw_span {
  public:
-  draw_span(draw_log& log, draw_mode mode) {
-    if (!draw_replay_available()) return;
+  draw_span(draw_log& log, draw_mode mode, bool products = false) {
+    const bool draws = !products && draw_replay_available();
+    if (!draws && !products && mode != draw_mode::isolate) return;
     frame_ = std::make_unique<draw_frame>(draw_frame{&log, mode});
+    frame_->products = products;
     draw_frames().push_back(frame_.get());
-    include_.emplace(draw_replay_key);
+    if (draws) include_.emplace(draw_replay_key);
   }
   draw_span(const draw_span&) = delete;
   draw_span& operator=(const draw_span&) = delete;

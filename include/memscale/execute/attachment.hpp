@@ -282,7 +282,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   /// (keep_outer_calls_run_whole: only the outer calls `decided` runs whole stay in the sequence; it returns them).
   bool consider_finer_level(std::vector<std::size_t>& which, const profile_options& options,
                             std::vector<chain_profile>& profiles, std::vector<std::vector<slot_cost>>& costs,
-                            std::vector<bool>& supported, const engine_input& in, engine_plan& decided, Report& out);
+                            std::vector<bool>& supported, engine_input& in, engine_plan& decided, Report& out);
   std::vector<const torch::nn::Module*> keep_outer_calls_run_whole(std::size_t head, const std::vector<std::size_t>& which,
                                                                    const engine_plan& decided);
   /// The engine offloaded units share; created at the first plan that offloads.

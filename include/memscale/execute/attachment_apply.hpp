@@ -182,6 +182,8 @@ inline void attachment::apply_units(std::size_t c, const std::vector<unit>& unit
                                                   chain.originals.begin() + u.last + 1);
     wrap_context context;
     context.replay_random_draws = config_.replay_random_draws;
+    context.keep_products = static_cast<std::size_t>(u.first) < chain.keeps_products.size() &&
+                            chain.keeps_products[static_cast<std::size_t>(u.first)];
     if (u.checkpointed && u.tiles > 1) {
       MEMSCALE_ASSERT(techniques_.tile, "a plan tiles although the Strategy or Config excludes it");
       context.tiles = u.tiles;

@@ -25,6 +25,7 @@
 #include <torch/torch.h>
 
 #include <memscale/core/decision_engine.hpp>
+#include <memscale/core/decision_selective.hpp>
 #include <memscale/core/memory_model.hpp>
 #include <memscale/core/plan.hpp>
 #include <memscale/core/profiler.hpp>
@@ -36,20 +37,6 @@
 namespace memscale::core {
 
 namespace detail_levels {
-
-/// What a plan adds to a step: its recompute, and its transfers both ways at
-/// the tier's rate (the engine overlaps them with compute where it can; both
-/// levels are charged alike).
-inline double extra_seconds(const std::vector<std::vector<slot_cost>>& costs, const engine_plan& plan,
-                            double offload_bytes_per_second) {
-  return recompute_seconds(costs, plan.units) +
-         2.0 * static_cast<double>(offloaded_bytes(costs, plan.units)) / std::max(offload_bytes_per_second, 1.0);
-}
-
-/// Whether a plan changes anything: a unit checkpointed or offloaded.
-inline bool acts(const engine_plan& plan) {
-  return count_units(plan.units, &unit::checkpointed) + count_units(plan.units, &unit::offloaded) > 0;
-}
 
 /// Bytes a chain keeps once its forward is done, nothing checkpointed.
 inline std::int64_t kept_after_forward(const std::vector<slot_cost>& slots) {
@@ -79,7 +66,7 @@ inline void attachment::adjust_profiles(std::vector<chain_profile>& profiles) co
 inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, const profile_options& options,
                                              std::vector<chain_profile>& profiles,
                                              std::vector<std::vector<slot_cost>>& costs, std::vector<bool>& supported,
-                                             const engine_input& in, engine_plan& decided, Report& out) {
+                                             engine_input& in, engine_plan& decided, Report& out) {
   auto finer = std::move(*finer_);
   finer_.reset();
   const auto coarse_ids = std::move(coarse_ids_);
@@ -150,23 +137,11 @@ inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, co
   const double fine_s = detail_levels::extra_seconds(fine_costs, fine, in.offload_bytes_per_second);
   const bool coarse_fits = decided.planned_peak <= decided.target_bytes;
   const bool fine_fits = fine.planned_peak <= decided.target_bytes;
-  // Peaks within the schedule search's resolution are the same peak.
-  const auto resolution = std::max<std::int64_t>(1, decided.planned_peak / 2048);
-  // Less recompute by a margin over the profiling's timing noise.
-  const bool cheaper = fine_s < 0.98 * coarse_s;
-  bool take = false;
   // A finer plan that changes nothing "fits" only where the two levels' projections of the same model
   // disagree (a static rule against measured parts): the coarser plan, which acts, stands.
-  if (fine.overall == rule_id::low_pressure_skip || fine.overall == rule_id::checkpointing_disabled ||
-      !detail_levels::acts(fine))
-    take = false;
-  else if (fine_fits != coarse_fits)
-    take = fine_fits;
-  else if (fine_fits)
-    take = cheaper;
-  else
-    take = fine.planned_peak + resolution < decided.planned_peak ||
-           (fine.planned_peak <= decided.planned_peak + resolution && cheaper);
+  const bool take = fine.overall != rule_id::low_pressure_skip && fine.overall != rule_id::checkpointing_disabled &&
+                    detail_levels::acts(fine) &&
+                    detail_levels::better_at_target(decided, coarse_s, fine, fine_s, decided.target_bytes);
 
   int coarse_units = 0, fine_units = 0;
   for (std::size_t i = head; i < costs.size(); ++i) coarse_units += static_cast<int>(costs[i].size());
@@ -204,6 +179,12 @@ inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, co
   level_ = finer.depth;
   pending_sequence_ = std::move(finer.sequence);
   const auto whole = keep_outer_calls_run_whole(head, which, decided);
+  // What the chosen level was planned with, for choose_selective_recompute to
+  // plan it again: only the groups this plan runs whole remain groups.
+  in = std::move(fine_in);
+  for (std::size_t i = head; i < which.size() && i < in.segment_groups.size(); ++i)
+    for (std::size_t k = 0; k < in.segment_groups[i].size(); ++k)
+      if (k >= chains_[which[i]].group_end.size() || chains_[which[i]].group_end[k] < 0) in.segment_groups[i][k] = -1;
   outer_level_ = whole.empty() ? -1 : finer.outer_depth;
   const auto coarse_notes = std::min(coarse_note_count_, pending_notes_.size());
   pending_notes_.erase(pending_notes_.begin(), pending_notes_.begin() + static_cast<std::ptrdiff_t>(coarse_notes));

@@ -230,6 +230,16 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
   if (!out.planned && caller_config_.auto_policy) choose_strategy(profiles, costs, supported, in, device, out);
   auto decided = decide(costs, supported, in);
   if (finer_) consider_finer_level(which, options, profiles, costs, supported, in, decided, out);
+  if (config_.selective_recompute) {
+    const auto choice = choose_selective_recompute(costs, supported, in, decided);
+    if (!choice.note.empty()) out.notes.push_back(choice.note);
+    for (std::size_t i = 0; choice.changed && i < which.size() && i < costs.size(); ++i) {
+      profiles[i].slots = costs[i];
+      auto& keeps = chains_[which[i]].keeps_products;
+      keeps.clear();
+      for (const auto& s : costs[i]) keeps.push_back(s.keeps_products);
+    }
+  }
   if (agree_) {  // data parallel: every rank applies rank 0's plan; say where this rank's own differed
     const auto own = decided.units;
     decided = agree_(profiles, std::move(decided));
@@ -286,10 +296,11 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
     const std::span<const slot_cost> s(profiles[c].slots);
     for (const auto& u : decided.units[c]) {
       if (!u.checkpointed || u.tiles > 1) continue;
-      if (run_replay_kept_bytes(s, u.first, u.last) == 0) continue;  // nothing kept: nothing replayed
-      // What the run recomputes, drawing again (its slots' forwards) and replaying.
-      replay_saved += run_forward_seconds(s, u.first, s[u.last].backward_from_input ? u.last - 1 : u.last) -
-                      checkpoint_recompute_seconds(s, u.first, u.last);
+      const int last = s[u.last].backward_from_input ? u.last - 1 : u.last;
+      std::int64_t masks = 0;
+      for (int k = u.first; k <= u.last; ++k) masks += s[k].replay_kept_bytes;
+      if (masks == 0) continue;  // nothing kept: nothing replayed
+      for (int k = u.first; k <= last; ++k) replay_saved += std::min(s[k].replay_saved_seconds, s[k].forward_seconds);
       ++replaying_units;
     }
   }

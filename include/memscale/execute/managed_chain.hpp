@@ -96,6 +96,9 @@ struct managed_chain {
   std::vector<int> group_end;
   std::vector<std::size_t> group_positions;
   std::vector<torch::nn::AnyModule> group_slots;
+  /// Per unit: a checkpoint starting there keeps its matrix products (the plan
+  /// chose selective recompute for it; core/decision_selective.hpp).
+  std::vector<bool> keeps_products;
 
   /// Whether the plan's unit [first, last] is a group run (call sites only).
   [[nodiscard]] bool is_group(int first, int last) const {

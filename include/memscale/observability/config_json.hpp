@@ -147,6 +147,7 @@ inline void to_json(nlohmann::json& j, const Config& c) {
        {"target_gpu_utilization", c.target_gpu_utilization},
        {"force_optimize", c.force_optimize},
        {"replay_random_draws", c.replay_random_draws},
+       {"selective_recompute", c.selective_recompute},
        {"use_static_profiling", c.use_static_profiling},
        {"use_empirical_fallback", c.use_empirical_fallback},
        {"warmup_steps", c.warmup_steps},
@@ -189,6 +190,7 @@ inline void from_json(const nlohmann::json& j, Config& c) {
   field("target_gpu_utilization", c.target_gpu_utilization);
   field("force_optimize", c.force_optimize);
   field("replay_random_draws", c.replay_random_draws);
+  field("selective_recompute", c.selective_recompute);
   field("use_static_profiling", c.use_static_profiling);
   field("use_empirical_fallback", c.use_empirical_fallback);
   field("warmup_steps", c.warmup_steps);

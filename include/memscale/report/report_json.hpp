@@ -37,7 +37,9 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(HardwareInfo, host_total_bytes, host_availabl
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(slot_cost, input_bytes, output_bytes, output_is_view, saved_bytes, saves_input,
                                    saves_output, mutates_input, backward_from_input, workspace_bytes,
                                    backward_workspace_bytes, forward_seconds, backward_seconds,
-                                   replay_saved_seconds, replay_kept_bytes, row_dims, input_extents)
+                                   replay_saved_seconds, replay_kept_bytes, product_saved_seconds,
+                                   product_kept_bytes, returned_product_bytes, keeps_products, row_dims,
+                                   input_extents)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(chain_profile, path, slot_names, slots, sources, notes, input_shape, supported,
                                    unsupported_reason, caveats)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CorrectnessCheck, passed, tolerance, tolerance_reason, parameters, buffers,
@@ -184,9 +186,10 @@ inline void check_report_ranges(const Report& r) {
     for (std::size_t k = 0; k < slots.size(); ++k) {
       const auto& s = slots[k];
       for (const auto b : {s.input_bytes, s.output_bytes, s.saved_bytes, s.workspace_bytes, s.backward_workspace_bytes,
-                           s.replay_kept_bytes})
+                           s.replay_kept_bytes, s.product_kept_bytes, s.returned_product_bytes})
         if (!bytes_ok(b)) refuse("a byte count of chain " + std::to_string(c) + " slot " + std::to_string(k));
-      if (!seconds_ok(s.forward_seconds) || !seconds_ok(s.backward_seconds) || !seconds_ok(s.replay_saved_seconds))
+      if (!seconds_ok(s.forward_seconds) || !seconds_ok(s.backward_seconds) || !seconds_ok(s.replay_saved_seconds) ||
+          !seconds_ok(s.product_saved_seconds))
         refuse("a time of chain " + std::to_string(c) + " slot " + std::to_string(k));
     }
     for (const auto& u : r.plan.units[c])

@@ -27,6 +27,7 @@
 #include <memscale/detail/compat.hpp>
 #include <memscale/detail/draw_replay.hpp>
 #include <memscale/detail/fault_injection.hpp>
+#include <memscale/detail/product_replay.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/observability/metrics.hpp>
@@ -56,8 +57,13 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     // On CPU the forward keeps its random masks (a bit an element) for the recompute to replay.
     std::optional<draw_span> keep_draws;
     if (body->replay_draws && context->devices.empty()) keep_draws.emplace(context->draws, draw_mode::record);
+    // Selective recompute: the matrix products' outputs are kept for the recompute.
+    std::optional<product_span> keep_products;
+    if (body->keep_products) keep_products.emplace(context->draws, draw_mode::record);
     auto outputs = body->fn(args);  // grad mode is off here: nothing inside is kept
+    keep_products.reset();
     keep_draws.reset();
+    if (body->keep_products) drop_returned_products(context->draws, outputs);
     fault_point(pipeline_stage::checkpoint_forward);
     for (std::size_t i = 0; i < args.size(); ++i)
       if (args[i].defined() && static_cast<std::int64_t>(args[i]._version()) != versions[i])
@@ -116,6 +122,8 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
                              ? draw_mode::replay
                              : draw_mode::isolate;
       std::optional<draw_span> replayed(std::in_place, context->draws, draws);
+      std::optional<product_span> products;  // the kept products taken back, not multiplied again
+      if (body->keep_products) products.emplace(context->draws, draw_mode::replay);
       if (tail != nullptr) {
         outputs = tail->prefix(inputs);
         if (!tail->applies_to(outputs.at(0))) {
@@ -124,15 +132,19 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
           tail = nullptr;
           outputs.clear();
           if (!technique_fault_injected(technique_fault::checkpoint_skips_rng_restore)) restore_rng(context->state);
+          products.reset();
           replayed.reset();
           replayed.emplace(context->draws, draws);
+          if (body->keep_products) products.emplace(context->draws, draw_mode::replay);
         }
       }
       if (tail == nullptr) outputs = body->fn(inputs);
+      products.reset();
       replayed.reset();
       // Freed now, not with the graph: a backward that runs again (retain_graph)
-      // finds no log and draws from the restored state.
+      // finds no log, draws from the restored state and multiplies again.
       std::vector<recorded_draw>().swap(context->draws.draws);
+      std::vector<kept_product>().swap(context->draws.products);
       fault_point(pipeline_stage::checkpoint_backward);  // inside the RNG fork and the recompute scope
       if (technique_fault_injected(technique_fault::checkpoint_recompute_scaled))
         for (auto& o : outputs)

@@ -87,7 +87,10 @@ struct checkpoint_body : torch::CustomClassHolder {
   explicit checkpoint_body(tensors_fn f) : fn(std::move(f)) {}
   tensors_fn fn;
   std::optional<linear_tail> tail;
-  bool replay_draws = true;  ///< the recompute replays the forward's random masks (detail/draw_replay.hpp)  ///< set: backward recomputes only up to the Linear's input
+  bool replay_draws = true;  ///< the recompute replays the forward's random masks (detail/draw_replay.hpp)
+  /// The forward keeps its matrix products and the recompute takes them back
+  /// (selective recompute, detail/product_replay.hpp).
+  bool keep_products = false;
 };
 
 /// What the recompute must reproduce of the forward: RNG and autocast state.

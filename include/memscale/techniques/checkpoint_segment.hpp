@@ -87,12 +87,16 @@ class CheckpointSegmentImpl : public torch::nn::Module, public detail::slot_wrap
  public:
   /// `replay_random_draws`: the recompute writes back the forward's random masks
   /// rather than drawing them again (Config::replay_random_draws).
-  explicit CheckpointSegmentImpl(std::vector<torch::nn::AnyModule> slots, bool replay_random_draws = true)
+  /// `keep_products`: the forward keeps its matrix products' outputs and the
+  /// recompute takes them back (selective recompute, Config::selective_recompute).
+  explicit CheckpointSegmentImpl(std::vector<torch::nn::AnyModule> slots, bool replay_random_draws = true,
+                                 bool keep_products = false)
       : torch::nn::Module("memscale::CheckpointSegment"), slots_(std::move(slots)) {
     params_ = detail::parameters_of(slots_);
     body_ = detail::slots_body(slots_);
     body_->tail = detail::linear_tail_of(slots_, params_);
     body_->replay_draws = replay_random_draws;
+    body_->keep_products = keep_products;
   }
 
   torch::Tensor forward(torch::Tensor x) {
@@ -125,7 +129,8 @@ struct Checkpoint {
   static constexpr std::string_view name = "checkpoint";
   static constexpr bool available = true;
   static torch::nn::AnyModule wrap(std::vector<torch::nn::AnyModule> slots, const wrap_context& context = {}) {
-    return torch::nn::AnyModule(std::make_shared<CheckpointSegmentImpl>(std::move(slots), context.replay_random_draws));
+    return torch::nn::AnyModule(std::make_shared<CheckpointSegmentImpl>(std::move(slots), context.replay_random_draws,
+                                                                          context.keep_products));
   }
 };
 

@@ -28,6 +28,7 @@ struct wrap_context {
   int tiles = 1;
   int tile_dim = 0;
   bool replay_random_draws = true;  ///< Config::replay_random_draws
+  bool keep_products = false;       ///< a checkpoint keeps its matrix products (the plan chose selective recompute)
 };
 
 enum class technique_id : std::uint8_t { checkpoint, offload, tile };

@@ -1,0 +1,199 @@
+// Selective recompute (detail/product_replay.hpp): a checkpoint's forward keeps
+// its matrix products' outputs and its recompute takes them back instead of
+// multiplying again; the gradients are the baseline's bit for bit, a product
+// written in place or returned is multiplied again, and the planner plans
+// with and without it and says which it took.
+#include "test_support.hpp"
+
+namespace {
+
+std::int64_t served() { return memscale::detail::served_product_count().load(); }
+
+/// `fn(x)` through memscale's checkpoint function, keeping products or not.
+torch::Tensor checkpointed(std::function<torch::Tensor(const torch::Tensor&)> fn, const torch::Tensor& x,
+                           const std::vector<torch::Tensor>& params, bool keep) {
+  auto body = c10::make_intrusive<memscale::detail::checkpoint_body>(
+      memscale::detail::tensors_fn([fn = std::move(fn)](const std::vector<torch::Tensor>& in) {
+        return std::vector<torch::Tensor>{fn(in[0])};
+      }));
+  body->keep_products = keep;
+  return memscale::detail::checkpoint_function::apply(body, at::TensorList(x), at::TensorList(params))[0];
+}
+
+struct mlp_case {
+  torch::nn::Linear fc, out;
+  torch::Tensor x;
+  std::vector<torch::Tensor> params;
+  mlp_case()
+      : fc((torch::manual_seed(3), torch::nn::Linear(64, 256))),
+        out(torch::nn::Linear(256, 64)),
+        x(torch::randn({32, 24, 64}, torch::requires_grad())) {
+    params = fc->parameters();
+    for (const auto& p : out->parameters()) params.push_back(p);
+  }
+  /// Two products (addmm on the flattened 3D input), then a norm and dropout after the last.
+  torch::Tensor body(const torch::Tensor& t) {
+    auto h = torch::gelu(fc->forward(t));
+    return torch::dropout(torch::layer_norm(out->forward(h), {64}), 0.2, true);
+  }
+  std::pair<torch::Tensor, std::vector<torch::Tensor>> step(const std::function<torch::Tensor()>& loss_fn) {
+    x.mutable_grad() = torch::Tensor();
+    for (auto p : params) p.mutable_grad() = torch::Tensor();
+    torch::manual_seed(11);
+    auto loss = loss_fn();
+    loss.backward();
+    std::vector<torch::Tensor> grads{x.grad().clone()};
+    for (const auto& p : params) grads.push_back(p.grad().defined() ? p.grad().clone() : torch::zeros({1}));
+    return {loss.detach(), grads};
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a checkpoint keeping its products recomputes without them, bit for bit", "[checkpoint][products]") {
+  REQUIRE(memscale::detail::product_replay_available());
+  mlp_case m;
+  const auto plain = m.step([&] { return m.body(m.x).pow(2).sum(); });
+  for (const bool keep : {false, true}) {
+    const auto before = served();
+    const auto got = m.step([&] { return checkpointed([&](const auto& t) { return m.body(t); }, m.x, m.params, keep)
+                                      .pow(2)
+                                      .sum(); });
+    CHECK(served() - before == (keep ? 2 : 0));
+    CHECK(test::bit_equal(plain.first, got.first));
+    CHECK(test::bit_equal(plain.second, got.second));
+  }
+}
+
+TEST_CASE("kept products are held from forward to backward, and freed by it", "[checkpoint][products][memory]") {
+  REQUIRE(memscale::detail::product_replay_available());
+  memscale::memory_tracker::install();
+  mlp_case m;
+  const auto device = torch::Device(torch::kCPU);
+  std::int64_t held[2] = {0, 0};
+  for (const bool keep : {false, true}) {
+    torch::manual_seed(11);
+    const auto before = memscale::memory_tracker::current_bytes(device);
+    auto y = checkpointed([&](const auto& t) { return m.body(t); }, m.x, m.params, keep);
+    held[keep ? 1 : 0] = memscale::memory_tracker::current_bytes(device) - before;
+    y.pow(2).sum().backward();
+    y = torch::Tensor();
+    m.x.mutable_grad() = torch::Tensor();
+    for (auto p : m.params) p.mutable_grad() = torch::Tensor();
+    CHECK(memscale::memory_tracker::current_bytes(device) - before <= 0);
+  }
+  // fc's output [768, 256] and out's [768, 64], float.
+  const std::int64_t products = 768 * 256 * 4 + 768 * 64 * 4;
+  CHECK(held[1] - held[0] == products);
+}
+
+TEST_CASE("a product written in place, or returned, is multiplied again", "[checkpoint][products]") {
+  REQUIRE(memscale::detail::product_replay_available());
+  mlp_case m;
+  // fc's output (addmm's own, on a 2D input) is written in place after the product: its version tells.
+  auto written = [&](const torch::Tensor& t) {
+    auto h = m.fc->forward(t.reshape({-1, 64}));
+    h.mul_(0.5);
+    return torch::gelu(h).sum(-1);
+  };
+  // out's product is what the body returns (a view of it).
+  auto returned = [&](const torch::Tensor& t) { return m.out->forward(torch::gelu(m.fc->forward(t))); };
+  for (const auto& [fn, served_expected] :
+       std::vector<std::pair<std::function<torch::Tensor(const torch::Tensor&)>, int>>{{written, 0}, {returned, 1}}) {
+    const auto plain = m.step([&] { return fn(m.x).pow(2).sum(); });
+    const auto before = served();
+    const auto got = m.step([&] { return checkpointed(fn, m.x, m.params, true).pow(2).sum(); });
+    CHECK(served() - before == served_expected);
+    CHECK(test::bit_equal(plain.first, got.first));
+    CHECK(test::bit_equal(plain.second, got.second));
+  }
+}
+
+TEST_CASE("a recompute whose products differ from its forward's multiplies for real", "[checkpoint][products]") {
+  REQUIRE(memscale::detail::product_replay_available());
+  mlp_case m;
+  // The body takes a shorter sequence at its recompute: the products' operands differ.
+  int calls = 0;
+  auto fn = [&](const torch::Tensor& t) {
+    const auto length = ++calls == 1 ? t.size(1) : t.size(1) - 1;
+    return torch::gelu(m.fc->forward(t.narrow(1, 0, length).contiguous())).sum();
+  };
+  const auto before = served();
+  auto y = checkpointed(fn, m.x, m.params, true);
+  y.backward();
+  CHECK(served() - before == 0);
+  CHECK(calls == 2);
+}
+
+TEST_CASE("the planner plans with and without kept products and says which it took", "[checkpoint][products][api]") {
+  torch::manual_seed(8);
+  auto seq = test::flat_chain(3, 64, 256, 0.2);
+  auto x = torch::randn({32, 24, 64});
+  auto loss = [&] { return seq->forward(x).pow(2).mean(); };
+  const auto baseline = test::step(*seq, loss);
+  for (const bool allowed : {true, false}) {
+    auto config = test::quiet({.mode = memscale::OptimizationMode::Balanced,
+                               .enable_offloading = false,
+                               .force_optimize = true,
+                               .selective_recompute = allowed});
+    auto guard = memscale::optimize(seq, x, config);
+    const auto at_start = served();
+    const auto optimized = test::step(*seq, loss);
+    const auto report = guard.report();
+    REQUIRE(report.checkpointed_segments() > 0);
+    CHECK(test::bit_equal(baseline.first, optimized.first));
+    CHECK(test::bit_equal(baseline.second, optimized.second));
+    const auto note = std::find_if(report.notes.begin(), report.notes.end(), [](const std::string& n) {
+      return n.rfind("selective recompute:", 0) == 0;
+    });
+    REQUIRE((note != report.notes.end()) == allowed);
+    const bool kept = allowed && note->find("keep their matrix products") != std::string::npos;
+    CHECK((served() > at_start) == kept);
+    // Each Linear's profile measured its product: its time and its output's bytes.
+    for (const auto& chain : report.chains)
+      for (std::size_t k = 0; k < chain.slots.size(); ++k) {
+        const auto& s = chain.slots[k];
+        CHECK(s.product_saved_seconds <= s.forward_seconds);
+        const bool linear = chain.slot_names[k].find("Linear") != std::string::npos;
+        CHECK((s.product_kept_bytes > 0) == linear);
+      }
+  }
+}
+
+TEST_CASE("the planner keeps products per unit where that recomputes less at the same target",
+          "[engine][products]") {
+  using namespace memscale::core;
+  const std::int64_t MiB = 1 << 20;
+  // Six call-site units alike but for their products: units 0-2 spend half their
+  // forward in products whose outputs are small (an MLP on a GPU), units 3-5
+  // little in large ones. Runs of one unit each (call sites).
+  std::vector<memscale::slot_cost> chain(6);
+  for (int k = 0; k < 6; ++k) {
+    auto& s = chain[static_cast<std::size_t>(k)];
+    s.input_bytes = s.output_bytes = 4 * MiB;
+    s.saved_bytes = 40 * MiB;
+    s.saves_input = true;
+    s.forward_seconds = 0.010;
+    s.backward_seconds = 0.020;
+    s.product_saved_seconds = k < 3 ? 0.005 : 0.001;
+    s.product_kept_bytes = k < 3 ? 8 * MiB : 30 * MiB;
+  }
+  const std::vector<std::vector<memscale::slot_cost>> chains{chain};
+  engine_input in{memscale::OptimizationMode::Balanced, true, true, 0, 0};
+  in.segment_limit = {1};
+  in.fixed_target = project_model_peak(chains, {keep_all(6)}, 0) / 2;  // free half the growth
+  auto costs = chains;
+  auto plan = decide(costs, {true}, in);
+  const auto full = plan;
+  REQUIRE(full.planned_peak <= in.fixed_target);
+  const auto choice = choose_selective_recompute(costs, {true}, in, plan);
+  REQUIRE(choice.changed);
+  CHECK(choice.note.rfind("selective recompute: ", 0) == 0);
+  CHECK(plan.planned_peak <= in.fixed_target);
+  CHECK(plan.planned_peak == project_model_peak(costs, plan.units, 0));
+  CHECK(recompute_seconds(costs, plan.units) < recompute_seconds(chains, full.units));
+  // The cheap-product units keep theirs; the others do not (keeping 30 MiB for 1 ms never pays here).
+  for (const auto& u : plan.units[0])
+    for (int k = u.first; u.checkpointed && k <= u.last; ++k)
+      CHECK(costs[0][static_cast<std::size_t>(k)].keeps_products == (k < 3));
+}
