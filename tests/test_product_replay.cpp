@@ -125,6 +125,69 @@ TEST_CASE("a recompute whose products differ from its forward's multiplies for r
   CHECK(calls == 2);
 }
 
+TEST_CASE("a product still held elsewhere, or of another weight of the same shape, is multiplied again",
+          "[checkpoint][products]") {
+  REQUIRE(memscale::detail::product_replay_available());
+  mlp_case m;
+  // fc's output kept by the body's caller too (a stash, a hook): serving it would give
+  // the stashed tensor the recompute's history.
+  std::vector<torch::Tensor> stash;
+  auto stashing = [&](const torch::Tensor& t) {
+    auto h = m.fc->forward(t.reshape({-1, 64}));
+    if (stash.empty()) stash.push_back(h);
+    return torch::gelu(h).sum(-1);
+  };
+  const auto plain = m.step([&] { return stashing(m.x).pow(2).sum(); });
+  stash.clear();
+  auto before = served();
+  const auto got = m.step([&] { return checkpointed(stashing, m.x, m.params, true).pow(2).sum(); });
+  CHECK(served() - before == 0);
+  CHECK(test::bit_equal(plain.first, got.first));
+  CHECK(test::bit_equal(plain.second, got.second));
+  // The recompute multiplies by another weight of the same shape: the forward's
+  // weight is alive and is not the recompute's operand, so nothing is served.
+  torch::nn::Linear other(64, 256);
+  int calls = 0;
+  auto swapping = [&](const torch::Tensor& t) {
+    auto& lin = ++calls == 1 ? m.fc : other;
+    return torch::gelu(lin->forward(t.reshape({-1, 64}))).sum();
+  };
+  auto params = m.params;
+  for (const auto& p : other->parameters()) params.push_back(p);
+  before = served();
+  checkpointed(swapping, m.x, params, true).backward();
+  CHECK(calls == 2);
+  CHECK(served() - before == 0);
+}
+
+TEST_CASE("nested checkpoints keeping products, and a second backward, give the baseline's gradients",
+          "[checkpoint][products]") {
+  REQUIRE(memscale::detail::product_replay_available());
+  mlp_case m;
+  auto inner = [&](const torch::Tensor& t) { return torch::gelu(m.out->forward(torch::gelu(m.fc->forward(t)))); };
+  auto outer = [&](const torch::Tensor& t, bool checkpoint) {
+    auto h = checkpoint ? checkpointed(inner, t, m.params, true) : inner(t);
+    return torch::layer_norm(h * 2, {64});
+  };
+  const auto plain = m.step([&] { return outer(m.x, false).pow(2).sum(); });
+  const auto before = served();
+  const auto nested = m.step([&] {
+    return checkpointed([&](const torch::Tensor& t) { return outer(t, true); }, m.x, m.params, true).pow(2).sum();
+  });
+  CHECK(served() > before);
+  CHECK(test::bit_equal(plain.first, nested.first));
+  CHECK(test::bit_equal(plain.second, nested.second));
+  // retain_graph: the second backward finds no kept products and multiplies again.
+  for (auto p : m.params) p.mutable_grad() = torch::Tensor();
+  m.x.mutable_grad() = torch::Tensor();
+  torch::manual_seed(11);
+  auto loss = checkpointed(inner, m.x, m.params, true).pow(2).sum();
+  loss.backward({}, /*retain_graph=*/true);
+  const auto once = m.x.grad().clone();
+  loss.backward();
+  CHECK(test::bit_equal(m.x.grad(), once * 2));
+}
+
 TEST_CASE("the planner plans with and without kept products and says which it took", "[checkpoint][products][api]") {
   torch::manual_seed(8);
   auto seq = test::flat_chain(3, 64, 256, 0.2);
@@ -149,13 +212,13 @@ TEST_CASE("the planner plans with and without kept products and says which it to
     REQUIRE((note != report.notes.end()) == allowed);
     const bool kept = allowed && note->find("keep their matrix products") != std::string::npos;
     CHECK((served() > at_start) == kept);
-    // Each Linear's profile measured its product: its time and its output's bytes.
+    // Each Linear's profile measured its product (its time and its output's bytes), where the flag allows it.
     for (const auto& chain : report.chains)
       for (std::size_t k = 0; k < chain.slots.size(); ++k) {
         const auto& s = chain.slots[k];
         CHECK(s.product_saved_seconds <= s.forward_seconds);
         const bool linear = chain.slot_names[k].find("Linear") != std::string::npos;
-        CHECK((s.product_kept_bytes > 0) == linear);
+        CHECK((s.product_kept_bytes > 0) == (linear && allowed));
       }
   }
 }

@@ -81,6 +81,18 @@ inline bool whole_runs(std::vector<std::vector<slot_cost>>& costs, const engine_
   return changed;
 }
 
+/// The runs of several units in chains of call sites (segment_limit 1): outer
+/// calls checkpointed whole, whose place in the call sequence the plan being
+/// improved has fixed.
+inline std::vector<std::pair<std::size_t, unit>> group_runs(const engine_plan& plan, const engine_input& in) {
+  std::vector<std::pair<std::size_t, unit>> runs;
+  for (std::size_t c = 0; c < plan.units.size(); ++c)
+    if (c < in.segment_limit.size() && in.segment_limit[c] == 1)
+      for (const auto& u : plan.units[c])
+        if (u.checkpointed && u.last > u.first) runs.emplace_back(c, u);
+  return runs;
+}
+
 struct candidate {
   std::vector<std::vector<slot_cost>> costs;
   engine_plan plan;
@@ -141,9 +153,10 @@ inline selective_choice choose_selective_recompute(std::vector<std::vector<slot_
     }
   if (order.empty()) return choice;
   std::stable_sort(order.begin(), order.end(), [](const unit_ref& a, const unit_ref& b) { return a.per_byte > b.per_byte; });
+  const auto groups = detail_selective::group_runs(decided, in);
   const auto consider = [&](const std::vector<std::vector<slot_cost>>& trial_costs) {
     auto trial = detail_selective::plan_with(trial_costs, supported, fixed);
-    if (!detail_levels::acts(trial.plan) ||
+    if (!detail_levels::acts(trial.plan) || detail_selective::group_runs(trial.plan, in) != groups ||
         !detail_levels::better_at_target(best.plan, best.seconds, trial.plan, trial.seconds, target))
       return;
     best = std::move(trial);

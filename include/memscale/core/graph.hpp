@@ -66,6 +66,17 @@ struct slot_cost {
     return forward_seconds > skipped ? forward_seconds - skipped : 0.0;
   }
 
+  /// The same as the last slot of a checkpointed run: the product it returns is
+  /// the run's output, not kept, so it is multiplied again (its share of the
+  /// products' time, by bytes).
+  [[nodiscard]] constexpr double last_recompute_seconds() const noexcept {
+    const double seconds = recompute_seconds();
+    if (!keeps_products || returned_product_bytes <= 0 || product_kept_bytes <= 0) return seconds;
+    const double returned = product_saved_seconds * static_cast<double>(returned_product_bytes) /
+                            static_cast<double>(product_kept_bytes);
+    return seconds + returned < forward_seconds ? seconds + returned : forward_seconds;
+  }
+
   /// New bytes the forward allocates and keeps (output plus saved extras).
   [[nodiscard]] constexpr std::int64_t kept_bytes() const noexcept {
     return (output_is_view ? 0 : output_bytes) + saved_bytes;

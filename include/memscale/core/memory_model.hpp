@@ -276,7 +276,8 @@ struct step_point {
 /// backward_from_input, whose gradients come from its recomputed input.
 [[nodiscard]] constexpr double checkpoint_recompute_seconds(std::span<const slot_cost> s, int first, int last) {
   double seconds = 0.0;
-  for (int k = first; k <= (s[last].backward_from_input ? last - 1 : last); ++k) seconds += s[k].recompute_seconds();
+  for (int k = first; k <= (s[last].backward_from_input ? last - 1 : last); ++k)
+    seconds += k == last ? s[k].last_recompute_seconds() : s[k].recompute_seconds();
   return seconds;
 }
 

@@ -60,7 +60,7 @@ struct optimal_plan {
       const auto forward_extra = checkpointed_forward_extra(s, a, b);
       plain_peak[a * n + b] = std::max({forward_extra, r.forward_peak, r.backward_peak});
       run_peak[a * n + b] = std::max(forward_extra, checkpoint_backward_peak(s, a, b, 0)) + run_replay_kept_bytes(s, a, b);
-      run_seconds[a * n + b] = s[b].backward_from_input ? seconds : seconds + s[b].recompute_seconds();
+      run_seconds[a * n + b] = s[b].backward_from_input ? seconds : seconds + s[b].last_recompute_seconds();
       seconds += s[b].recompute_seconds();
     }
   }

@@ -77,11 +77,12 @@ struct profile_options {
   int passes = 2;  ///< Config::warmup_steps (at least one pass runs)
   bool training = true;
   bool replay_draws = true;  ///< Config::replay_random_draws: a recompute saves its random draws' time
+  bool products = true;      ///< Config::selective_recompute: measure each slot's matrix products
 };
 
 inline profile_options profile_options_from(const Config& config, bool training) {
   return {config.use_static_profiling, config.use_empirical_fallback, std::max(1, config.warmup_steps), training,
-          config.replay_random_draws};
+          config.replay_random_draws, config.selective_recompute};
 }
 
 /// Profiles the original `slots` of a chain for the given chain input. With
@@ -165,7 +166,8 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       std::string note = "static rule; times from measured compute rates";
       if (options.use_empirical && !detail::shape_only_dispatch()) {
         if (const auto timed = detail::time_static_slot(slot, current, current_tensor, device, *estimate, rates,
-                                                        options.passes, reporting ? &*reporting : nullptr)) {
+                                                        options.passes, reporting ? &*reporting : nullptr,
+                                                        options.products)) {
           cost.forward_seconds = timed->forward_seconds;
           cost.backward_seconds = timed->backward_seconds;
           cost.replay_saved_seconds = timed->replay_saved_seconds;
@@ -196,7 +198,8 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
     auto input = current_tensor.defined() ? current_tensor : detail::synthetic_input(current, device);
     detail::measured_slot measured;
     try {
-      measured = detail::measure_slot(slot, input, options.passes, reporting ? &*reporting : nullptr);
+      measured = detail::measure_slot(slot, input, options.passes, reporting ? &*reporting : nullptr,
+                                      options.products);
     } catch (const c10::Error& e) {
       profile.supported = false;
       profile.unsupported_reason = "slot " + profile.slot_names.back() + " failed on a tensor of shape " +

@@ -132,8 +132,10 @@ inline const void* storage_of(const torch::Tensor& t) {
 /// Runs one slot alone and measures what its forward keeps for backward. On CPU
 /// with `reporting` (a scope the caller opened), bytes are what it reports, if it
 /// reports the input's copy; else what `byte_source` says.
+/// `products`: also measure its matrix products (what keeping them for a
+/// selective recompute saves and keeps; Config::selective_recompute).
 inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tensor& input, int passes,
-                                  const memory_tracker::reporting_scope* reporting = nullptr) {
+                                  const memory_tracker::reporting_scope* reporting = nullptr, bool products = true) {
   measured_slot result;
   const auto device = input.device();
   double fastest_forward = 1e300, fastest_backward = 1e300;
@@ -163,6 +165,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
     const auto version = x._version();
     synchronize(device);
     torch::Tensor y;
+    std::int64_t copied_bytes = 0;  // products a recording forward would copy (product_replay.hpp)
     std::int64_t live_before = 0, live_after = 0, peak = 0;
     std::vector<saved_storage_log::entry> saved;
     {
@@ -180,7 +183,8 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       draw_log draws;
       const auto start = profile_clock_scope::now();
       std::optional<draw_span> timed_draws(std::in_place, draws, draw_mode::measure);
-      std::optional<product_span> timed_products(std::in_place, draws, draw_mode::measure);
+      std::optional<product_span> timed_products;
+      if (products) timed_products.emplace(draws, draw_mode::measure);
       auto out = slot.any_forward(x);
       timed_products.reset();
       timed_draws.reset();
@@ -194,15 +198,27 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       cost.forward_seconds = std::max(0.0, profile_clock_scope::now() - start - draws.replay_seconds);
       cost.replay_saved_seconds = std::max(0.0, draws.draw_seconds - draws.replay_seconds);
       cost.replay_kept_bytes = draws.kept_bytes;
-      const auto products = measured_product_totals(draws, y);
-      cost.product_saved_seconds = std::min(products.seconds, cost.forward_seconds);
-      cost.product_kept_bytes = products.bytes;
-      cost.returned_product_bytes = products.returned_bytes;
+      const auto kept = measured_product_totals(draws, y);
+      cost.product_saved_seconds = std::min(kept.seconds, cost.forward_seconds);
+      cost.product_kept_bytes = kept.bytes;
+      cost.returned_product_bytes = kept.returned_bytes;
+      copied_bytes = kept.copied_bytes;
       if (by_allocations) {
         live_after = memory_tracker::current_bytes(device);
         peak = scope->peak();
       }
       if (log) saved = log->entries();
+    }
+    // Where keeping a product takes a copy (LibTorch 1.13's Linear on a 3D
+    // input), the copy is timed here, outside the bytes measured, and taken off
+    // what keeping the products saves.
+    if (copied_bytes > 0 && !computing_nothing()) {
+      const auto bytes = at::empty({copied_bytes}, at::TensorOptions(at::kByte).device(device));
+      synchronize(device);
+      const auto start = std::chrono::steady_clock::now();
+      const auto copy = bytes.clone();
+      synchronize(device);
+      cost.product_saved_seconds = std::max(0.0, cost.product_saved_seconds - seconds_since(start));
     }
     cost.mutates_input = x._version() != version;
     cost.output_bytes = static_cast<std::int64_t>(y.nbytes());
@@ -351,7 +367,8 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
                                                          const torch::Tensor& input, const c10::Device& device,
                                                          const layer_estimate& full, const compute_rates& rates,
                                                          int passes,
-                                                         const memory_tracker::reporting_scope* reporting) {
+                                                         const memory_tracker::reporting_scope* reporting,
+                                                         bool products = true) {
   constexpr std::int64_t small_input_bytes = std::int64_t{1} << 20;
   constexpr std::int64_t large_part_bytes = std::int64_t{32} << 20;
   layer_input part = in;
@@ -379,7 +396,7 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
       x = synthetic_input(part, device);
     else
       x = part.shape.empty() || part.shape[0] == in.shape[0] ? input : input.narrow(0, 0, part.shape[0]);
-    auto timed = measure_slot(slot, x, passes, reporting);
+    auto timed = measure_slot(slot, x, passes, reporting, products);
     if (!timed.tensor_output || timed.output.sizes().vec() != expected_shape) return std::nullopt;
     // Masks have as many elements as the activations: they scale with the input's bytes.
     const double bytes_scale = static_cast<double>(in.bytes()) / static_cast<double>(std::max<std::int64_t>(1, part.bytes()));

@@ -75,7 +75,11 @@ struct kept_product {
   const void* source = nullptr;     ///< the product's own storage (output may be a copy: product_replay.hpp)
   std::uint8_t op = 0;              ///< which product (product_replay.hpp's product_op)
   c10::ScalarType dtype = c10::ScalarType::Undefined;  ///< its first operand's type
-  std::vector<std::int64_t> sizes;  ///< its operands' sizes, one after the other, each led by its rank
+  /// Its operands' layout, one after the other: rank, sizes, strides, offset, device.
+  std::vector<std::int64_t> sizes;
+  /// Its operands' storages, not kept alive: one still alive at the recompute
+  /// (a parameter's) must be the recompute's operand's there too.
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
   double beta = 1.0, alpha = 1.0;   ///< addmm's scalars
 };
 
@@ -84,6 +88,7 @@ struct measured_product {
   const void* data = nullptr;  ///< its output's storage (one a slot returns is not kept)
   std::int64_t bytes = 0;
   double seconds = 0.0;
+  bool copied = false;  ///< a recording forward would keep a copy (product_replay.hpp's _unsafe_view)
 };
 
 /// The draws of one forward, in order; or, measuring, what drawing and replaying them took.

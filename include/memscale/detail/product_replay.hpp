@@ -53,25 +53,50 @@ inline std::atomic<std::int64_t>& served_product_count() {
   return count;
 }
 
-/// The operands' sizes, one after the other, each led by its rank.
-inline std::vector<std::int64_t> operand_sizes(std::initializer_list<const at::Tensor*> operands) {
-  std::vector<std::int64_t> sizes;
+/// The operands' layout, one after the other: rank, sizes, strides, storage
+/// offset, device type and index.
+inline std::vector<std::int64_t> operand_layout(std::initializer_list<const at::Tensor*> operands) {
+  std::vector<std::int64_t> layout;
   for (const auto* t : operands) {
-    sizes.push_back(t->dim());
-    sizes.insert(sizes.end(), t->sizes().begin(), t->sizes().end());
+    layout.push_back(t->dim());
+    layout.insert(layout.end(), t->sizes().begin(), t->sizes().end());
+    if (t->layout() == c10::kStrided) {
+      layout.insert(layout.end(), t->strides().begin(), t->strides().end());
+      layout.push_back(t->storage_offset());
+    }
+    layout.push_back(static_cast<std::int64_t>(t->device().type()));
+    layout.push_back(t->device().index());
   }
-  return sizes;
+  return layout;
 }
 
+inline std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> operand_storages(
+    std::initializer_list<const at::Tensor*> operands) {
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+  for (const auto* t : operands)
+    storages.push_back(t->has_storage() ? t->storage().getWeakStorageImpl()
+                                        : c10::weak_intrusive_ptr<c10::StorageImpl>(
+                                              c10::intrusive_ptr<c10::StorageImpl>()));
+  return storages;
+}
+
+/// Whether the recompute's product is the forward's: the same layout of its
+/// operands, and each operand whose forward storage is still alive (a
+/// parameter, the checkpoint's input, a product served before) on that storage.
 inline bool same_operands(const kept_product& p, std::initializer_list<const at::Tensor*> operands) {
+  if (p.sizes != operand_layout(operands) || p.storages.size() != operands.size()) return false;
   std::size_t k = 0;
   for (const auto* t : operands) {
-    if (k >= p.sizes.size() || p.sizes[k] != t->dim()) return false;
-    ++k;
-    for (const auto extent : t->sizes())
-      if (k >= p.sizes.size() || p.sizes[k++] != extent) return false;
+    const auto then = p.storages[k++].lock();
+    if (then && (!t->has_storage() || t->storage().unsafeGetStorageImpl() != then.get())) return false;
   }
-  return k == p.sizes.size();
+  return true;
+}
+
+/// Whether nothing but the log holds a kept output (no view of it, no other
+/// handle): serving it gives autograd a tensor no one else sees.
+inline bool held_only_by_log(const at::Tensor& t) {
+  return t.use_count() == 1 && (!t.has_storage() || t.storage().use_count() == 1);
 }
 
 /// Runs one product inside whatever product frames are open: serves it from
@@ -98,8 +123,10 @@ at::Tensor product_through_frames(product_op op, std::initializer_list<const at:
       replay->diverged = true;
     } else {
       ++replay->next;
-      // Written in place since, or handed to autograd elsewhere: multiplied again.
-      if (p->output.defined() && p->output._version() == p->version && !p->output.requires_grad()) {
+      // Written in place since, handed to autograd elsewhere, or still seen by
+      // someone else: multiplied again.
+      if (p->output.defined() && p->output._version() == p->version && !p->output.requires_grad() &&
+          held_only_by_log(p->output)) {
         out = std::move(p->output);
         p->output = at::Tensor();
         served_product_count().fetch_add(1, std::memory_order_relaxed);
@@ -113,10 +140,13 @@ at::Tensor product_through_frames(product_op op, std::initializer_list<const at:
   }
   double seconds = 0.0;
   if (!out.defined()) {
+    const bool timed = measuring && !computing_nothing();
+    const auto device = (*operands.begin())->device();
+    if (timed && device.is_cuda()) torch::cuda::synchronize(device.index());  // the product alone
     const auto start = std::chrono::steady_clock::now();
     out = compute();
-    if (measuring && !computing_nothing())
-      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (timed && device.is_cuda()) torch::cuda::synchronize(device.index());
+    if (timed) seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   if (!recording && !measuring) return out;
   const bool keepable = out.defined() && out.layout() == c10::kStrided && out.has_storage() && !out.requires_grad();
@@ -134,7 +164,8 @@ at::Tensor product_through_frames(product_op op, std::initializer_list<const at:
     }
     p.op = static_cast<std::uint8_t>(op);
     p.dtype = dtype;
-    p.sizes = operand_sizes(operands);
+    p.sizes = operand_layout(operands);
+    p.storages = operand_storages(operands);
     p.beta = beta;
     p.alpha = alpha;
     for (auto* f : frames)
@@ -164,28 +195,28 @@ inline at::Tensor mm_kernel(c10::DispatchKeySet keys, const at::Tensor& self, co
 /// on the same storage with a version counter of its own, so a write through
 /// it would not show in the kept product's version. Where a forward records
 /// the product, the log keeps a copy of it instead, made now, before any such
-/// write; where a forward measures it, the copy is timed and taken off what
-/// keeping it saves.
+/// write (or forgets it, if it was written already); where a forward measures
+/// it, the product is marked, and measure_slot times such a copy apart (outside
+/// the bytes it measures).
 inline at::Tensor unsafe_view_kernel(c10::DispatchKeySet keys, const at::Tensor& self, c10::SymIntArrayRef size) {
   auto out = at::_ops::_unsafe_view::redispatch(keys & c10::after_ADInplaceOrView_keyset, self, size);
   if (draw_frames().empty() || !self.has_storage() || self.is_inference()) return out;
   const void* data = self.storage().data();
-  at::Tensor copy;
+  if (data == nullptr) return out;  // nothing allocated: nothing to tell apart
   for (auto* f : visible_frames(/*products=*/true)) {
     if (f->mode == draw_mode::record) {
-      for (auto& p : f->log->products)
-        if (p.output.defined() && p.output.storage().data() == data) {
-          if (!copy.defined()) copy = p.output.clone();
-          p.output = copy;
-          p.version = static_cast<std::int64_t>(copy._version());
+      for (auto& p : f->log->products) {
+        if (!p.output.defined() || p.source != data || !self.is_alias_of(p.output)) continue;
+        if (p.output._version() != p.version) {
+          p.output = at::Tensor();  // written already: the copy would hold the write
+          continue;
         }
+        p.output = p.output.clone();
+        p.version = static_cast<std::int64_t>(p.output._version());
+      }
     } else if (f->mode == draw_mode::measure) {
       for (auto& m : f->log->measured_products)
-        if (m.data == data && m.seconds > 0.0) {
-          const auto start = std::chrono::steady_clock::now();
-          (void)self.clone();
-          m.seconds = std::max(0.0, m.seconds - std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-        }
+        if (m.data == data) m.copied = true;
     }
   }
   return out;
@@ -248,6 +279,7 @@ inline void drop_returned_products(draw_log& log, const std::vector<at::Tensor>&
 struct product_totals {
   std::int64_t bytes = 0;
   std::int64_t returned_bytes = 0;
+  std::int64_t copied_bytes = 0;  ///< of products a recording forward would copy (unsafe_view_kernel)
   double seconds = 0.0;
 };
 inline product_totals measured_product_totals(const draw_log& log, const at::Tensor& returned) {
@@ -256,6 +288,7 @@ inline product_totals measured_product_totals(const draw_log& log, const at::Ten
   for (const auto& m : log.measured_products) {
     t.bytes += m.bytes;
     t.seconds += m.seconds;
+    if (m.copied) t.copied_bytes += m.bytes;
     if (m.data != nullptr && m.data == output) t.returned_bytes += m.bytes;
   }
   return t;

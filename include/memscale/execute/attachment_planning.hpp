@@ -230,15 +230,10 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
   if (!out.planned && caller_config_.auto_policy) choose_strategy(profiles, costs, supported, in, device, out);
   auto decided = decide(costs, supported, in);
   if (finer_) consider_finer_level(which, options, profiles, costs, supported, in, decided, out);
+  selective_choice selective;
   if (config_.selective_recompute) {
-    const auto choice = choose_selective_recompute(costs, supported, in, decided);
-    if (!choice.note.empty()) out.notes.push_back(choice.note);
-    for (std::size_t i = 0; choice.changed && i < which.size() && i < costs.size(); ++i) {
-      profiles[i].slots = costs[i];
-      auto& keeps = chains_[which[i]].keeps_products;
-      keeps.clear();
-      for (const auto& s : costs[i]) keeps.push_back(s.keeps_products);
-    }
+    selective = choose_selective_recompute(costs, supported, in, decided);
+    if (!selective.note.empty()) out.notes.push_back(selective.note);
   }
   if (agree_) {  // data parallel: every rank applies rank 0's plan; say where this rank's own differed
     const auto own = decided.units;
@@ -253,7 +248,21 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
                         " offloaded), which every rank applies: its measurements or its Config differ";
       out.notes.push_back(note);
       log_.warn(note);
+      // Which units keep their products was chosen for this rank's own plan: on
+      // rank 0's, every checkpoint recomputes everything (no more memory than projected).
+      if (selective.changed) {
+        selective.changed = false;
+        for (auto& chain : costs)
+          for (auto& s : chain) s.keeps_products = false;
+        out.notes.push_back("selective recompute: off on this rank, whose own plan it was chosen for");
+      }
     }
+  }
+  for (std::size_t i = 0; selective.changed && i < which.size() && i < costs.size(); ++i) {
+    profiles[i].slots = costs[i];
+    auto& keeps = chains_[which[i]].keeps_products;
+    keeps.clear();
+    for (const auto& s : costs[i]) keeps.push_back(s.keeps_products);
   }
 
   // Merge into the report: chains planned earlier stay; indices shift.

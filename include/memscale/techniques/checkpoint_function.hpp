@@ -108,6 +108,15 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     }
     std::vector<torch::Tensor> outputs;
     recompute_scope recompute;
+    // The kept masks and products go when the recompute is done (below), or
+    // where it throws, with this.
+    struct free_log {
+      draw_log& log;
+      ~free_log() {
+        std::vector<recorded_draw>().swap(log.draws);
+        std::vector<kept_product>().swap(log.products);
+      }
+    } const free_kept{context->draws};
     {
       const observability::recompute_timer timed;  // the forward run again: memscale_recompute_seconds_total
       rng_fork keep_training_stream(context->devices);  // backward must not shift the RNG sequence
