@@ -234,9 +234,18 @@ inline bool product_replay_available() {
       // Kept for the process's lifetime: a registration is undone when its Library is destroyed.
       static auto* products =
           new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::ADInplaceOrView, __FILE__, __LINE__);
-      products->impl("addmm", TORCH_FN(addmm_kernel));
-      products->impl("mm", TORCH_FN(mm_kernel));
-      products->impl("_unsafe_view", TORCH_FN(unsafe_view_kernel));
+      // Lambdas, not TORCH_FN: GCC under AddressSanitizer cannot fold an inline
+      // function's address in TORCH_FN's static_assert (it may be a weak symbol).
+      products->impl("addmm", [](c10::DispatchKeySet keys, const at::Tensor& self, const at::Tensor& mat1,
+                                 const at::Tensor& mat2, const at::Scalar& beta, const at::Scalar& alpha) {
+        return addmm_kernel(keys, self, mat1, mat2, beta, alpha);
+      });
+      products->impl("mm", [](c10::DispatchKeySet keys, const at::Tensor& self, const at::Tensor& mat2) {
+        return mm_kernel(keys, self, mat2);
+      });
+      products->impl("_unsafe_view", [](c10::DispatchKeySet keys, const at::Tensor& self, c10::SymIntArrayRef size) {
+        return unsafe_view_kernel(keys, self, size);
+      });
       return true;
     } catch (const c10::Error&) {
       return false;
