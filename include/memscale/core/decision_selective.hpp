@@ -120,13 +120,17 @@ struct selective_choice {
 /// Plans `costs` again with units keeping their products (the file comment
 /// says how) at `decided`'s target; where that is better, `costs` and `decided`
 /// become it. Units whose products are worth nothing (none, or no time) are
-/// not tried.
+/// not tried; nothing is tried in Aggressive mode.
 inline selective_choice choose_selective_recompute(std::vector<std::vector<slot_cost>>& costs,
                                                    const std::vector<bool>& supported, const engine_input& in,
                                                    engine_plan& decided) {
   using detail_selective::candidate;
   selective_choice choice;
-  if (!detail_levels::acts(decided) || count_units(decided.units, &unit::checkpointed) == 0) return choice;
+  // Aggressive plans for the least memory, which every kept product raises:
+  // not tried there (and so its plan does not hang on the products' timing).
+  if (in.mode == OptimizationMode::Aggressive || !detail_levels::acts(decided) ||
+      count_units(decided.units, &unit::checkpointed) == 0)
+    return choice;
   auto fixed = in;
   fixed.fixed_target = decided.target_bytes;
   const auto target = decided.target_bytes;
@@ -151,7 +155,11 @@ inline selective_choice choose_selective_recompute(std::vector<std::vector<slot_
       }
       if (seconds > 0.0 && bytes > 0) order.push_back({c, u, seconds / static_cast<double>(bytes)});
     }
-  if (order.empty()) return choice;
+  if (order.empty()) {
+    choice.note = "selective recompute: no checkpointed unit has matrix products whose time was measured; every "
+                  "checkpoint recomputes everything (Config::selective_recompute)";
+    return choice;
+  }
   std::stable_sort(order.begin(), order.end(), [](const unit_ref& a, const unit_ref& b) { return a.per_byte > b.per_byte; });
   const auto groups = detail_selective::group_runs(decided, in);
   const auto consider = [&](const std::vector<std::vector<slot_cost>>& trial_costs) {
