@@ -135,7 +135,8 @@ inline selective_choice choose_selective_recompute(std::vector<std::vector<slot_
   fixed.fixed_target = decided.target_bytes;
   const auto target = decided.target_bytes;
   candidate best{costs, decided, detail_levels::extra_seconds(costs, decided, in.offload_bytes_per_second)};
-  const candidate full = best;
+  const auto full_peak = best.plan.planned_peak;  // recomputing everything
+  const auto full_seconds = best.seconds;
 
   // Each unit the plan checkpoints, the most products' time per byte kept first.
   struct unit_ref {
@@ -195,12 +196,12 @@ inline selective_choice choose_selective_recompute(std::vector<std::vector<slot_
     note << keeping << " checkpointed unit(s) keep their matrix products' outputs (" << detail::format_bytes(held)
          << ") and recompute the rest: projected peak " << detail::format_bytes(best.plan.planned_peak) << ", "
          << best.seconds * 1e3 << " ms of recompute and transfer per step, against "
-         << detail::format_bytes(full.plan.planned_peak) << ", " << full.seconds * 1e3
+         << detail::format_bytes(full_peak) << ", " << full_seconds * 1e3
          << " ms recomputing everything";
   else
     note << "every checkpoint recomputes everything: keeping a unit's products was no better at this target ("
          << order.size() << " unit(s) tried; recomputing everything: projected peak "
-         << detail::format_bytes(full.plan.planned_peak) << ", " << full.seconds * 1e3 << " ms per step)";
+         << detail::format_bytes(full_peak) << ", " << full_seconds * 1e3 << " ms per step)";
   note << "; target " << detail::format_bytes(target) << " (Config::selective_recompute)";
   choice.note = note.str();
   if (choice.changed) {

@@ -99,8 +99,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
   const auto device = chain_input.device();
 
   detail::rng_fork no_visible_draws({device});
-  detail::draw_log unseen;
-  detail::draw_span draws_apart(unseen, detail::draw_mode::isolate);  // nor seen by a span it runs inside
+  detail::isolating_span draws_apart;  // nor seen by a span it runs inside
   detail::buffer_restore keep_buffers(slots);
   // Measured once per process, before the allocations profiling watches.
   const auto rates = options.use_static ? detail::measured_compute_rates(device) : detail::compute_rates{};

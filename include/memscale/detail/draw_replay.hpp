@@ -38,7 +38,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <span>
 #include <utility>
 #include <vector>
 
@@ -76,7 +75,7 @@ struct kept_product {
   std::uint8_t op = 0;              ///< which product (product_replay.hpp's product_op)
   c10::ScalarType dtype = c10::ScalarType::Undefined;  ///< its first operand's type
   /// Its operands' layout, one after the other: rank, sizes, strides, offset, device.
-  std::vector<std::int64_t> sizes;
+  std::vector<std::int64_t> layout;
   /// Its operands' storages, not kept alive: one still alive at the recompute
   /// (a parameter's) must be the recompute's operand's there too.
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
@@ -100,6 +99,12 @@ struct draw_log {
   std::int64_t kept_bytes = 0;    ///< measuring: what recording them would keep (bits and generator states)
   std::vector<kept_product> products;
   std::vector<measured_product> measured_products;  ///< measuring
+
+  /// Frees what a forward kept for its recompute (its masks and products).
+  void release() {
+    std::vector<recorded_draw>().swap(draws);
+    std::vector<kept_product>().swap(products);
+  }
 };
 
 enum class draw_mode {
@@ -369,6 +374,19 @@ class draw_span {
  private:
   std::unique_ptr<draw_frame> frame_;
   std::optional<c10::impl::IncludeDispatchKeyGuard> include_;
+};
+
+/// An isolating span with a log of its own: the draws and products inside are
+/// neither served nor recorded by the spans outside.
+class isolating_span {
+ public:
+  isolating_span() = default;
+  isolating_span(const isolating_span&) = delete;
+  isolating_span& operator=(const isolating_span&) = delete;
+
+ private:
+  draw_log unseen_;
+  draw_span span_{unseen_, draw_mode::isolate};
 };
 
 }  // namespace memscale::detail

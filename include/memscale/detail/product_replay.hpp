@@ -84,7 +84,7 @@ inline std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> operand_storages(
 /// operands, and each operand whose forward storage is still alive (a
 /// parameter, the checkpoint's input, a product served before) on that storage.
 inline bool same_operands(const kept_product& p, std::initializer_list<const at::Tensor*> operands) {
-  if (p.sizes != operand_layout(operands) || p.storages.size() != operands.size()) return false;
+  if (p.layout != operand_layout(operands) || p.storages.size() != operands.size()) return false;
   std::size_t k = 0;
   for (const auto* t : operands) {
     const auto then = p.storages[k++].lock();
@@ -164,7 +164,7 @@ at::Tensor product_through_frames(product_op op, std::initializer_list<const at:
     }
     p.op = static_cast<std::uint8_t>(op);
     p.dtype = dtype;
-    p.sizes = operand_layout(operands);
+    p.layout = operand_layout(operands);
     p.storages = operand_storages(operands);
     p.beta = beta;
     p.alpha = alpha;

@@ -68,8 +68,7 @@ inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function
     MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
     torch::NoGradGuard no_grad;
     detail::rng_fork no_visible_draws(detail::devices_of(root->parameters()));
-    detail::draw_log unseen;
-    detail::draw_span draws_apart(unseen, detail::draw_mode::isolate);
+    detail::isolating_span draws_apart;
     detail::buffer_restore keep_buffers(*root);
     try {
       forward();

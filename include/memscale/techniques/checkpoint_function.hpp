@@ -112,10 +112,7 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
     // where it throws, with this.
     struct free_log {
       draw_log& log;
-      ~free_log() {
-        std::vector<recorded_draw>().swap(log.draws);
-        std::vector<kept_product>().swap(log.products);
-      }
+      ~free_log() { log.release(); }
     } const free_kept{context->draws};
     {
       const observability::recompute_timer timed;  // the forward run again: memscale_recompute_seconds_total
@@ -152,8 +149,7 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
       replayed.reset();
       // Freed now, not with the graph: a backward that runs again (retain_graph)
       // finds no log, draws from the restored state and multiplies again.
-      std::vector<recorded_draw>().swap(context->draws.draws);
-      std::vector<kept_product>().swap(context->draws.products);
+      context->draws.release();
       fault_point(pipeline_stage::checkpoint_backward);  // inside the RNG fork and the recompute scope
       if (technique_fault_injected(technique_fault::checkpoint_recompute_scaled))
         for (auto& o : outputs)

@@ -263,8 +263,7 @@ inline segment_reads leaves_read_by(checkpoint_body& body, const std::vector<tor
                                     const std::vector<torch::Tensor>& known,
                                     const std::vector<torch::nn::AnyModule>& slots) {
   rng_fork no_visible_draws(devices_of(probe));
-  draw_log unseen;
-  draw_span draws_apart(unseen, draw_mode::isolate);  // nor seen by a recompute it runs inside
+  isolating_span draws_apart;  // nor seen by a recompute it runs inside
   buffer_restore keep_buffers(slots);
   torch::AutoGradMode grad_on(true);
   offload::saved_tensors_hooks drop_saved([](const at::Tensor&) { return 0; },

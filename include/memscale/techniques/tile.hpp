@@ -115,8 +115,7 @@ struct tile_function : torch::autograd::Function<tile_function> {
 
     recompute_scope recompute;
     rng_fork keep_training_stream(context->devices);  // backward must not shift the RNG sequence
-    draw_log unseen;
-    draw_span draws_apart(unseen, draw_mode::isolate);  // its chunks draw, never replay another's masks
+    isolating_span draws_apart;  // its chunks draw, never replay another's masks
     restore_rng(context->state);                      // the chunks draw in forward's order
     bool searched = false;
     for (std::int64_t i = 0; i < tiles; ++i) {
