@@ -68,23 +68,40 @@ struct recorded_draw {
 };
 
 /// One matrix product's output as a forward computed it (detail/product_replay.hpp).
+/// A storage not kept alive. Compare through on_storage, never by address: a
+/// freed storage's address is handed out again (a checkpoint's output took the
+/// address of a product freed in its forward, and lost a kept product for it).
+using weak_storage = c10::weak_intrusive_ptr<c10::StorageImpl>;
+
+inline weak_storage weak_storage_of(const at::Tensor& t) {
+  return t.defined() && t.has_storage() ? t.storage().getWeakStorageImpl()
+                                        : weak_storage(c10::intrusive_ptr<c10::StorageImpl>());
+}
+
+/// Whether `t` lies on the storage `w` refers to, which must still be alive.
+inline bool on_storage(const at::Tensor& t, const weak_storage& w) {
+  if (!t.defined() || !t.has_storage()) return false;
+  const auto alive = w.lock();
+  return alive && alive.get() == t.storage().unsafeGetStorageImpl();
+}
+
 struct kept_product {
   at::Tensor output;                ///< undefined once served, or where it was not kept
   std::int64_t version = 0;         ///< the output's version then: a later in-place write bars serving it
-  const void* source = nullptr;     ///< the product's own storage (output may be a copy: product_replay.hpp)
+  weak_storage source = weak_storage_of({});  ///< the product's own storage (output may be a copy: product_replay.hpp)
   std::uint8_t op = 0;              ///< which product (product_replay.hpp's product_op)
   c10::ScalarType dtype = c10::ScalarType::Undefined;  ///< its first operand's type
   /// Its operands' layout, one after the other: rank, sizes, strides, offset, device.
   std::vector<std::int64_t> layout;
   /// Its operands' storages, not kept alive: one still alive at the recompute
   /// (a parameter's) must be the recompute's operand's there too.
-  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+  std::vector<weak_storage> storages;
   double beta = 1.0, alpha = 1.0;   ///< addmm's scalars
 };
 
 /// A product a profiler's forward measured: what keeping it costs and saves.
 struct measured_product {
-  const void* data = nullptr;  ///< its output's storage (one a slot returns is not kept)
+  weak_storage storage = weak_storage_of({});  ///< its output's (one a slot returns is not kept)
   std::int64_t bytes = 0;
   double seconds = 0.0;
   bool copied = false;  ///< a recording forward would keep a copy (product_replay.hpp's _unsafe_view)

@@ -70,13 +70,9 @@ inline std::vector<std::int64_t> operand_layout(std::initializer_list<const at::
   return layout;
 }
 
-inline std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> operand_storages(
-    std::initializer_list<const at::Tensor*> operands) {
-  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
-  for (const auto* t : operands)
-    storages.push_back(t->has_storage() ? t->storage().getWeakStorageImpl()
-                                        : c10::weak_intrusive_ptr<c10::StorageImpl>(
-                                              c10::intrusive_ptr<c10::StorageImpl>()));
+inline std::vector<weak_storage> operand_storages(std::initializer_list<const at::Tensor*> operands) {
+  std::vector<weak_storage> storages;
+  for (const auto* t : operands) storages.push_back(weak_storage_of(*t));
   return storages;
 }
 
@@ -87,8 +83,8 @@ inline bool same_operands(const kept_product& p, std::initializer_list<const at:
   if (p.layout != operand_layout(operands) || p.storages.size() != operands.size()) return false;
   std::size_t k = 0;
   for (const auto* t : operands) {
-    const auto then = p.storages[k++].lock();
-    if (then && (!t->has_storage() || t->storage().unsafeGetStorageImpl() != then.get())) return false;
+    if (p.storages[k].lock() && !on_storage(*t, p.storages[k])) return false;
+    ++k;
   }
   return true;
 }
@@ -151,7 +147,7 @@ at::Tensor product_through_frames(product_op op, std::initializer_list<const at:
   if (!recording && !measuring) return out;
   const bool keepable = out.defined() && out.layout() == c10::kStrided && out.has_storage() && !out.requires_grad();
   if (measuring && keepable) {
-    const measured_product m{out.storage().data(), static_cast<std::int64_t>(out.storage().nbytes()), seconds};
+    const measured_product m{weak_storage_of(out), static_cast<std::int64_t>(out.storage().nbytes()), seconds};
     for (auto* f : frames)
       if (f->mode == draw_mode::measure) f->log->measured_products.push_back(m);
   }
@@ -160,7 +156,7 @@ at::Tensor product_through_frames(product_op op, std::initializer_list<const at:
     if (keepable) {
       p.output = out;
       p.version = static_cast<std::int64_t>(out._version());
-      p.source = out.storage().data();
+      p.source = weak_storage_of(out);
     }
     p.op = static_cast<std::uint8_t>(op);
     p.dtype = dtype;
@@ -201,12 +197,11 @@ inline at::Tensor mm_kernel(c10::DispatchKeySet keys, const at::Tensor& self, co
 inline at::Tensor unsafe_view_kernel(c10::DispatchKeySet keys, const at::Tensor& self, c10::SymIntArrayRef size) {
   auto out = at::_ops::_unsafe_view::redispatch(keys & c10::after_ADInplaceOrView_keyset, self, size);
   if (draw_frames().empty() || !self.has_storage() || self.is_inference()) return out;
-  const void* data = self.storage().data();
-  if (data == nullptr) return out;  // nothing allocated: nothing to tell apart
+  if (self.storage().data() == nullptr) return out;  // nothing allocated: nothing to tell apart
   for (auto* f : visible_frames(/*products=*/true)) {
     if (f->mode == draw_mode::record) {
       for (auto& p : f->log->products) {
-        if (!p.output.defined() || p.source != data || !self.is_alias_of(p.output)) continue;
+        if (!p.output.defined() || !self.is_alias_of(p.output)) continue;
         if (p.output._version() != p.version) {
           p.output = at::Tensor();  // written already: the copy would hold the write
           continue;
@@ -216,7 +211,7 @@ inline at::Tensor unsafe_view_kernel(c10::DispatchKeySet keys, const at::Tensor&
       }
     } else if (f->mode == draw_mode::measure) {
       for (auto& m : f->log->measured_products)
-        if (m.data == data) m.copied = true;
+        if (on_storage(self, m.storage)) m.copied = true;
     }
   }
   return out;
@@ -275,7 +270,7 @@ inline void drop_returned_products(draw_log& log, const std::vector<at::Tensor>&
   for (auto& p : log.products) {
     if (!p.output.defined()) continue;
     for (const auto& o : outputs)
-      if (o.defined() && o.has_storage() && (o.is_alias_of(p.output) || o.storage().data() == p.source)) {
+      if (o.defined() && o.has_storage() && (o.is_alias_of(p.output) || on_storage(o, p.source))) {
         p.output = at::Tensor();
         break;
       }
@@ -292,13 +287,12 @@ struct product_totals {
   double seconds = 0.0;
 };
 inline product_totals measured_product_totals(const draw_log& log, const at::Tensor& returned) {
-  const void* output = returned.defined() && returned.has_storage() ? returned.storage().data() : nullptr;
   product_totals t;
   for (const auto& m : log.measured_products) {
     t.bytes += m.bytes;
     t.seconds += m.seconds;
     if (m.copied) t.copied_bytes += m.bytes;
-    if (m.data != nullptr && m.data == output) t.returned_bytes += m.bytes;
+    if (on_storage(returned, m.storage)) t.returned_bytes += m.bytes;
   }
   return t;
 }
