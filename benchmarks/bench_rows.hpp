@@ -44,9 +44,12 @@ inline std::vector<std::pair<std::string, memscale::Config>> mode_rows(double ba
 /// off: their recomputes draw the Dropout masks again, as before 2026-11-26 (what
 /// replaying them buys, side by side); and Balanced and Balanced forced with
 /// Config::selective_recompute off: their checkpoints recompute the matrix
-/// products too, as before 2026-11-27 (what keeping them buys).
+/// products too, as before 2026-11-27 (what keeping them buys); and the same two
+/// with Config::pack_saved_masks off: the slots the plan leaves in place keep
+/// their Dropout masks as floats, as before 2026-11-27 (what keeping them as bits buys).
 inline const std::string drawn_again_suffix = ", masks drawn again";
 inline const std::string all_recomputed_suffix = ", products recomputed";
+inline const std::string masks_as_floats_suffix = ", masks as floats";
 inline std::vector<std::pair<std::string, memscale::Config>> mode_rows_and_variants(double balanced_budget_gb) {
   auto rows = mode_rows(balanced_budget_gb);
   const auto modes = rows;
@@ -59,6 +62,11 @@ inline std::vector<std::pair<std::string, memscale::Config>> mode_rows_and_varia
     if (name == "Balanced" || name == "Balanced forced") {
       cfg.selective_recompute = false;
       rows.emplace_back(name + all_recomputed_suffix, cfg);
+    }
+  for (auto [name, cfg] : modes)
+    if (name == "Balanced" || name == "Balanced forced") {
+      cfg.pack_saved_masks = false;
+      rows.emplace_back(name + masks_as_floats_suffix, cfg);
     }
   return rows;
 }

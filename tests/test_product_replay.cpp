@@ -229,17 +229,10 @@ TEST_CASE("the planner plans with and without kept products and says which it to
                                .enable_offloading = false,
                                .force_optimize = true,
                                .selective_recompute = allowed});
-    auto guard = memscale::optimize(seq, x, config);
     const auto at_start = served();
-    const auto optimized = test::step(*seq, loss);
-    const auto report = guard.report();
-    REQUIRE(report.checkpointed_segments() > 0);
-    CHECK(test::bit_equal(baseline.first, optimized.first));
-    CHECK(test::bit_equal(baseline.second, optimized.second));
-    const auto note = std::find_if(report.notes.begin(), report.notes.end(), [](const std::string& n) {
-      return n.rfind("selective recompute:", 0) == 0;
-    });
-    REQUIRE((note != report.notes.end()) == allowed);
+    const auto report = test::checked_guarded_step(seq, x, config, loss, baseline, [] {});
+    const auto* note = test::note_starting(report, "selective recompute:");
+    REQUIRE((note != nullptr) == allowed);
     const bool kept = allowed && note->find("keep their matrix products") != std::string::npos;
     CHECK((served() > at_start) == kept);
     // Each Linear's profile measured its product (its time and its output's bytes), where the flag allows it.
@@ -260,31 +253,17 @@ TEST_CASE("the planner keeps products per unit where that recomputes less at the
   // Six call-site units alike but for their products: units 0-2 spend half their
   // forward in products whose outputs are small (an MLP on a GPU), units 3-5
   // little in large ones. Runs of one unit each (call sites).
-  std::vector<memscale::slot_cost> chain(6);
-  for (int k = 0; k < 6; ++k) {
-    auto& s = chain[static_cast<std::size_t>(k)];
-    s.input_bytes = s.output_bytes = 4 * MiB;
-    s.saved_bytes = 40 * MiB;
-    s.saves_input = true;
-    s.forward_seconds = 0.010;
-    s.backward_seconds = 0.020;
+  const auto tune = [&](memscale::slot_cost& s, int k) {
     s.product_saved_seconds = k < 3 ? 0.005 : 0.001;
     s.product_kept_bytes = k < 3 ? 8 * MiB : 30 * MiB;
-  }
-  const std::vector<std::vector<memscale::slot_cost>> chains{chain};
-  engine_input in{memscale::OptimizationMode::Balanced, true, true, 0, 0};
-  in.segment_limit = {1};
-  in.fixed_target = project_model_peak(chains, {keep_all(6)}, 0) / 2;  // free half the growth
-  auto costs = chains;
-  auto plan = decide(costs, {true}, in);
-  const auto full = plan;
-  REQUIRE(full.planned_peak <= in.fixed_target);
-  const auto choice = choose_selective_recompute(costs, {true}, in, plan);
-  REQUIRE(choice.changed);
-  CHECK(choice.note.rfind("selective recompute: ", 0) == 0);
-  CHECK(plan.planned_peak <= in.fixed_target);
-  CHECK(plan.planned_peak == project_model_peak(costs, plan.units, 0));
-  CHECK(recompute_seconds(costs, plan.units) < recompute_seconds(chains, full.units));
+  };
+  const auto choose = [](auto& costs, const auto& supported, const auto& in, auto& plan) {
+    return choose_selective_recompute(costs, supported, in, plan);
+  };
+  const auto r = test::improve_six_units(40, tune, choose, "selective recompute: ");
+  const auto& costs = r.costs;
+  const auto& plan = r.after;
+  CHECK(recompute_seconds(costs, plan.units) < recompute_seconds(r.chains, r.before.units));
   // The cheap-product units keep theirs; the others do not (keeping 30 MiB for 1 ms never pays here).
   for (const auto& u : plan.units[0])
     for (int k = u.first; u.checkpointed && k <= u.last; ++k)

@@ -233,6 +233,73 @@ std::pair<torch::Tensor, std::vector<torch::Tensor>> step(torch::nn::Module& mod
   return {loss.detach().clone(), grads_of(model)};
 }
 
+/// One step of `seq` under a guard with `config` that checkpoints something,
+/// its loss and gradients `baseline`'s bit for bit; `during` runs with the guard
+/// alive, after the step. Returns the guard's Report.
+template <class Forward, class During>
+memscale::Report checked_guarded_step(torch::nn::Sequential& seq, const torch::Tensor& x, const memscale::Config& config,
+                                      Forward&& forward,
+                                      const std::pair<torch::Tensor, std::vector<torch::Tensor>>& baseline,
+                                      During&& during) {
+  auto guard = memscale::optimize(seq, x, config);
+  const auto optimized = step(*seq, forward);
+  auto report = guard.report();
+  REQUIRE(report.checkpointed_segments() > 0);
+  CHECK(bit_equal(baseline.first, optimized.first));
+  CHECK(bit_equal(baseline.second, optimized.second));
+  during();
+  return report;
+}
+
+/// A plan improved by one of the planner's second passes (choose_selective_recompute,
+/// choose_mask_packing) on six call-site units alike (one unit a run; 4 MiB in
+/// and out, `saved_mib` saved, 10 ms forward, 20 ms backward), each then changed
+/// by `tune(slot, k)`, at a target that frees half the growth. Checks that the
+/// pass changed the plan, said so (its note starts with `note`), and that the
+/// new plan reaches the target as projected on its costs.
+struct improved_plan {
+  std::vector<std::vector<memscale::slot_cost>> chains, costs;  ///< as made; as the pass left them
+  memscale::core::engine_input in;
+  memscale::core::engine_plan before, after;
+};
+template <class Tune, class Choose>
+improved_plan improve_six_units(std::int64_t saved_mib, Tune&& tune, Choose&& choose, const std::string& note) {
+  using namespace memscale::core;
+  const std::int64_t MiB = 1 << 20;
+  improved_plan r;
+  std::vector<memscale::slot_cost> chain(6);
+  for (int k = 0; k < 6; ++k) {
+    auto& s = chain[static_cast<std::size_t>(k)];
+    s.input_bytes = s.output_bytes = 4 * MiB;
+    s.saved_bytes = saved_mib * MiB;
+    s.saves_input = true;
+    s.forward_seconds = 0.010;
+    s.backward_seconds = 0.020;
+    tune(s, k);
+  }
+  r.chains = {chain};
+  r.in = engine_input{memscale::OptimizationMode::Balanced, true, true, 0, 0};
+  r.in.segment_limit = {1};
+  r.in.fixed_target = project_model_peak(r.chains, {keep_all(6)}, 0) / 2;
+  r.costs = r.chains;
+  r.before = decide(r.costs, {true}, r.in);
+  REQUIRE(r.before.planned_peak <= r.in.fixed_target);
+  r.after = r.before;
+  const auto choice = choose(r.costs, std::vector<bool>{true}, r.in, r.after);
+  REQUIRE(choice.changed);
+  CHECK(choice.note.rfind(note, 0) == 0);
+  CHECK(r.after.planned_peak <= r.in.fixed_target);
+  CHECK(r.after.planned_peak == project_model_peak(r.costs, r.after.units, 0));
+  return r;
+}
+
+/// The Report's note that starts with `prefix` (nullptr: none).
+inline const std::string* note_starting(const memscale::Report& report, const std::string& prefix) {
+  for (const auto& n : report.notes)
+    if (n.rfind(prefix, 0) == 0) return &n;
+  return nullptr;
+}
+
 /// One training step measured by the tracker: the loss mean(model(x)^2) and its
 /// gradients after one warm-up step, without memscale or under
 /// optimize(model, x, config); with a guard, its report and offload statistics.

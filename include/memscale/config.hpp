@@ -99,6 +99,12 @@ struct Config {
   /// with and without it and takes it where it reaches the target with less
   /// recompute (detail/product_replay.hpp). false: checkpoints recompute everything.
   bool selective_recompute = true;
+  /// Units the plan leaves in place keep their saved masks (a Dropout's scaled
+  /// noise on CPU: every element +0 or one value) a bit an element, written back
+  /// exactly in backward (techniques/mask_packing.hpp). The planner plans with
+  /// and without it and takes it where the plan gets better at the same target.
+  /// false: saved masks stay as they are.
+  bool pack_saved_masks = true;
   bool use_static_profiling = true;
   bool use_empirical_fallback = true;
   int warmup_steps = 2;  ///< instrumented passes per layer when profiling empirically

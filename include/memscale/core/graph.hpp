@@ -49,6 +49,15 @@ struct slot_cost {
   /// A checkpoint holding it keeps its products (the plan chose selective
   /// recompute): recompute_seconds() and run_replay_kept_bytes() count them.
   bool keeps_products = false;
+  /// Its saved masks (a Dropout's scaled noise: every element +0 or one value;
+  /// techniques/mask_packing.hpp): the bytes keeping them as bits frees where
+  /// the plan leaves it in place, and what finding and packing them took once
+  /// (writing them back in backward takes about as long again).
+  std::int64_t mask_bytes = 0;
+  double mask_seconds = 0.0;
+  /// Left in place, it keeps its masks as bits (the plan chose it): its
+  /// saved_bytes are then already less its mask_bytes.
+  bool packs_masks = false;
   /// Leading input dimensions along which the slot treats rows independently
   /// (core/tile_rules.hpp): it may run over chunks of any of them. 0: it mixes
   /// rows (attention, BatchNorm in training), so it is never tiled.

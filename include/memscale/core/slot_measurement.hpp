@@ -31,6 +31,7 @@
 #include <memscale/device/memory_tracker.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/offload/hooks.hpp>
+#include <memscale/techniques/mask_packing.hpp>
 
 namespace memscale::detail {
 
@@ -88,43 +89,6 @@ struct measured_slot {
   byte_source bytes = byte_source::allocations;
 };
 
-/// The storages autograd saves while it is open (on this thread), through
-/// memscale's saved-tensor hooks; the tensors themselves are saved as usual.
-class saved_storage_log {
- public:
-  struct entry {
-    const void* storage;
-    std::int64_t bytes;
-  };
-
-  [[nodiscard]] std::vector<entry> entries() const {
-    std::lock_guard<std::mutex> lock(record_->mutex);
-    return record_->entries;
-  }
-
- private:
-  struct record {
-    std::mutex mutex;
-    std::vector<entry> entries;
-  };
-  struct pack {
-    std::shared_ptr<record> log;
-    at::Tensor operator()(const at::Tensor& t) const {
-      if (t.defined() && t.has_storage()) {
-        std::lock_guard<std::mutex> lock(log->mutex);
-        log->entries.push_back({t.storage().unsafeGetStorageImpl(), static_cast<std::int64_t>(t.storage().nbytes())});
-      }
-      return t;
-    }
-  };
-  struct unpack {
-    at::Tensor operator()(at::Tensor& t) const { return t; }
-  };
-
-  std::shared_ptr<record> record_ = std::make_shared<record>();
-  offload::saved_tensors_hooks<pack, unpack> hooks_{pack{record_}, unpack{}};
-};
-
 inline const void* storage_of(const torch::Tensor& t) {
   return t.defined() && t.has_storage() ? static_cast<const void*>(t.storage().unsafeGetStorageImpl()) : nullptr;
 }
@@ -134,8 +98,11 @@ inline const void* storage_of(const torch::Tensor& t) {
 /// reports the input's copy; else what `byte_source` says.
 /// `products`: also measure its matrix products (what keeping them for a
 /// selective recompute saves and keeps; Config::selective_recompute).
+/// `masks`: also find its saved masks (what keeping them as bits frees;
+/// Config::pack_saved_masks), where its bytes come from allocations.
 inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tensor& input, int passes,
-                                  const memory_tracker::reporting_scope* reporting = nullptr, bool products = true) {
+                                  const memory_tracker::reporting_scope* reporting = nullptr, bool products = true,
+                                  bool masks = false) {
   measured_slot result;
   const auto device = input.device();
   double fastest_forward = 1e300, fastest_backward = 1e300;
@@ -167,10 +134,10 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
     torch::Tensor y;
     std::int64_t copied_bytes = 0;  // products a recording forward would copy (product_replay.hpp)
     std::int64_t live_before = 0, live_after = 0, peak = 0;
-    std::vector<saved_storage_log::entry> saved;
+    std::vector<offload::saved_storage_log::entry> saved;
     {
       std::optional<memory_tracker::peak_scope> scope;
-      std::optional<saved_storage_log> log;
+      std::optional<offload::saved_storage_log> log;
       if (by_allocations) {
         scope.emplace(device);
         live_before = memory_tracker::current_bytes(device);
@@ -185,7 +152,14 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       std::optional<draw_span> timed_draws(std::in_place, draws, draw_mode::measure);
       std::optional<product_span> timed_products;
       if (products) timed_products.emplace(draws, draw_mode::measure);
+      std::optional<mask_census> census;
+      if (masks && by_allocations && offload::hooks_engine_active() && !computing_nothing()) census.emplace();
       auto out = slot.any_forward(x);
+      if (census) {
+        cost.mask_bytes = census->freed_bytes();
+        cost.mask_seconds = census->seconds();
+        census.reset();
+      }
       timed_products.reset();
       timed_draws.reset();
       auto* tensor = out.try_get<torch::Tensor>();
@@ -195,7 +169,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       }
       y = *tensor;
       synchronize(device);
-      cost.forward_seconds = std::max(0.0, profile_clock_scope::now() - start - draws.replay_seconds);
+      cost.forward_seconds = std::max(0.0, profile_clock_scope::now() - start - draws.replay_seconds - cost.mask_seconds);
       cost.replay_saved_seconds = std::max(0.0, draws.draw_seconds - draws.replay_seconds);
       cost.replay_kept_bytes = draws.kept_bytes;
       const auto kept = measured_product_totals(draws, y);
@@ -227,6 +201,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       cost.workspace_bytes = std::max<std::int64_t>(0, peak - live_after);
       const auto kept = live_after - live_before;
       cost.saved_bytes = std::max<std::int64_t>(0, kept - (cost.output_is_view ? 0 : cost.output_bytes));
+      cost.mask_bytes = std::min(cost.mask_bytes, cost.saved_bytes);
     } else if (source == byte_source::saved_tensors) {
       // New storages autograd keeps, beyond the input, the output and the slot's own tensors.
       std::unordered_set<const void*> counted{storage_of(x), storage_of(y)};
@@ -350,6 +325,8 @@ struct static_slot_times {
   double product_saved_seconds = 0.0;
   std::int64_t product_kept_bytes = 0;
   std::int64_t returned_product_bytes = 0;
+  std::int64_t mask_bytes = 0;
+  double mask_seconds = 0.0;
   bool mutates_input = false;
   std::int64_t rows = 0;  ///< the first extent it ran at
 };
@@ -368,7 +345,7 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
                                                          const layer_estimate& full, const compute_rates& rates,
                                                          int passes,
                                                          const memory_tracker::reporting_scope* reporting,
-                                                         bool products = true) {
+                                                         bool products = true, bool masks = false) {
   constexpr std::int64_t small_input_bytes = std::int64_t{1} << 20;
   constexpr std::int64_t large_part_bytes = std::int64_t{32} << 20;
   layer_input part = in;
@@ -396,7 +373,7 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
       x = synthetic_input(part, device);
     else
       x = part.shape.empty() || part.shape[0] == in.shape[0] ? input : input.narrow(0, 0, part.shape[0]);
-    auto timed = measure_slot(slot, x, passes, reporting, products);
+    auto timed = measure_slot(slot, x, passes, reporting, products, masks);
     if (!timed.tensor_output || timed.output.sizes().vec() != expected_shape) return std::nullopt;
     // Masks have as many elements as the activations: they scale with the input's bytes.
     const double bytes_scale = static_cast<double>(in.bytes()) / static_cast<double>(std::max<std::int64_t>(1, part.bytes()));
@@ -407,6 +384,8 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
                              timed.cost.product_saved_seconds * forward_scale,
                              static_cast<std::int64_t>(static_cast<double>(timed.cost.product_kept_bytes) * bytes_scale),
                              static_cast<std::int64_t>(static_cast<double>(timed.cost.returned_product_bytes) * bytes_scale),
+                             static_cast<std::int64_t>(static_cast<double>(timed.cost.mask_bytes) * bytes_scale),
+                             timed.cost.mask_seconds * forward_scale,
                              timed.cost.mutates_input,
                              part.shape.empty() ? 0 : part.shape[0]};
   } catch (const std::exception&) {

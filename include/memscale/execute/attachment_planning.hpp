@@ -22,6 +22,7 @@
 
 #include <memscale/config.hpp>
 #include <memscale/core/decision_engine.hpp>
+#include <memscale/core/decision_masks.hpp>
 #include <memscale/core/graph.hpp>
 #include <memscale/core/memory_model.hpp>
 #include <memscale/core/plan.hpp>
@@ -234,6 +235,11 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
     selective = choose_selective_recompute(costs, supported, in, decided);
     if (!selective.note.empty()) out.notes.push_back(selective.note);
   }
+  mask_choice masks;
+  if (config_.pack_saved_masks) {
+    masks = choose_mask_packing(costs, supported, in, decided);
+    if (!masks.note.empty()) out.notes.push_back(masks.note);
+  }
   if (agree_) {  // data parallel: every rank applies rank 0's plan; say where this rank's own differed
     const auto own = decided.units;
     decided = agree_(profiles, std::move(decided));
@@ -255,13 +261,30 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
           for (auto& s : chain) s.keeps_products = false;
         out.notes.push_back("selective recompute: off on this rank, whose own plan it was chosen for");
       }
+      // Masks are kept as bits only where rank 0's plan leaves the slot in place.
+      if (masks.changed) {
+        const auto in_place = detail_masks::left_in_place(costs, decided);
+        for (std::size_t c = 0; c < costs.size(); ++c)
+          for (std::size_t k = 0; k < costs[c].size(); ++k) {
+            auto& s = costs[c][k];
+            if (!s.packs_masks || in_place[c][k]) continue;
+            s.packs_masks = false;
+            s.saved_bytes += s.mask_bytes;
+          }
+      }
     }
   }
-  for (std::size_t i = 0; selective.changed && i < which.size() && i < costs.size(); ++i) {
-    profiles[i].slots = costs[i];
+  // Each chain planned now takes this plan's choices (none where neither was taken).
+  for (std::size_t i = 0; i < which.size() && i < costs.size(); ++i) {
+    if (selective.changed || masks.changed) profiles[i].slots = costs[i];
     auto& keeps = chains_[which[i]].keeps_products;
+    auto& packs = chains_[which[i]].packs_masks;
     keeps.clear();
-    for (const auto& s : costs[i]) keeps.push_back(s.keeps_products);
+    packs.clear();
+    for (const auto& s : costs[i]) {
+      keeps.push_back(s.keeps_products);
+      packs.push_back(s.packs_masks);
+    }
   }
 
   // Merge into the report: chains planned earlier stay; indices shift.

@@ -148,6 +148,7 @@ inline void to_json(nlohmann::json& j, const Config& c) {
        {"force_optimize", c.force_optimize},
        {"replay_random_draws", c.replay_random_draws},
        {"selective_recompute", c.selective_recompute},
+       {"pack_saved_masks", c.pack_saved_masks},
        {"use_static_profiling", c.use_static_profiling},
        {"use_empirical_fallback", c.use_empirical_fallback},
        {"warmup_steps", c.warmup_steps},
@@ -191,6 +192,7 @@ inline void from_json(const nlohmann::json& j, Config& c) {
   field("force_optimize", c.force_optimize);
   field("replay_random_draws", c.replay_random_draws);
   field("selective_recompute", c.selective_recompute);
+  field("pack_saved_masks", c.pack_saved_masks);
   field("use_static_profiling", c.use_static_profiling);
   field("use_empirical_fallback", c.use_empirical_fallback);
   field("warmup_steps", c.warmup_steps);

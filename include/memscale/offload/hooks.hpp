@@ -274,4 +274,43 @@ class saved_tensors_hooks {
 template <class Pack, class Unpack>
 saved_tensors_hooks(Pack, Unpack) -> saved_tensors_hooks<Pack, Unpack>;
 
+/// The storages autograd saves while it is open (on this thread), through
+/// memscale's saved-tensor hooks; the tensors themselves are saved as usual.
+class saved_storage_log {
+ public:
+  struct entry {
+    const void* storage;
+    std::int64_t bytes;
+  };
+
+  [[nodiscard]] std::vector<entry> entries() const {
+    std::lock_guard<std::mutex> lock(record_->mutex);
+    return record_->entries;
+  }
+
+ private:
+  struct record {
+    std::mutex mutex;
+    std::vector<entry> entries;
+  };
+  struct pack {
+    std::shared_ptr<record> log;
+    at::Tensor operator()(const at::Tensor& t) const {
+      if (t.defined() && t.has_storage()) {
+        std::lock_guard<std::mutex> lock(log->mutex);
+        log->entries.push_back({t.storage().unsafeGetStorageImpl(), static_cast<std::int64_t>(t.storage().nbytes())});
+      }
+      // Without its history: a saved output's grad_fn owns this hook (a cycle
+      // that would keep the graph alive; offload::engine::store says the same).
+      return t.detach();
+    }
+  };
+  struct unpack {
+    at::Tensor operator()(at::Tensor& t) const { return t; }
+  };
+
+  std::shared_ptr<record> record_ = std::make_shared<record>();
+  offload::saved_tensors_hooks<pack, unpack> hooks_{pack{record_}, unpack{}};
+};
+
 }  // namespace memscale::offload

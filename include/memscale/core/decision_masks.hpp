@@ -1,0 +1,161 @@
+// memscale — masks kept as bits in the plan (Config::pack_saved_masks): the
+// units a plan leaves in place may keep their saved masks (a Dropout's scaled
+// noise) a bit an element (techniques/mask_packing.hpp). That frees the masks'
+// bytes at about a pass over them each way, where checkpointing a unit frees
+// everything it keeps for its whole recompute. So the decision engine plans
+// again on costs whose saved bytes are less their masks, at the target the plan
+// was made for: it may then checkpoint fewer units, or cheaper ones, or none.
+// The plan is kept where it gets better at that target (better_at_target),
+// counting the packing's time beside the recompute. The slots left in place
+// carry slot_cost::packs_masks (and their saved bytes less their masks), so
+// every projection and the Report count it; checkpointed and offloaded slots
+// keep their masks as they are (their recompute and their transfer see them so).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <iomanip>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <memscale/core/decision_engine.hpp>
+#include <memscale/core/decision_selective.hpp>
+#include <memscale/core/memory_model.hpp>
+
+namespace memscale::core {
+
+namespace detail_masks {
+
+/// Per chain, per slot: whether the plan leaves it in place (in no checkpointed or offloaded unit).
+inline std::vector<std::vector<bool>> left_in_place(const std::vector<std::vector<slot_cost>>& costs,
+                                                    const engine_plan& plan) {
+  std::vector<std::vector<bool>> kept;
+  for (std::size_t c = 0; c < costs.size(); ++c) {
+    kept.emplace_back(costs[c].size(), true);
+    if (c >= plan.units.size()) continue;
+    for (const auto& u : plan.units[c])
+      if (u.checkpointed || u.offloaded)
+        for (int k = u.first; k <= u.last && k < static_cast<int>(costs[c].size()); ++k)
+          kept[c][static_cast<std::size_t>(k)] = false;
+  }
+  return kept;
+}
+
+/// `plain` with every slot's masks kept as bits where `in_place` says (all slots where it is empty).
+inline std::vector<std::vector<slot_cost>> packed_costs(const std::vector<std::vector<slot_cost>>& plain,
+                                                        const std::vector<std::vector<bool>>& in_place = {}) {
+  auto costs = plain;
+  for (std::size_t c = 0; c < costs.size(); ++c)
+    for (std::size_t k = 0; k < costs[c].size(); ++k) {
+      auto& s = costs[c][k];
+      const bool here = in_place.empty() || in_place[c][k];
+      if (!here || s.mask_bytes <= 0) continue;
+      s.saved_bytes -= std::min(s.mask_bytes, s.saved_bytes);
+      s.packs_masks = true;
+    }
+  return costs;
+}
+
+/// Packing and writing back the masks of the slots that keep them as bits.
+inline double packing_seconds(const std::vector<std::vector<slot_cost>>& costs) {
+  double seconds = 0.0;
+  for (const auto& chain : costs)
+    for (const auto& s : chain)
+      if (s.packs_masks) seconds += 2.0 * s.mask_seconds;
+  return seconds;
+}
+
+}  // namespace detail_masks
+
+/// What choose_mask_packing chose, for the Report.
+struct mask_choice {
+  bool changed = false;  ///< the slots left in place keep their masks as bits
+  std::string note;
+};
+
+/// Plans `costs` again with the masks of the slots left in place kept as bits
+/// (the file comment says how) at `decided`'s target; where that is better,
+/// `costs` and `decided` become it. Not tried where the plan applies nothing
+/// (nothing presses: the model is left alone) or no slot saves a mask.
+inline mask_choice choose_mask_packing(std::vector<std::vector<slot_cost>>& costs, const std::vector<bool>& supported,
+                                       const engine_input& in, engine_plan& decided) {
+  mask_choice choice;
+  std::int64_t masks = 0;
+  for (const auto& chain : costs)
+    for (const auto& s : chain) masks += s.mask_bytes;
+  if (masks <= 0 || !detail_levels::acts(decided)) return choice;
+  auto fixed = in;
+  fixed.fixed_target = decided.target_bytes;
+  const auto target = decided.target_bytes;
+  const double plain_seconds = detail_levels::extra_seconds(costs, decided, in.offload_bytes_per_second);
+
+  // The engine plans on costs whose masks are all bits; only the slots its plan
+  // leaves in place keep them so (a checkpoint's recompute and an offload's
+  // transfer see them as they are), which can lift the projection: planned
+  // again on those costs, up to three times, the best plan at the target stands.
+  detail_selective::candidate trial;
+  std::vector<std::vector<slot_cost>> chosen;
+  double trial_seconds = 0.0;
+  auto planning = detail_masks::packed_costs(costs);
+  for (int round = 0; round < 3; ++round) {
+    auto k = detail_selective::plan_with(std::move(planning), supported, fixed);
+    auto honest = detail_masks::packed_costs(costs, detail_masks::left_in_place(costs, k.plan));
+    for (std::size_t c = 0; c < honest.size(); ++c)
+      for (std::size_t j = 0; j < honest[c].size(); ++j) honest[c][j].keeps_products = k.costs[c][j].keeps_products;
+    k.plan.planned_peak = project_model_peak(honest, k.plan.units, in.static_bytes);
+    const double seconds = detail_levels::extra_seconds(honest, k.plan, in.offload_bytes_per_second) +
+                           detail_masks::packing_seconds(honest);
+    const bool first = round == 0;
+    if (first || detail_levels::better_at_target(trial.plan, trial_seconds, k.plan, seconds, target)) {
+      trial = std::move(k);
+      chosen = honest;
+      trial_seconds = seconds;
+    }
+    if (trial.plan.planned_peak <= target) break;
+    planning = std::move(honest);
+  }
+  std::int64_t packed = 0;
+  int slots = 0;
+  for (const auto& chain : chosen)
+    for (const auto& s : chain)
+      if (s.packs_masks) {
+        packed += s.mask_bytes;
+        ++slots;
+      }
+  const bool reaches = trial.plan.planned_peak <= target;
+  const auto groups = detail_selective::group_runs(trial.plan, in).size();
+  const auto plain_groups = detail_selective::group_runs(decided, in).size();
+  const bool take = slots > 0 && (detail_levels::acts(trial.plan) || reaches) &&
+                    detail_levels::better_at_target(decided, plain_seconds, trial.plan, trial_seconds, target);
+  std::ostringstream note;
+  note << std::fixed << std::setprecision(1) << "masks kept as bits: ";
+  if (take) {
+    note << slots << " slot(s) left in place keep their saved masks a bit an element (" << detail::format_bytes(packed)
+         << " less a step): projected peak " << detail::format_bytes(trial.plan.planned_peak) << ", "
+         << (trial_seconds - detail_masks::packing_seconds(chosen)) * 1e3 << " ms of recompute and transfer and "
+         << detail_masks::packing_seconds(chosen) * 1e3 << " ms of packing per step ("
+         << count_units(trial.plan.units, &unit::checkpointed) << " checkpointed unit(s)), against " << detail::format_bytes(decided.planned_peak) << ", "
+         << plain_seconds * 1e3 << " ms (" << count_units(decided.units, &unit::checkpointed) << ") keeping them as they are";
+    if (groups != plain_groups)
+      note << "; outer calls checkpointed whole: " << groups << ", against " << plain_groups
+           << " (the call-site note above is the plan without it)";
+  } else {
+    note << "not taken: the plan that packs the masks of what it leaves in place was no better at this target ("
+         << detail::format_bytes(trial.plan.planned_peak) << ", " << trial_seconds * 1e3 << " ms against "
+         << detail::format_bytes(decided.planned_peak) << ", " << plain_seconds * 1e3 << " ms)";
+  }
+  note << "; target " << detail::format_bytes(target) << " (Config::pack_saved_masks)";
+  choice.note = note.str();
+  if (!take) return choice;
+  trial.plan.baseline_peak = decided.baseline_peak;  // the model as it is, masks and all
+  trial.plan.pressure = decided.pressure;
+  costs = std::move(chosen);
+  decided = std::move(trial.plan);
+  choice.changed = true;
+  return choice;
+}
+
+}  // namespace memscale::core
