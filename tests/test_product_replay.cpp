@@ -133,7 +133,10 @@ TEST_CASE("a kept product is served when the checkpoint's output takes the addre
   const auto before = served();
   const auto got = m.step([&] { return checkpointed(fn, m.x, m.params, true).pow(2).sum(); });
   INFO("the output took the freed product's address: " << reused);
-  CHECK(reused == 1);  // else this case tests nothing
+  if (test::under_address_sanitizer)  // its quarantine hands a freed address out again only much later
+    WARN("AddressSanitizer does not reuse the freed address at once: this case checks only the serving here");
+  else
+    CHECK(reused == 1);  // else this case tests nothing
   CHECK(served() - before == 1);
   CHECK(test::bit_equal(plain.first, got.first));
   CHECK(test::bit_equal(plain.second, got.second));
