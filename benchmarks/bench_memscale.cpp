@@ -96,12 +96,7 @@ using namespace bench;
 // --- workloads ----------------------------------------------------------------------
 
 Workload bench_gpt(int steps) {
-  gpt::Options o;
-  o.context = 128;
-  o.d_model = 192;
-  o.heads = 4;
-  o.layers = 6;
-  o.dropout = 0.1;
+  const auto o = gpt::benchmark_options();
   const std::int64_t batch = 16;
   const auto text = gpt::encode(gpt::training_text());
   std::mt19937_64 rng(7);

@@ -34,6 +34,18 @@ struct Options {
   bool halves_as_units = true;
 };
 
+/// The GPT memscale's benchmark trains (benchmarks/bench_memscale.cpp, and the
+/// studies beside it), at batch 16: wider and deeper than the example's default.
+inline Options benchmark_options() {
+  Options o;
+  o.context = 128;
+  o.d_model = 192;
+  o.heads = 4;
+  o.layers = 6;
+  o.dropout = 0.1;
+  return o;
+}
+
 /// The MLP half of a pre-norm block: x + dropout(fc_out(gelu(fc(ln(x))))). Each
 /// position is computed on its own, so memscale may tile it along batch and
 /// sequence (register_memscale_rule says so when it draws no dropout masks).

@@ -112,16 +112,6 @@ struct unpack_masks {
   }
 };
 
-gpt::Options bench_options() {
-  gpt::Options o;
-  o.context = 128;
-  o.d_model = 192;
-  o.heads = 4;
-  o.layers = 6;
-  o.dropout = 0.1;
-  return o;
-}
-
 template <class F>
 double median_ms(F&& f, int reps) {
   std::vector<double> t;
@@ -139,7 +129,7 @@ double median_ms(F&& f, int reps) {
 int main(int argc, char** argv) {
   const int steps = argc > 1 ? std::atoi(argv[1]) : 10;
   memscale::memory_tracker::install();
-  const auto o = bench_options();
+  const auto o = gpt::benchmark_options();
   const std::int64_t batch = 16;
   const auto text = gpt::encode(gpt::training_text());
   std::mt19937_64 rng(7);

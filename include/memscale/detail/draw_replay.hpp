@@ -67,7 +67,6 @@ struct recorded_draw {
   at::Tensor state_after;                         ///< its state after the draw
 };
 
-/// One matrix product's output as a forward computed it (detail/product_replay.hpp).
 /// A storage not kept alive. Compare through on_storage, never by address: a
 /// freed storage's address is handed out again (a checkpoint's output took the
 /// address of a product freed in its forward, and lost a kept product for it).
@@ -85,6 +84,7 @@ inline bool on_storage(const at::Tensor& t, const weak_storage& w) {
   return alive && alive.get() == t.storage().unsafeGetStorageImpl();
 }
 
+/// One matrix product's output as a forward computed it (detail/product_replay.hpp).
 struct kept_product {
   at::Tensor output;                ///< undefined once served, or where it was not kept
   std::int64_t version = 0;         ///< the output's version then: a later in-place write bars serving it

@@ -83,8 +83,8 @@ inline bool same_operands(const kept_product& p, std::initializer_list<const at:
   if (p.layout != operand_layout(operands) || p.storages.size() != operands.size()) return false;
   std::size_t k = 0;
   for (const auto* t : operands) {
-    if (p.storages[k].lock() && !on_storage(*t, p.storages[k])) return false;
-    ++k;
+    const auto& then = p.storages[k++];
+    if (!then.expired() && !on_storage(*t, then)) return false;
   }
   return true;
 }
