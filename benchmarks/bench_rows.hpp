@@ -45,11 +45,15 @@ inline std::vector<std::pair<std::string, memscale::Config>> mode_rows(double ba
 /// replaying them buys, side by side); and Balanced and Balanced forced with
 /// Config::selective_recompute off: their checkpoints recompute the matrix
 /// products too, as before 2026-11-27 (what keeping them buys); and the same two
-/// with Config::pack_saved_masks off: the slots the plan leaves in place keep
-/// their Dropout masks as floats, as before 2026-11-27 (what keeping them as bits buys).
+/// with Config::pack_saved_masks and Config::recompute_saved_outputs off: the
+/// slots the plan leaves in place keep their saved tensors as they are, as before
+/// 2026-11-27 (what compacting them buys); and Balanced forced with only
+/// recompute_saved_outputs off: masks as bits, outputs kept (what computing
+/// them again buys, as of 2026-11-27).
 inline const std::string drawn_again_suffix = ", masks drawn again";
 inline const std::string all_recomputed_suffix = ", products recomputed";
-inline const std::string masks_as_floats_suffix = ", masks as floats";
+inline const std::string saved_as_is_suffix = ", saved as they are";
+inline const std::string outputs_kept_suffix = ", outputs kept";
 inline std::vector<std::pair<std::string, memscale::Config>> mode_rows_and_variants(double balanced_budget_gb) {
   auto rows = mode_rows(balanced_budget_gb);
   const auto modes = rows;
@@ -66,7 +70,13 @@ inline std::vector<std::pair<std::string, memscale::Config>> mode_rows_and_varia
   for (auto [name, cfg] : modes)
     if (name == "Balanced" || name == "Balanced forced") {
       cfg.pack_saved_masks = false;
-      rows.emplace_back(name + masks_as_floats_suffix, cfg);
+      cfg.recompute_saved_outputs = false;
+      rows.emplace_back(name + saved_as_is_suffix, cfg);
+    }
+  for (auto [name, cfg] : modes)
+    if (name == "Balanced forced") {
+      cfg.recompute_saved_outputs = false;
+      rows.emplace_back(name + outputs_kept_suffix, cfg);
     }
   return rows;
 }

@@ -1,13 +1,17 @@
-// Masks kept as bits (techniques/mask_packing.hpp, core/decision_masks.hpp): a
-// saved tensor whose elements are all +0 or one value is stored a bit an
-// element and written back bit for bit; anything else is stored as it is; a
-// step under it gives the plain step's gradients bit for bit and holds less;
-// the planner takes it where the plan gets better at its target, and the guard
+// Saved tensors kept compact (techniques/mask_packing.hpp, saved_compaction.hpp,
+// detail/output_recipes.hpp, core/decision_masks.hpp): a saved tensor whose
+// elements are all +0 or one value is stored a bit an element and written back
+// bit for bit; an output whose inputs are saved anyway is computed again in
+// backward; anything else is stored as it is; a step under it gives the plain
+// step's gradients bit for bit and holds less by exactly those bytes; the
+// planner takes it where the plan gets better at its target, and the guard
 // applies it to the slots it leaves in place and removes it with the rest.
 #include "test_support.hpp"
 
 #include <memscale/core/decision_masks.hpp>
-#include <memscale/techniques/mask_packing.hpp>
+#include <memscale/techniques/saved_compaction.hpp>
+
+#include "gpt.hpp"
 
 namespace {
 
@@ -72,8 +76,8 @@ TEST_CASE("a step with its masks kept as bits gives the plain step's gradients a
     const auto count = packed();
     torch::Tensor loss;
     {
-      std::optional<memscale::detail::mask_packing_scope> scope;
-      if (packing) scope.emplace();
+      std::optional<memscale::detail::saved_compaction_scope> scope;
+      if (packing) scope.emplace(memscale::saved_compaction{.masks = true});
       loss = model->forward(x).pow(2).mean();
     }
     held[packing ? 1 : 0] = memscale::memory_tracker::current_bytes() - before;
@@ -87,18 +91,85 @@ TEST_CASE("a step with its masks kept as bits gives the plain step's gradients a
   CHECK(held[0] - held[1] == masks - masks / 32);
 }
 
+TEST_CASE("outputs whose inputs are saved anyway are computed again in backward, bit for bit", "[masks][memory]") {
+  memscale::memory_tracker::install();
+  gpt::Options o;
+  o.context = 64;
+  o.d_model = 64;
+  o.heads = 4;
+  o.halves_as_units = false;
+  torch::manual_seed(6);
+  gpt::MLP mlp(o);
+  gpt::Attention attention(o);
+  const std::int64_t B = 8, T = 64, C = 64;
+  const auto x = torch::randn({B, T, C});
+  for (const bool is_mlp : {true, false}) {
+    auto half = is_mlp ? torch::nn::AnyModule(mlp) : torch::nn::AnyModule(attention);
+    // Nothing compacted; outputs computed again; and masks as bits too (the
+    // Dropout product then multiplies by the bits: multiply_by_bits).
+    std::int64_t held[3] = {0, 0, 0}, recipes[3] = {0, 0, 0};
+    std::vector<torch::Tensor> grads[3];
+    for (const int run : {0, 1, 2}) {
+      const bool outputs = run > 0;
+      half.ptr()->zero_grad();
+      torch::manual_seed(9);
+      auto input = x.clone().requires_grad_(true);
+      const auto before = memscale::memory_tracker::current_bytes();
+      const auto count = memscale::detail::recipe_count().load();
+      torch::Tensor loss;
+      {
+        std::optional<memscale::detail::saved_compaction_scope> scope;
+        if (outputs) scope.emplace(memscale::saved_compaction{.masks = run == 2, .outputs = true});
+        loss = half.forward(input).pow(2).mean();
+      }
+      held[run] = memscale::memory_tracker::current_bytes() - before;
+      recipes[run] = memscale::detail::recipe_count().load() - count;
+      loss.backward();
+      grads[run].push_back(input.grad());
+      for (const auto& p : half.ptr()->parameters()) grads[run].push_back(p.grad().clone());
+    }
+    INFO((is_mlp ? "MLP" : "attention"));
+    CHECK(test::bit_equal(grads[0], grads[1]));
+    CHECK(test::bit_equal(grads[0], grads[2]));
+    CHECK(recipes[2] == 2);
+    CHECK(held[2] < held[1]);
+    // The MLP: its LayerNorm's output and its GELU's; attention: its LayerNorm's
+    // output and its attention Dropout's product (softmax's output times the noise).
+    CHECK(recipes[0] == 0);
+    CHECK(recipes[1] == 2);
+    const std::int64_t freed = (B * T * C + (is_mlp ? B * T * 4 * C : B * o.heads * T * T)) * 4;
+    CHECK(held[0] - held[1] == freed);
+  }
+}
+
+TEST_CASE("an input written in place after the forward fails the recompute with an error saying so", "[masks]") {
+  torch::manual_seed(2);
+  torch::nn::Linear fc(64, 256), out(256, 64);
+  const auto x = torch::randn({8, 64, 64});
+  torch::Tensor loss;
+  {
+    memscale::detail::saved_compaction_scope scope(memscale::saved_compaction{.outputs = true});
+    auto h = fc(x);
+    auto g = torch::gelu(h);  // saved by `out` as a recipe on h, which GELU saves
+    loss = out(g).sum();
+    torch::NoGradGuard no_grad;
+    h.add_(1.0);
+  }
+  CHECK_THROWS_WITH(loss.backward(), Catch::Contains("written in place after the forward"));
+}
+
 TEST_CASE("the planner keeps masks as bits where the plan gets better at its target", "[engine][masks]") {
   using namespace memscale::core;
   const std::int64_t MiB = 1 << 20;
   // Six call-site units alike, a third of each one's saved bytes masks.
   const auto tune = [&](memscale::slot_cost& s, int) {
-    s.mask_bytes = 12 * MiB;
-    s.mask_seconds = 0.0002;
+    s.compact_bytes = 12 * MiB;
+    s.compact_seconds = 0.0002;
   };
   const auto choose = [](auto& costs, const auto& supported, const auto& in, auto& plan) {
-    return choose_mask_packing(costs, supported, in, plan);
+    return choose_saved_compaction(costs, supported, in, plan);
   };
-  auto r = test::improve_six_units(36, tune, choose, "masks kept as bits: ");
+  auto r = test::improve_six_units(36, tune, choose, "saved tensors kept compact: ");
   const auto& costs = r.costs;
   const auto& plan = r.after;
   CHECK(plan.baseline_peak == r.before.baseline_peak);  // the model as it is
@@ -106,14 +177,14 @@ TEST_CASE("the planner keeps masks as bits where the plan gets better at its tar
   // Only the slots left in place keep theirs as bits, their saved bytes less them.
   const auto in_place = detail_masks::left_in_place(costs, plan);
   for (std::size_t k = 0; k < 6; ++k) {
-    CHECK(costs[0][k].packs_masks == in_place[0][k]);
+    CHECK(costs[0][k].compacts_saved == in_place[0][k]);
     CHECK(costs[0][k].saved_bytes == (in_place[0][k] ? 24 : 36) * MiB);
   }
   // Where no slot saves a mask, nothing is tried and nothing said.
   auto maskless = r.chains;
-  for (auto& s : maskless[0]) s.mask_bytes = 0;
+  for (auto& s : maskless[0]) s.compact_bytes = 0;
   auto again = decide(maskless, {true}, r.in);
-  const auto none = choose_mask_packing(maskless, {true}, r.in, again);
+  const auto none = choose_saved_compaction(maskless, {true}, r.in, again);
   CHECK_FALSE(none.changed);
   CHECK(none.note.empty());
 }
@@ -127,14 +198,16 @@ TEST_CASE("the guard keeps the masks of the slots it leaves in place as bits, an
   const auto baseline = test::step(*seq, loss);
   const auto wrappers = [&] {
     int n = 0;
-    for (const auto& m : seq->children()) n += std::dynamic_pointer_cast<memscale::MaskPackingSlotImpl>(m) ? 1 : 0;
+    // The slots the Sequential runs (a wrapper registers nothing: children() keeps the originals).
+    for (const auto& m : *seq) n += std::dynamic_pointer_cast<memscale::CompactSavedSlotImpl>(m.ptr()) ? 1 : 0;
     return n;
   };
   for (const bool allowed : {true, false}) {
     auto config = test::quiet({.mode = memscale::OptimizationMode::Balanced,
                                .enable_offloading = false,
                                .force_optimize = true,
-                               .pack_saved_masks = allowed});
+                               .pack_saved_masks = allowed,
+                               .recompute_saved_outputs = allowed});
     const auto at_start = packed();
     int wrapped = 0;
     const auto report = test::checked_guarded_step(seq, x, config, loss, baseline, [&] { wrapped = wrappers(); });
@@ -142,11 +215,14 @@ TEST_CASE("the guard keeps the masks of the slots it leaves in place as bits, an
     for (const auto& chain : report.chains)
       for (std::size_t k = 0; k < chain.slots.size(); ++k) {
         const bool dropout = chain.slot_names[k].find("Dropout") != std::string::npos;
-        CHECK((chain.slots[k].mask_bytes > 0) == (dropout && allowed));
+        CHECK((chain.slots[k].compact_bytes > 0) == (dropout && allowed));
       }
-    const auto* note = test::note_starting(report, "masks kept as bits:");
+    const auto* note = test::note_starting(report, "saved tensors kept compact:");
     REQUIRE((note != nullptr) == allowed);
     const bool taken = allowed && note->find("not taken") == std::string::npos;
+    std::string notes;
+    for (const auto& n : report.notes) notes += n + "\n";
+    INFO(notes << report);
     CHECK((wrapped > 0) == taken);
     CHECK((packed() > at_start) == taken);
     CHECK(wrappers() == 0);

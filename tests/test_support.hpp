@@ -252,7 +252,7 @@ memscale::Report checked_guarded_step(torch::nn::Sequential& seq, const torch::T
 }
 
 /// A plan improved by one of the planner's second passes (choose_selective_recompute,
-/// choose_mask_packing) on six call-site units alike (one unit a run; 4 MiB in
+/// choose_saved_compaction) on six call-site units alike (one unit a run; 4 MiB in
 /// and out, `saved_mib` saved, 10 ms forward, 20 ms backward), each then changed
 /// by `tune(slot, k)`, at a target that frees half the growth. Checks that the
 /// pass changed the plan, said so (its note starts with `note`), and that the

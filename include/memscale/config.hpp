@@ -101,10 +101,18 @@ struct Config {
   bool selective_recompute = true;
   /// Units the plan leaves in place keep their saved masks (a Dropout's scaled
   /// noise on CPU: every element +0 or one value) a bit an element, written back
-  /// exactly in backward (techniques/mask_packing.hpp). The planner plans with
+  /// exactly in backward (techniques/mask_packing.hpp, saved_compaction.hpp). The planner plans with
   /// and without it and takes it where the plan gets better at the same target.
   /// false: saved masks stay as they are.
   bool pack_saved_masks = true;
+  /// Units the plan leaves in place keep no copy of an output that backward can
+  /// compute again, bit for bit, from inputs it keeps anyway (a LayerNorm's
+  /// output from its input and parameters, a GELU's or SiLU's from its input,
+  /// a Dropout's product from its saved noise and input): the output is
+  /// computed again when backward needs it (detail/output_recipes.hpp,
+  /// techniques/saved_compaction.hpp). Planned with pack_saved_masks, taken
+  /// where the plan gets better at the same target. false: outputs are kept.
+  bool recompute_saved_outputs = true;
   bool use_static_profiling = true;
   bool use_empirical_fallback = true;
   int warmup_steps = 2;  ///< instrumented passes per layer when profiling empirically

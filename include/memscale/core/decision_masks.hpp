@@ -1,15 +1,18 @@
-// memscale — masks kept as bits in the plan (Config::pack_saved_masks): the
-// units a plan leaves in place may keep their saved masks (a Dropout's scaled
-// noise) a bit an element (techniques/mask_packing.hpp). That frees the masks'
-// bytes at about a pass over them each way, where checkpointing a unit frees
+// memscale — saved tensors kept compact in the plan (Config::pack_saved_masks,
+// Config::recompute_saved_outputs): the units a plan leaves in place may keep
+// their saved masks (a Dropout's scaled noise) a bit an element, and compute
+// again in backward the outputs whose inputs are saved anyway (a LayerNorm's,
+// a GELU's, a Dropout's product; techniques/saved_compaction.hpp). That frees
+// those bytes at about a pass over them, where checkpointing a unit frees
 // everything it keeps for its whole recompute. So the decision engine plans
-// again on costs whose saved bytes are less their masks, at the target the plan
-// was made for: it may then checkpoint fewer units, or cheaper ones, or none.
-// The plan is kept where it gets better at that target (better_at_target),
-// counting the packing's time beside the recompute. The slots left in place
-// carry slot_cost::packs_masks (and their saved bytes less their masks), so
-// every projection and the Report count it; checkpointed and offloaded slots
-// keep their masks as they are (their recompute and their transfer see them so).
+// again on costs whose saved bytes are less what compacting frees, at the
+// target the plan was made for: it may then checkpoint fewer units, or cheaper
+// ones, or none. The plan is kept where it gets better at that target
+// (better_at_target), counting the compaction's time beside the recompute. The
+// slots left in place carry slot_cost::compacts_saved (and their saved bytes
+// less their compact_bytes), so every projection and the Report count it;
+// checkpointed and offloaded slots keep their saved tensors as they are (their
+// recompute and their transfer see them so).
 #pragma once
 
 #include <algorithm>
@@ -44,7 +47,7 @@ inline std::vector<std::vector<bool>> left_in_place(const std::vector<std::vecto
   return kept;
 }
 
-/// `plain` with every slot's masks kept as bits where `in_place` says (all slots where it is empty).
+/// `plain` with every slot's saved tensors kept compact where `in_place` says (all slots where it is empty).
 inline std::vector<std::vector<slot_cost>> packed_costs(const std::vector<std::vector<slot_cost>>& plain,
                                                         const std::vector<std::vector<bool>>& in_place = {}) {
   auto costs = plain;
@@ -52,48 +55,48 @@ inline std::vector<std::vector<slot_cost>> packed_costs(const std::vector<std::v
     for (std::size_t k = 0; k < costs[c].size(); ++k) {
       auto& s = costs[c][k];
       const bool here = in_place.empty() || in_place[c][k];
-      if (!here || s.mask_bytes <= 0) continue;
-      s.saved_bytes -= std::min(s.mask_bytes, s.saved_bytes);
-      s.packs_masks = true;
+      if (!here || s.compact_bytes <= 0) continue;
+      s.saved_bytes -= std::min(s.compact_bytes, s.saved_bytes);
+      s.compacts_saved = true;
     }
   return costs;
 }
 
-/// Packing and writing back the masks of the slots that keep them as bits.
-inline double packing_seconds(const std::vector<std::vector<slot_cost>>& costs) {
+/// The step time compacting adds in the slots that do it.
+inline double compaction_seconds(const std::vector<std::vector<slot_cost>>& costs) {
   double seconds = 0.0;
   for (const auto& chain : costs)
     for (const auto& s : chain)
-      if (s.packs_masks) seconds += 2.0 * s.mask_seconds;
+      if (s.compacts_saved) seconds += s.compact_seconds;
   return seconds;
 }
 
 }  // namespace detail_masks
 
-/// What choose_mask_packing chose, for the Report.
-struct mask_choice {
-  bool changed = false;  ///< the slots left in place keep their masks as bits
+/// What choose_saved_compaction chose, for the Report.
+struct compaction_choice {
+  bool changed = false;  ///< the slots left in place keep their saved tensors compact
   std::string note;
 };
 
-/// Plans `costs` again with the masks of the slots left in place kept as bits
-/// (the file comment says how) at `decided`'s target; where that is better,
+/// Plans `costs` again with the saved tensors of the slots left in place kept
+/// compact (the file comment says how) at `decided`'s target; where that is better,
 /// `costs` and `decided` become it. Not tried where the plan applies nothing
-/// (nothing presses: the model is left alone) or no slot saves a mask.
-inline mask_choice choose_mask_packing(std::vector<std::vector<slot_cost>>& costs, const std::vector<bool>& supported,
+/// (nothing presses: the model is left alone) or no slot has anything to compact.
+inline compaction_choice choose_saved_compaction(std::vector<std::vector<slot_cost>>& costs, const std::vector<bool>& supported,
                                        const engine_input& in, engine_plan& decided) {
-  mask_choice choice;
+  compaction_choice choice;
   std::int64_t masks = 0;
   for (const auto& chain : costs)
-    for (const auto& s : chain) masks += s.mask_bytes;
+    for (const auto& s : chain) masks += s.compact_bytes;
   if (masks <= 0 || !detail_levels::acts(decided)) return choice;
   auto fixed = in;
   fixed.fixed_target = decided.target_bytes;
   const auto target = decided.target_bytes;
   const double plain_seconds = detail_levels::extra_seconds(costs, decided, in.offload_bytes_per_second);
 
-  // The engine plans on costs whose masks are all bits; only the slots its plan
-  // leaves in place keep them so (a checkpoint's recompute and an offload's
+  // The engine plans on costs all compacted; only the slots its plan leaves in
+  // place keep them so (a checkpoint's recompute and an offload's
   // transfer see them as they are), which can lift the projection: planned
   // again on those costs, up to three times, the best plan at the target stands.
   detail_selective::candidate trial;
@@ -107,7 +110,7 @@ inline mask_choice choose_mask_packing(std::vector<std::vector<slot_cost>>& cost
       for (std::size_t j = 0; j < honest[c].size(); ++j) honest[c][j].keeps_products = k.costs[c][j].keeps_products;
     k.plan.planned_peak = project_model_peak(honest, k.plan.units, in.static_bytes);
     const double seconds = detail_levels::extra_seconds(honest, k.plan, in.offload_bytes_per_second) +
-                           detail_masks::packing_seconds(honest);
+                           detail_masks::compaction_seconds(honest);
     const bool first = round == 0;
     if (first || detail_levels::better_at_target(trial.plan, trial_seconds, k.plan, seconds, target)) {
       trial = std::move(k);
@@ -121,8 +124,8 @@ inline mask_choice choose_mask_packing(std::vector<std::vector<slot_cost>>& cost
   int slots = 0;
   for (const auto& chain : chosen)
     for (const auto& s : chain)
-      if (s.packs_masks) {
-        packed += s.mask_bytes;
+      if (s.compacts_saved) {
+        packed += s.compact_bytes;
         ++slots;
       }
   const bool reaches = trial.plan.planned_peak <= target;
@@ -131,26 +134,27 @@ inline mask_choice choose_mask_packing(std::vector<std::vector<slot_cost>>& cost
   const bool take = slots > 0 && (detail_levels::acts(trial.plan) || reaches) &&
                     detail_levels::better_at_target(decided, plain_seconds, trial.plan, trial_seconds, target);
   std::ostringstream note;
-  note << std::fixed << std::setprecision(1) << "masks kept as bits: ";
+  note << std::fixed << std::setprecision(1) << "saved tensors kept compact: ";
   if (take) {
-    note << slots << " slot(s) left in place keep their saved masks a bit an element (" << detail::format_bytes(packed)
-         << " less a step): projected peak " << detail::format_bytes(trial.plan.planned_peak) << ", "
-         << (trial_seconds - detail_masks::packing_seconds(chosen)) * 1e3 << " ms of recompute and transfer and "
-         << detail_masks::packing_seconds(chosen) * 1e3 << " ms of packing per step ("
+    note << slots << " slot(s) left in place keep their saved masks as bits and compute again the outputs whose "
+         << "inputs they save (" << detail::format_bytes(packed) << " less a step): projected peak "
+         << detail::format_bytes(trial.plan.planned_peak) << ", "
+         << (trial_seconds - detail_masks::compaction_seconds(chosen)) * 1e3 << " ms of recompute and transfer and "
+         << detail_masks::compaction_seconds(chosen) * 1e3 << " ms of compacting per step ("
          << count_units(trial.plan.units, &unit::checkpointed) << " checkpointed unit(s)), against " << detail::format_bytes(decided.planned_peak) << ", "
          << plain_seconds * 1e3 << " ms (" << count_units(decided.units, &unit::checkpointed) << ") keeping them as they are";
     if (groups != plain_groups)
       note << "; outer calls checkpointed whole: " << groups << ", against " << plain_groups
            << " (the call-site note above is the plan without it)";
   } else {
-    note << "not taken: the plan that packs the masks of what it leaves in place was no better at this target ("
+    note << "not taken: the plan that compacts what it leaves in place was no better at this target ("
          << detail::format_bytes(trial.plan.planned_peak) << ", " << trial_seconds * 1e3 << " ms against "
          << detail::format_bytes(decided.planned_peak) << ", " << plain_seconds * 1e3 << " ms)";
   }
-  note << "; target " << detail::format_bytes(target) << " (Config::pack_saved_masks)";
+  note << "; target " << detail::format_bytes(target) << " (Config::pack_saved_masks, Config::recompute_saved_outputs)";
   choice.note = note.str();
   if (!take) return choice;
-  trial.plan.baseline_peak = decided.baseline_peak;  // the model as it is, masks and all
+  trial.plan.baseline_peak = decided.baseline_peak;  // the model as it is, saved tensors and all
   trial.plan.pressure = decided.pressure;
   costs = std::move(chosen);
   decided = std::move(trial.plan);

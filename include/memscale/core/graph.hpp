@@ -49,15 +49,19 @@ struct slot_cost {
   /// A checkpoint holding it keeps its products (the plan chose selective
   /// recompute): recompute_seconds() and run_replay_kept_bytes() count them.
   bool keeps_products = false;
-  /// Its saved masks (a Dropout's scaled noise: every element +0 or one value;
-  /// techniques/mask_packing.hpp): the bytes keeping them as bits frees where
-  /// the plan leaves it in place, and what finding and packing them took once
-  /// (writing them back in backward takes about as long again).
-  std::int64_t mask_bytes = 0;
-  double mask_seconds = 0.0;
-  /// Left in place, it keeps its masks as bits (the plan chose it): its
-  /// saved_bytes are then already less its mask_bytes.
-  bool packs_masks = false;
+  /// Its saved tensors kept compact where the plan leaves it in place
+  /// (techniques/saved_compaction.hpp): the bytes that frees (its masks less
+  /// their bits, its outputs computed again from inputs saved anyway), and the
+  /// step time it adds (packing and writing back the masks, computing the
+  /// outputs again in backward).
+  std::int64_t compact_bytes = 0;
+  double compact_seconds = 0.0;
+  /// The largest of those tensors: compacted, its backward writes it back (or
+  /// computes it again) while the op that saved it runs, beside what it holds.
+  std::int64_t compact_transient_bytes = 0;
+  /// Left in place, it keeps its saved tensors compact (the plan chose it):
+  /// its saved_bytes are then already less its compact_bytes.
+  bool compacts_saved = false;
   /// Leading input dimensions along which the slot treats rows independently
   /// (core/tile_rules.hpp): it may run over chunks of any of them. 0: it mixes
   /// rows (attention, BatchNorm in training), so it is never tiled.
@@ -66,7 +70,8 @@ struct slot_cost {
 
   /// Transient bytes beside its input and output gradients while its backward runs.
   [[nodiscard]] constexpr std::int64_t backward_extra_bytes() const noexcept {
-    return backward_workspace_bytes > workspace_bytes ? backward_workspace_bytes : workspace_bytes;
+    return (backward_workspace_bytes > workspace_bytes ? backward_workspace_bytes : workspace_bytes) +
+           (compacts_saved ? compact_transient_bytes : 0);
   }
 
   /// What recomputing it in a checkpoint's backward costs.

@@ -78,12 +78,15 @@ struct profile_options {
   bool training = true;
   bool replay_draws = true;  ///< Config::replay_random_draws: a recompute saves its random draws' time
   bool products = true;      ///< Config::selective_recompute: measure each slot's matrix products
-  bool masks = true;         ///< Config::pack_saved_masks: find each slot's saved masks
+  /// Config::pack_saved_masks, Config::recompute_saved_outputs: count what
+  /// keeping each slot's saved tensors compact frees and costs.
+  saved_compaction compaction{true, true};
 };
 
 inline profile_options profile_options_from(const Config& config, bool training) {
   return {config.use_static_profiling, config.use_empirical_fallback, std::max(1, config.warmup_steps), training,
-          config.replay_random_draws, config.selective_recompute, config.pack_saved_masks};
+          config.replay_random_draws, config.selective_recompute,
+          saved_compaction{config.pack_saved_masks, config.recompute_saved_outputs}};
 }
 
 /// Profiles the original `slots` of a chain for the given chain input. With
@@ -167,7 +170,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       if (options.use_empirical && !detail::shape_only_dispatch()) {
         if (const auto timed = detail::time_static_slot(slot, current, current_tensor, device, *estimate, rates,
                                                         options.passes, reporting ? &*reporting : nullptr,
-                                                        options.products, options.masks)) {
+                                                        options.products, options.compaction)) {
           cost.forward_seconds = timed->forward_seconds;
           cost.backward_seconds = timed->backward_seconds;
           cost.replay_saved_seconds = timed->replay_saved_seconds;
@@ -175,8 +178,9 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
           cost.product_saved_seconds = timed->product_saved_seconds;
           cost.product_kept_bytes = timed->product_kept_bytes;
           cost.returned_product_bytes = timed->returned_product_bytes;
-          cost.mask_bytes = std::min(timed->mask_bytes, cost.saved_bytes);
-          cost.mask_seconds = timed->mask_seconds;
+          cost.compact_bytes = std::min(timed->compact_bytes, cost.saved_bytes);
+          cost.compact_seconds = timed->compact_seconds;
+          cost.compact_transient_bytes = std::min(timed->compact_transient_bytes, cost.compact_bytes);
           cost.mutates_input = timed->mutates_input;
           note = timed->rows == (current.shape.empty() ? 0 : current.shape[0])
                      ? "static rule; times measured"
@@ -201,7 +205,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
     detail::measured_slot measured;
     try {
       measured = detail::measure_slot(slot, input, options.passes, reporting ? &*reporting : nullptr,
-                                      options.products, options.masks);
+                                      options.products, options.compaction);
     } catch (const c10::Error& e) {
       profile.supported = false;
       profile.unsupported_reason = "slot " + profile.slot_names.back() + " failed on a tensor of shape " +
@@ -229,8 +233,9 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       cost.product_saved_seconds = measured.cost.product_saved_seconds;
       cost.product_kept_bytes = measured.cost.product_kept_bytes;
       cost.returned_product_bytes = measured.cost.returned_product_bytes;
-      cost.mask_bytes = std::min(measured.cost.mask_bytes, cost.saved_bytes);
-      cost.mask_seconds = measured.cost.mask_seconds;
+      cost.compact_bytes = std::min(measured.cost.compact_bytes, cost.saved_bytes);
+      cost.compact_seconds = measured.cost.compact_seconds;
+      cost.compact_transient_bytes = std::min(measured.cost.compact_transient_bytes, cost.compact_bytes);
       cost.mutates_input = measured.cost.mutates_input;
       profile.slots.push_back(shape_facts(cost));
       profile.sources.push_back(profile_source::static_rule);

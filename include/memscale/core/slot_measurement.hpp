@@ -31,7 +31,7 @@
 #include <memscale/device/memory_tracker.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/offload/hooks.hpp>
-#include <memscale/techniques/mask_packing.hpp>
+#include <memscale/techniques/saved_compaction.hpp>
 
 namespace memscale::detail {
 
@@ -98,11 +98,11 @@ inline const void* storage_of(const torch::Tensor& t) {
 /// reports the input's copy; else what `byte_source` says.
 /// `products`: also measure its matrix products (what keeping them for a
 /// selective recompute saves and keeps; Config::selective_recompute).
-/// `masks`: also find its saved masks (what keeping them as bits frees;
-/// Config::pack_saved_masks), where its bytes come from allocations.
+/// `compaction`: also count what keeping its saved tensors compact frees and
+/// costs (techniques/saved_compaction.hpp), where its bytes come from allocations.
 inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tensor& input, int passes,
                                   const memory_tracker::reporting_scope* reporting = nullptr, bool products = true,
-                                  bool masks = false) {
+                                  saved_compaction compaction = {}) {
   measured_slot result;
   const auto device = input.device();
   double fastest_forward = 1e300, fastest_backward = 1e300;
@@ -152,12 +152,17 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       std::optional<draw_span> timed_draws(std::in_place, draws, draw_mode::measure);
       std::optional<product_span> timed_products;
       if (products) timed_products.emplace(draws, draw_mode::measure);
-      std::optional<mask_census> census;
-      if (masks && by_allocations && offload::hooks_engine_active() && !computing_nothing()) census.emplace();
+      std::optional<detail::saved_compaction_scope> census;
+      if (compaction.any() && by_allocations && offload::hooks_engine_active() && !computing_nothing())
+        census.emplace(compaction, /*dry=*/true);
       auto out = slot.any_forward(x);
+      double census_seconds = 0.0;  // the census's own work, not the forward's
       if (census) {
-        cost.mask_bytes = census->freed_bytes();
-        cost.mask_seconds = census->seconds();
+        const auto* returned = out.try_get<torch::Tensor>();
+        cost.compact_bytes = census->state().freed_bytes(returned != nullptr ? *returned : torch::Tensor());
+        cost.compact_seconds = census->state().seconds();
+        cost.compact_transient_bytes = census->state().largest_bytes();
+        census_seconds = census->state().own_seconds();
         census.reset();
       }
       timed_products.reset();
@@ -169,7 +174,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       }
       y = *tensor;
       synchronize(device);
-      cost.forward_seconds = std::max(0.0, profile_clock_scope::now() - start - draws.replay_seconds - cost.mask_seconds);
+      cost.forward_seconds = std::max(0.0, profile_clock_scope::now() - start - draws.replay_seconds - census_seconds);
       cost.replay_saved_seconds = std::max(0.0, draws.draw_seconds - draws.replay_seconds);
       cost.replay_kept_bytes = draws.kept_bytes;
       const auto kept = measured_product_totals(draws, y);
@@ -201,7 +206,8 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       cost.workspace_bytes = std::max<std::int64_t>(0, peak - live_after);
       const auto kept = live_after - live_before;
       cost.saved_bytes = std::max<std::int64_t>(0, kept - (cost.output_is_view ? 0 : cost.output_bytes));
-      cost.mask_bytes = std::min(cost.mask_bytes, cost.saved_bytes);
+      cost.compact_bytes = std::min(cost.compact_bytes, cost.saved_bytes);
+      cost.compact_transient_bytes = std::min(cost.compact_transient_bytes, cost.compact_bytes);
     } else if (source == byte_source::saved_tensors) {
       // New storages autograd keeps, beyond the input, the output and the slot's own tensors.
       std::unordered_set<const void*> counted{storage_of(x), storage_of(y)};
@@ -325,8 +331,9 @@ struct static_slot_times {
   double product_saved_seconds = 0.0;
   std::int64_t product_kept_bytes = 0;
   std::int64_t returned_product_bytes = 0;
-  std::int64_t mask_bytes = 0;
-  double mask_seconds = 0.0;
+  std::int64_t compact_bytes = 0;
+  double compact_seconds = 0.0;
+  std::int64_t compact_transient_bytes = 0;
   bool mutates_input = false;
   std::int64_t rows = 0;  ///< the first extent it ran at
 };
@@ -345,7 +352,7 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
                                                          const layer_estimate& full, const compute_rates& rates,
                                                          int passes,
                                                          const memory_tracker::reporting_scope* reporting,
-                                                         bool products = true, bool masks = false) {
+                                                         bool products = true, saved_compaction compaction = {}) {
   constexpr std::int64_t small_input_bytes = std::int64_t{1} << 20;
   constexpr std::int64_t large_part_bytes = std::int64_t{32} << 20;
   layer_input part = in;
@@ -373,7 +380,7 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
       x = synthetic_input(part, device);
     else
       x = part.shape.empty() || part.shape[0] == in.shape[0] ? input : input.narrow(0, 0, part.shape[0]);
-    auto timed = measure_slot(slot, x, passes, reporting, products, masks);
+    auto timed = measure_slot(slot, x, passes, reporting, products, compaction);
     if (!timed.tensor_output || timed.output.sizes().vec() != expected_shape) return std::nullopt;
     // Masks have as many elements as the activations: they scale with the input's bytes.
     const double bytes_scale = static_cast<double>(in.bytes()) / static_cast<double>(std::max<std::int64_t>(1, part.bytes()));
@@ -384,8 +391,9 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
                              timed.cost.product_saved_seconds * forward_scale,
                              static_cast<std::int64_t>(static_cast<double>(timed.cost.product_kept_bytes) * bytes_scale),
                              static_cast<std::int64_t>(static_cast<double>(timed.cost.returned_product_bytes) * bytes_scale),
-                             static_cast<std::int64_t>(static_cast<double>(timed.cost.mask_bytes) * bytes_scale),
-                             timed.cost.mask_seconds * forward_scale,
+                             static_cast<std::int64_t>(static_cast<double>(timed.cost.compact_bytes) * bytes_scale),
+                             timed.cost.compact_seconds * forward_scale,
+                             static_cast<std::int64_t>(static_cast<double>(timed.cost.compact_transient_bytes) * bytes_scale),
                              timed.cost.mutates_input,
                              part.shape.empty() ? 0 : part.shape[0]};
   } catch (const std::exception&) {

@@ -31,7 +31,7 @@
 #include <memscale/offload/hooks.hpp>
 #include <memscale/techniques/checkpoint.hpp>
 #include <memscale/techniques/concepts.hpp>
-#include <memscale/techniques/mask_packing.hpp>
+#include <memscale/techniques/saved_compaction.hpp>
 #include <memscale/techniques/mixed_precision.hpp>
 #include <memscale/techniques/offload.hpp>
 
@@ -215,16 +215,17 @@ inline void attachment::apply_units(std::size_t c, const std::vector<unit>& unit
     for (int k = u.first + 1; k <= u.last; ++k)
       target[static_cast<std::size_t>(k)] = torch::nn::AnyModule(std::make_shared<PassThroughImpl>());
   }
-  // The slots the plan leaves in place keep their saved masks as bits where it
+  // The slots the plan leaves in place keep their saved tensors compact where it
   // chose that (not the inner calls of an outer call it runs whole).
-  if (supported && !chain.packs_masks.empty()) {
+  if (supported && !chain.compacts_saved.empty()) {
     std::vector<bool> run_whole(target.size(), false);
     for (const auto& u : units)
       if ((u.checkpointed || u.offloaded) && chain.is_group(u.first, u.last))
         for (int k = u.first; k <= u.last; ++k) run_whole[static_cast<std::size_t>(k)] = true;
-    for (std::size_t k = 0; k < target.size() && k < chain.packs_masks.size(); ++k)
-      if (chain.packs_masks[k] && !run_whole[k] && target[k].ptr() == chain.originals[k].ptr())
-        target[k] = torch::nn::AnyModule(std::make_shared<MaskPackingSlotImpl>(std::move(target[k])));
+    for (std::size_t k = 0; k < target.size() && k < chain.compacts_saved.size(); ++k)
+      if (chain.compacts_saved[k] && !run_whole[k] && target[k].ptr() == chain.originals[k].ptr())
+        target[k] = torch::nn::AnyModule(std::make_shared<CompactSavedSlotImpl>(
+            std::move(target[k]), saved_compaction{config_.pack_saved_masks, config_.recompute_saved_outputs}));
   }
   // A chain whose slots are not all Tensor -> Tensor runs as it is: the
   // autocast wrapper has one Tensor forward.

@@ -235,9 +235,9 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
     selective = choose_selective_recompute(costs, supported, in, decided);
     if (!selective.note.empty()) out.notes.push_back(selective.note);
   }
-  mask_choice masks;
-  if (config_.pack_saved_masks) {
-    masks = choose_mask_packing(costs, supported, in, decided);
+  compaction_choice masks;
+  if (config_.pack_saved_masks || config_.recompute_saved_outputs) {
+    masks = choose_saved_compaction(costs, supported, in, decided);
     if (!masks.note.empty()) out.notes.push_back(masks.note);
   }
   if (agree_) {  // data parallel: every rank applies rank 0's plan; say where this rank's own differed
@@ -261,15 +261,15 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
           for (auto& s : chain) s.keeps_products = false;
         out.notes.push_back("selective recompute: off on this rank, whose own plan it was chosen for");
       }
-      // Masks are kept as bits only where rank 0's plan leaves the slot in place.
+      // Saved tensors are kept compact only where rank 0's plan leaves the slot in place.
       if (masks.changed) {
         const auto in_place = detail_masks::left_in_place(costs, decided);
         for (std::size_t c = 0; c < costs.size(); ++c)
           for (std::size_t k = 0; k < costs[c].size(); ++k) {
             auto& s = costs[c][k];
-            if (!s.packs_masks || in_place[c][k]) continue;
-            s.packs_masks = false;
-            s.saved_bytes += s.mask_bytes;
+            if (!s.compacts_saved || in_place[c][k]) continue;
+            s.compacts_saved = false;
+            s.saved_bytes += s.compact_bytes;
           }
       }
     }
@@ -278,12 +278,12 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
   for (std::size_t i = 0; i < which.size() && i < costs.size(); ++i) {
     if (selective.changed || masks.changed) profiles[i].slots = costs[i];
     auto& keeps = chains_[which[i]].keeps_products;
-    auto& packs = chains_[which[i]].packs_masks;
+    auto& packs = chains_[which[i]].compacts_saved;
     keeps.clear();
     packs.clear();
     for (const auto& s : costs[i]) {
       keeps.push_back(s.keeps_products);
-      packs.push_back(s.packs_masks);
+      packs.push_back(s.compacts_saved);
     }
   }
 

@@ -99,9 +99,9 @@ struct managed_chain {
   /// Per unit: a checkpoint starting there keeps its matrix products (the plan
   /// chose selective recompute for it; core/decision_selective.hpp).
   std::vector<bool> keeps_products;
-  /// Per unit: left in place, it keeps its saved masks as bits (the plan chose
-  /// it; core/decision_masks.hpp, techniques/mask_packing.hpp).
-  std::vector<bool> packs_masks;
+  /// Per unit: left in place, it keeps its saved tensors compact (the plan
+  /// chose it; core/decision_masks.hpp, techniques/saved_compaction.hpp).
+  std::vector<bool> compacts_saved;
 
   /// Whether the plan's unit [first, last] is a group run (call sites only).
   [[nodiscard]] bool is_group(int first, int last) const {

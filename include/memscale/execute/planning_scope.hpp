@@ -122,8 +122,9 @@ inline void scale_profile(chain_profile& profile, double scale) {
     slot.product_saved_seconds *= scale;
     slot.product_kept_bytes = times(slot.product_kept_bytes);
     slot.returned_product_bytes = times(slot.returned_product_bytes);
-    slot.mask_bytes = times(slot.mask_bytes);
-    slot.mask_seconds *= scale;
+    slot.compact_bytes = times(slot.compact_bytes);
+    slot.compact_seconds *= scale;
+    slot.compact_transient_bytes = times(slot.compact_transient_bytes);
     if (slot.input_extents[0] > 0) slot.input_extents[0] = std::max<std::int64_t>(1, times(slot.input_extents[0]));
   }
   if (!profile.input_shape.empty()) profile.input_shape[0] = std::max<std::int64_t>(1, times(profile.input_shape[0]));

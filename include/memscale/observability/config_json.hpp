@@ -149,6 +149,7 @@ inline void to_json(nlohmann::json& j, const Config& c) {
        {"replay_random_draws", c.replay_random_draws},
        {"selective_recompute", c.selective_recompute},
        {"pack_saved_masks", c.pack_saved_masks},
+       {"recompute_saved_outputs", c.recompute_saved_outputs},
        {"use_static_profiling", c.use_static_profiling},
        {"use_empirical_fallback", c.use_empirical_fallback},
        {"warmup_steps", c.warmup_steps},
@@ -193,6 +194,7 @@ inline void from_json(const nlohmann::json& j, Config& c) {
   field("replay_random_draws", c.replay_random_draws);
   field("selective_recompute", c.selective_recompute);
   field("pack_saved_masks", c.pack_saved_masks);
+  field("recompute_saved_outputs", c.recompute_saved_outputs);
   field("use_static_profiling", c.use_static_profiling);
   field("use_empirical_fallback", c.use_empirical_fallback);
   field("warmup_steps", c.warmup_steps);

@@ -1,10 +1,9 @@
 // memscale — masks kept as bits (Config::pack_saved_masks). LibTorch's CPU
 // Dropout saves its scaled noise for its product's backward: a float tensor
 // whose elements are all +0 or one value (1 / (1 - p)), as large as the
-// activation it masks. Under this technique's saved-tensor hooks
-// (offload/hooks.hpp), a unit the plan leaves in place stores every such saved
-// tensor a bit an element and writes it back exactly when backward asks for it;
-// every other saved tensor is stored as it is. Nothing is inferred from where a
+// activation it masks. Under the saved-tensor hooks of saved_compaction.hpp, a
+// unit the plan leaves in place stores every such saved tensor a bit an element
+// with what is here, and writes it back exactly when backward asks for it. Nothing is inferred from where a
 // tensor came from: the pack checks every element's bit pattern, so a tensor is
 // packed only where the bits written back are the bits saved (a -0, or a third
 // value, and it is stored as it is). Measured on the benchmark GPT on CPU: 40 of
@@ -13,21 +12,15 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <type_traits>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
-#include <memscale/offload/hooks.hpp>
-#include <memscale/techniques/checkpoint_segment.hpp>
 
 namespace memscale {
 
@@ -160,82 +153,6 @@ inline at::Tensor unpack_mask(const packed_mask& p) {
   return t;
 }
 
-struct mask_pack_fn {
-  packed_mask operator()(const at::Tensor& t) const { return pack_mask(t); }
-};
-struct mask_unpack_fn {
-  at::Tensor operator()(packed_mask& p) const { return unpack_mask(p); }
-};
-
-/// While open on this thread, the tensors autograd saves that are masks are kept as bits.
-class mask_packing_scope {
- public:
-  mask_packing_scope() : hooks_(mask_pack_fn{}, mask_unpack_fn{}) {}
-
- private:
-  offload::saved_tensors_hooks<mask_pack_fn, mask_unpack_fn> hooks_;
-};
-
-/// What packing a forward's masks would free, for the profiler: the bytes of
-/// the saved masks less their bits, each storage counted once, and the time
-/// finding them took (about what packing them takes; writing them back takes
-/// as long again). Saved tensors are stored as they are: it changes nothing.
-class mask_census {
- public:
-  mask_census() : record_(std::make_shared<record>()), hooks_(census_fn{record_}, pass_fn{}) {}
-
-  [[nodiscard]] std::int64_t freed_bytes() const { return record_->bytes.load(); }
-  [[nodiscard]] double seconds() const { return static_cast<double>(record_->nanoseconds.load()) * 1e-9; }
-
- private:
-  struct record {
-    std::atomic<std::int64_t> bytes{0};
-    std::atomic<std::int64_t> nanoseconds{0};
-    std::mutex mutex;
-    std::unordered_set<const void*> seen;  // storages (alive while the forward's graph is)
-  };
-  struct census_fn {
-    std::shared_ptr<record> r;
-    at::Tensor operator()(const at::Tensor& t) const {
-      if (!mask_candidate(t)) return t.detach();  // detached: mask_pack_fn says why
-      const auto start = std::chrono::steady_clock::now();
-      packed_mask p;
-      const bool mask = by_element_size(t.element_size(), [&]<class U>() { return pack_two_valued<U>(t, p); });
-      r->nanoseconds += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
-      if (mask) {
-        std::lock_guard<std::mutex> lock(r->mutex);
-        if (r->seen.insert(t.storage().unsafeGetStorageImpl()).second)
-          r->bytes += static_cast<std::int64_t>(t.nbytes()) - p.bits.numel();
-      }
-      return t.detach();
-    }
-  };
-  struct pass_fn {
-    at::Tensor operator()(at::Tensor& t) const { return t; }
-  };
-  std::shared_ptr<record> record_;
-  offload::saved_tensors_hooks<census_fn, pass_fn> hooks_;
-};
-
 }  // namespace detail
-
-/// A chain slot the plan leaves in place, run with its saved masks kept as bits
-/// (Config::pack_saved_masks). Registers nothing: parameters and state-dict
-/// names do not change.
-class MaskPackingSlotImpl : public torch::nn::Module, public detail::slot_wrapper {
- public:
-  explicit MaskPackingSlotImpl(torch::nn::AnyModule inner)
-      : torch::nn::Module("memscale::MaskPackingSlot"), slots_{std::move(inner)} {}
-
-  torch::Tensor forward(torch::Tensor x) {
-    detail::mask_packing_scope scope;
-    return slots_.front().forward<torch::Tensor>(std::move(x));
-  }
-
-  [[nodiscard]] const std::vector<torch::nn::AnyModule>& slots() const noexcept override { return slots_; }
-
- private:
-  std::vector<torch::nn::AnyModule> slots_;
-};
 
 }  // namespace memscale
