@@ -59,6 +59,17 @@ TEST_CASE("a saved mask is kept as bits and written back bit for bit; anything e
   CHECK(kept_as_is(noise.t()));                        // not contiguous
   CHECK(kept_as_is(noise.clone().requires_grad_()));  // an activation autograd computes a gradient for
   CHECK(packed() - before == 4);
+
+  // Dropout's product computed from the bits is the forward's, byte for byte
+  // (odd size; a negative input times +0 is -0, infinity times +0 NaN).
+  auto x = torch::randn({1000, 37});
+  x.view(-1)[3] = std::numeric_limits<float>::infinity();
+  x.view(-1)[36998] = std::numeric_limits<float>::quiet_NaN();
+  const auto product = memscale::detail::multiply_by_bits(x, memscale::detail::pack_mask(noise));
+  const auto expected = x * noise;
+  REQUIRE(product.defined());
+  CHECK(std::memcmp(product.data_ptr(), expected.data_ptr(), expected.nbytes()) == 0);
+  CHECK_FALSE(memscale::detail::multiply_by_bits(x.t(), memscale::detail::pack_mask(noise)).defined());
 }
 
 TEST_CASE("a step with its masks kept as bits gives the plain step's gradients and holds less", "[masks][memory]") {

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -83,6 +84,13 @@ at::Tensor multiply_by_bits(const at::Tensor& x, const packed_mask& m) {
   const auto pattern = static_cast<U>(m.value);
   std::memcpy(&value, &pattern, sizeof(T));
   at::parallel_for(0, (n + 7) / 8, 1 << 13, [&](std::int64_t begin, std::int64_t end) {
+#if defined(__SSE2__)
+    if constexpr (std::is_same_v<T, float>) {  // whole bytes of eight; the last, partial one below
+      const auto whole = std::min(end, n / 8);
+      if (begin < whole) sse2_bits::multiply(in, bits, o, begin, whole, pattern);
+      begin = std::max(begin, whole);
+    }
+#endif
     for (std::int64_t i = begin; i < end; ++i) {
       const unsigned byte = bits[i];
       for (std::int64_t j = 0; j < 8 && 8 * i + j < n; ++j)
