@@ -569,8 +569,12 @@ TEST_CASE("nested call sites: a plan mixes the levels, blocks checkpointed whole
   auto [reference, model] = twins<MixedNet>(23, 3, 64);
   auto x = torch::randn({8, 64, 64});
   const auto expected = train(reference, x, 2);
+  // Outputs kept: computing the wide parts' GELU outputs again (on by default)
+  // halves what they keep, and the plan then checkpoints no single part.
+  auto config = light_touch();
+  config.recompute_saved_outputs = false;
   {
-    auto guard = memscale::optimize(model, x, light_touch());
+    auto guard = memscale::optimize(model, x, config);
     const auto report = guard.report();
     INFO(report.str());
     REQUIRE(report.chains.size() == 1);

@@ -15,12 +15,15 @@
 // aten::mul.Tensor on DispatchKey::ADInplaceOrView, as product_replay.hpp's for
 // products (LibTorch 1.13 and 2.x register only in-place and view operators on
 // that key). Below the autograd key the op's own node has already saved its
-// inputs when the kernel runs. While an output_frame is open on this thread,
+// inputs when the kernel runs (detail/output_frames.hpp has the frames). While
+// an output_frame is open on this thread,
 // grad mode is on and an input requires grad, the kernel tells the frame what
 // the op computed and from what; otherwise it hands straight on. Registration
 // is made at the first frame; where LibTorch or another library registered for
 // these operators on that key, nothing is registered (outputs_recomputable()
-// is false) and every output is saved as it is.
+// is false) and every output is saved as it is; likewise where product_replay's
+// _unsafe_view kernel, which reports aliases with version counters of their
+// own, is not registered.
 #pragma once
 
 #include <chrono>
@@ -38,37 +41,10 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include <memscale/detail/output_frames.hpp>
+#include <memscale/detail/product_replay.hpp>
+
 namespace memscale::detail {
-
-enum class output_op : std::uint8_t { gelu, silu, layer_norm, mul };
-
-/// How one output was computed: the op and its non-tensor arguments; its
-/// tensor inputs are the frame's to keep (in schema order).
-struct output_recipe {
-  output_op op = output_op::mul;
-  std::string approximate;                     ///< gelu's
-  std::vector<std::int64_t> normalized_shape;  ///< native_layer_norm's
-  double eps = 0.0;                            ///< native_layer_norm's
-  std::vector<std::int64_t> sizes, strides;    ///< the output's layout as computed
-  double seconds = 0.0;                        ///< what computing it took, where the frame times ops
-};
-
-/// Hears, on its thread, every output the kernels see computed while it is the
-/// innermost frame (output_frame_scope opens one).
-class output_frame {
- public:
-  virtual ~output_frame() = default;
-  /// `inputs` in schema order (gelu, silu: self; native_layer_norm: input,
-  /// weight, bias, an absent one undefined; mul: self, other).
-  virtual void computed(output_recipe recipe, const at::Tensor& output, const std::vector<at::Tensor>& inputs) = 0;
-  /// Whether recipes carry the time the op took (a profiler's census).
-  [[nodiscard]] virtual bool timed() const { return false; }
-};
-
-inline std::vector<output_frame*>& output_frames() {
-  thread_local std::vector<output_frame*> frames;
-  return frames;
-}
 
 /// The op of `recipe` on `inputs` again, under no-grad: bit for bit the
 /// forward's output where the inputs are the forward's.
@@ -119,6 +95,7 @@ inline bool output_frame_open() { return !output_frames().empty(); }
 /// kernels for these operators (then nothing is registered).
 inline bool outputs_recomputable() {
   static const bool registered = [] {
+    if (!product_replay_available()) return false;  // its _unsafe_view kernel reports aliases
     try {
       auto& dispatcher = c10::Dispatcher::singleton();
       const std::pair<const char*, const char*> ops[] = {

@@ -42,6 +42,7 @@
 #include <torch/torch.h>
 
 #include <memscale/detail/draw_replay.hpp>
+#include <memscale/detail/output_frames.hpp>
 
 namespace memscale::detail {
 
@@ -189,13 +190,15 @@ inline at::Tensor mm_kernel(c10::DispatchKeySet keys, const at::Tensor& self, co
 /// _unsafe_view (matmul wraps its mm's output in one, and a Linear on a 3D
 /// input in LibTorch 1.13 then adds its bias into that in place) makes a tensor
 /// on the same storage with a version counter of its own, so a write through
-/// it would not show in the kept product's version. Where a forward records
+/// it would not show in the kept product's version (nor in an output's that
+/// output_recipes.hpp would compute again: the open output frame hears of it). Where a forward records
 /// the product, the log keeps a copy of it instead, made now, before any such
 /// write (or forgets it, if it was written already); where a forward measures
 /// it, the product is marked, and measure_slot times such a copy apart (outside
 /// the bytes it measures).
 inline at::Tensor unsafe_view_kernel(c10::DispatchKeySet keys, const at::Tensor& self, c10::SymIntArrayRef size) {
   auto out = at::_ops::_unsafe_view::redispatch(keys & c10::after_ADInplaceOrView_keyset, self, size);
+  if (!output_frames().empty()) output_frames().back()->aliased(self);
   if (draw_frames().empty() || !self.has_storage() || self.is_inference()) return out;
   if (self.storage().data() == nullptr) return out;  // nothing allocated: nothing to tell apart
   for (auto* f : visible_frames(/*products=*/true)) {

@@ -170,6 +170,8 @@ class compaction_state final : public output_frame {
       return;
     pending p;
     p.output = weak_storage_of(out);
+    p.counter = out.unsafeGetTensorImpl()->version_counter();
+    p.output_version = static_cast<std::int64_t>(out._version());
     for (const auto& t : inputs) {
       p.present.push_back(t.defined());
       if (!t.defined()) {
@@ -184,6 +186,12 @@ class compaction_state final : public output_frame {
     }
     p.recipe = std::make_shared<const output_recipe>(std::move(recipe));
     outputs_[out.storage().unsafeGetStorageImpl()] = std::move(p);
+  }
+
+  void aliased(const at::Tensor& base) override {
+    if (!base.has_storage()) return;
+    const auto it = outputs_.find(base.storage().unsafeGetStorageImpl());
+    if (it != outputs_.end() && on_storage(base, it->second.output)) outputs_.erase(it);
   }
 
   std::shared_ptr<saved_entry> pack(const at::Tensor& t) {
@@ -251,6 +259,9 @@ class compaction_state final : public output_frame {
   void close() {
     saved_.clear();
     outputs_.clear();
+    recipes_.clear();
+    counted_.clear();
+    recipe_bytes_.clear();
   }
 
  private:
@@ -261,6 +272,9 @@ class compaction_state final : public output_frame {
   struct pending {
     std::shared_ptr<const output_recipe> recipe;
     weak_storage output = weak_storage_of({});
+    /// The output's version counter (shared with its views) and its version when computed.
+    c10::VariableVersion counter;
+    std::int64_t output_version = 0;
     std::vector<std::weak_ptr<saved_entry>> inputs;
     std::vector<bool> present;  ///< false: an absent optional
     std::vector<std::int64_t> versions;
@@ -285,6 +299,12 @@ class compaction_state final : public output_frame {
     const auto it = outputs_.find(t.storage().unsafeGetStorageImpl());
     if (it == outputs_.end() || !on_storage(t, it->second.output)) return false;
     const auto& p = it->second;
+    // Written in place since the op (through it or a view: its counter; through
+    // an alias with a counter of its own, as _unsafe_view makes: t's): computing
+    // it again would give the values before the write.
+    if (!p.counter.enabled() || static_cast<std::int64_t>(p.counter.current_version()) != p.output_version ||
+        static_cast<std::int64_t>(t._version()) != p.output_version)
+      return false;
     std::vector<std::shared_ptr<saved_entry>> inputs;
     double unpack_seconds = 0.0;
     for (std::size_t k = 0; k < p.inputs.size(); ++k) {
