@@ -60,6 +60,7 @@ inline at::Tensor recompute_output(const output_recipe& recipe, const std::vecto
     case output_op::mul: return at::mul(inputs.at(0), inputs.at(1));
   }
   TORCH_CHECK(false, "memscale: unknown recomputable op");
+  return {};  // not reached (TORCH_CHECK throws); some builds cannot tell
 }
 
 /// Runs `compute` and, inside a frame, tells the frame what it computed.
