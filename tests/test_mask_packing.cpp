@@ -104,10 +104,7 @@ TEST_CASE("a step with its masks kept as bits gives the plain step's gradients a
 
 TEST_CASE("outputs whose inputs are saved anyway are computed again in backward, bit for bit", "[masks][memory]") {
   memscale::memory_tracker::install();
-  gpt::Options o;
-  o.context = 64;
-  o.d_model = 64;
-  o.heads = 4;
+  auto o = test::small_gpt();
   o.halves_as_units = false;
   torch::manual_seed(6);
   gpt::MLP mlp(o);

@@ -66,7 +66,6 @@ struct saved_entry {
   std::vector<std::int64_t> sizes, strides;           ///< the view saved
   std::int64_t offset = 0;
   double bits_seconds = 0.0;  ///< census: what packing it as bits took (writing it back: as long again)
-  bool would_pack = false;    ///< census: it would be bits
 };
 
 /// x * mask where the mask is kept as bits, without writing the mask back:
@@ -108,8 +107,6 @@ inline at::Tensor multiply_by_bits(const at::Tensor& x, const packed_mask& m) {
   if (m.dtype == at::kDouble) return multiply_by_bits<double, std::uint64_t>(x, m);
   return {};
 }
-
-inline at::Tensor unpack_entry(const saved_entry& e);
 
 /// A mul recipe one of whose operands is kept as bits, computed from the bits.
 inline at::Tensor product_with_mask(const saved_entry& e) {
@@ -214,7 +211,6 @@ class compaction_state final : public output_frame {
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       own_seconds_ += seconds;
       if (mask && dry_) {
-        e->would_pack = true;
         e->bits_seconds = seconds;
         seconds_ += 2.0 * seconds;
         if (counted_.insert(storage).second) freed_ += static_cast<std::int64_t>(t.nbytes()) - p.bits.numel();
