@@ -45,15 +45,17 @@ inline std::vector<std::pair<std::string, memscale::Config>> mode_rows(double ba
 /// replaying them buys, side by side); and Balanced and Balanced forced with
 /// Config::selective_recompute off: their checkpoints recompute the matrix
 /// products too, as before 2026-11-27 (what keeping them buys); and the same two
-/// with Config::pack_saved_masks and Config::recompute_saved_outputs off: the
+/// with Config::pack_saved_masks, recompute_saved_outputs and pack_saved_zeros off: the
 /// slots the plan leaves in place keep their saved tensors as they are, as before
 /// 2026-11-27 (what compacting them buys); and Balanced forced with only
 /// recompute_saved_outputs off: masks as bits, outputs kept (what computing
-/// them again buys, as of 2026-11-27).
+/// them again buys, as of 2026-11-27); and Balanced forced with only
+/// pack_saved_zeros off: rows' +0 tails kept (what dropping them buys).
 inline const std::string drawn_again_suffix = ", masks drawn again";
 inline const std::string all_recomputed_suffix = ", products recomputed";
 inline const std::string saved_as_is_suffix = ", saved as they are";
 inline const std::string outputs_kept_suffix = ", outputs kept";
+inline const std::string zeros_kept_suffix = ", zeros kept";
 inline std::vector<std::pair<std::string, memscale::Config>> mode_rows_and_variants(double balanced_budget_gb) {
   auto rows = mode_rows(balanced_budget_gb);
   const auto modes = rows;
@@ -71,12 +73,16 @@ inline std::vector<std::pair<std::string, memscale::Config>> mode_rows_and_varia
     if (name == "Balanced" || name == "Balanced forced") {
       cfg.pack_saved_masks = false;
       cfg.recompute_saved_outputs = false;
+      cfg.pack_saved_zeros = false;
       rows.emplace_back(name + saved_as_is_suffix, cfg);
     }
   for (auto [name, cfg] : modes)
     if (name == "Balanced forced") {
-      cfg.recompute_saved_outputs = false;
-      rows.emplace_back(name + outputs_kept_suffix, cfg);
+      auto outputs_kept = cfg;
+      outputs_kept.recompute_saved_outputs = false;
+      rows.emplace_back(name + outputs_kept_suffix, outputs_kept);
+      cfg.pack_saved_zeros = false;
+      rows.emplace_back(name + zeros_kept_suffix, cfg);
     }
   return rows;
 }

@@ -33,6 +33,13 @@ bool kept_as_is(const torch::Tensor& t) {
   return !p.bits.defined() && p.plain.defined() && p.plain.data_ptr() == t.data_ptr();
 }
 
+/// Byte for byte (torch::equal has NaN unequal to itself and -0 equal to +0).
+bool same_bytes(const torch::Tensor& a, const torch::Tensor& b) {
+  const auto x = a.contiguous(), y = b.contiguous();
+  return x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type() &&
+         std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+}
+
 }  // namespace
 
 TEST_CASE("a saved mask is kept as bits and written back bit for bit; anything else as it is", "[masks]") {
@@ -263,4 +270,95 @@ TEST_CASE("the guard keeps the masks of the slots it leaves in place as bits, an
     CHECK(wrappers() == 0);
     CHECK_FALSE(memscale::is_optimized(seq));
   }
+}
+
+TEST_CASE("rows that end in +0 are kept without their tails and written back bit for bit", "[masks]") {
+  using memscale::detail::pack_zero_tails;
+  using memscale::detail::unpack_zero_tails;
+  using memscale::detail::zero_tails;
+  torch::manual_seed(4);
+  // A causal softmax's layout: row i is +0 past position i; odd sizes, -0, NaN
+  // and inf among the values kept, a row all +0 and a row with no tail.
+  for (const auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
+    auto t = torch::softmax(torch::randn({3, 5, 67, 67}).masked_fill(torch::ones({67, 67}).triu(1).to(at::kBool),
+                                                                      -std::numeric_limits<float>::infinity()),
+                            -1)
+                 .to(dtype);
+    t[0][0][10].zero_();
+    t[0][1][5].fill_(1.0);  // no tail: all 67 kept instead of 6
+    t[1][0][20][3] = -0.0;
+    t[1][0][20][4] = std::numeric_limits<double>::quiet_NaN();
+    t[2][4][40][0] = std::numeric_limits<double>::infinity();
+    t[2][4][40][1] = -0.0;  // the last element kept of its row would be -0 if the tail ran further
+    t[2][4][40][2] = 0.0;
+    zero_tails z;
+    INFO(c10::toString(dtype));
+    REQUIRE(pack_zero_tails(t, z));
+    const auto back = unpack_zero_tails(z);
+    CHECK(same_bytes(back, t));
+    CHECK(back.is_contiguous());
+    // Row i keeps i + 1 elements, but for the rows changed above.
+    const std::int64_t rows = 3 * 5 * 67, kept_causal = rows / 67 * (67 * 68 / 2);
+    CHECK(z.lengths.numel() == rows);
+    CHECK(z.lengths.sum().item<std::int64_t>() == kept_causal - 11 + 61);
+  }
+  zero_tails z;
+  CHECK_FALSE(pack_zero_tails(torch::randn({64, 300}), z));  // nothing to drop: kept as it is, cheaply
+  CHECK_FALSE(z.defined());
+  auto little = torch::randn({64, 300});
+  little.narrow(1, 250, 50).zero_();  // a sixth of it: under the quarter it must free
+  CHECK_FALSE(pack_zero_tails(little, z));
+  CHECK_FALSE(memscale::detail::zero_tails_candidate(torch::zeros({300, 64}).t()));  // not contiguous
+  CHECK_FALSE(memscale::detail::zero_tails_candidate(torch::zeros({64, 8})));        // rows too short, too small
+  CHECK_FALSE(memscale::detail::zero_tails_candidate(torch::zeros({400, 64}, at::kLong)));
+}
+
+TEST_CASE("causal attention's softmax output is kept without its +0 tails: same gradients, less held", "[masks][memory]") {
+  memscale::memory_tracker::install();
+  auto o = test::small_gpt();
+  torch::manual_seed(6);
+  gpt::Attention attention(o);
+  const std::int64_t B = 8, T = 64, C = 64, H = o.heads;
+  const auto x = torch::randn({B, T, C});
+  // nothing; outputs; outputs and zeros; all three; zeros only
+  const memscale::saved_compaction runs[] = {
+      {}, {.outputs = true}, {.outputs = true, .zeros = true}, {true, true, true}, {.zeros = true}};
+  std::int64_t held[5], tails[5], census[5];
+  std::vector<torch::Tensor> grads[5];
+  for (int run = 0; run < 5; ++run) {
+    attention->zero_grad();
+    torch::manual_seed(9);
+    auto input = x.clone().requires_grad_(true);
+    const auto before = memscale::memory_tracker::current_bytes();
+    const auto count = memscale::detail::zero_tails_count().load();
+    torch::Tensor loss;
+    {
+      std::optional<memscale::detail::saved_compaction_scope> scope;
+      if (runs[run].any()) scope.emplace(runs[run]);
+      loss = attention(input).pow(2).mean();
+    }
+    held[run] = memscale::memory_tracker::current_bytes() - before;
+    tails[run] = memscale::detail::zero_tails_count().load() - count;
+    loss.backward();
+    grads[run].push_back(input.grad());
+    for (const auto& p : attention->parameters()) grads[run].push_back(p.grad().clone());
+    torch::manual_seed(9);
+    memscale::detail::saved_compaction_scope dry(runs[run], /*dry=*/true);
+    const auto y = attention(x.clone().requires_grad_(true));
+    census[run] = dry.state().freed_bytes(y);
+  }
+  for (int run = 1; run < 5; ++run) {
+    INFO("run " << run);
+    CHECK(test::bit_equal(grads[0], grads[run]));
+  }
+  // Softmax's row i keeps i + 1 of its T elements, and a length per row.
+  const std::int64_t rows = B * H * T, dropped = B * H * (T * (T - 1) / 2) * 4 - rows * 8;
+  CHECK(tails[1] == 0);
+  CHECK(tails[2] == 1);  // softmax's output; the Dropout product is a recipe over it
+  CHECK(tails[3] == 1);
+  CHECK(tails[4] == 2);  // softmax's output and the Dropout product saved by attention @ v
+  CHECK(held[1] - held[2] == dropped);
+  CHECK(held[2] - held[3] > 0);  // the noise as bits as well
+  CHECK(census[2] - census[1] == dropped);
+  CHECK(held[0] - held[4] >= 2 * dropped);
 }

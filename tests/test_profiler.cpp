@@ -4,6 +4,8 @@
 // detection. Profiling must leave RNG and buffers as they were.
 #include "test_support.hpp"
 
+#include <dlfcn.h>
+
 #include <c10/core/CPUAllocator.h>
 
 #include <memscale/core/memory_model.hpp>
@@ -267,6 +269,27 @@ TEST_CASE("hardware detection reports the host, and GPUs only where CUDA is pres
   std::ostringstream os;
   os << hw;
   CHECK_THAT(os.str(), Catch::Contains("host:"));
+  // LibTorch here runs its products on OpenBLAS when its symbols are in the
+  // process (Debian's libtorch links libblas.so.3, OpenBLAS by the README's setup).
+  if (dlsym(RTLD_DEFAULT, "openblas_get_corename") != nullptr) {
+    CHECK_FALSE(hw.blas_core.empty());
+    CHECK_THAT(os.str(), Catch::Contains("blas: OpenBLAS, " + hw.blas_core));
+  }
+}
+
+TEST_CASE("OpenBLAS's generic kernels on a CPU with AVX2 or AVX-512 are named, with the setting that fixes it",
+          "[profiler]") {
+  // Measured on an Intel model 207 that Debian's OpenBLAS 0.3.21 does not know:
+  // 'Prescott' kernels, the benchmark GPT's step 2.1x slower than with
+  // OPENBLAS_CORETYPE=Cooperlake.
+  const auto avx512 = memscale::blas_advice("Prescott", true, true);
+  CHECK_THAT(avx512, Catch::Contains("'Prescott'") && Catch::Contains("AVX-512") &&
+                         Catch::Contains("OPENBLAS_CORETYPE=SkylakeX"));
+  CHECK_THAT(memscale::blas_advice("Nehalem", true, false), Catch::Contains("OPENBLAS_CORETYPE=Haswell"));
+  CHECK(memscale::blas_advice("Haswell", true, false).empty());
+  CHECK(memscale::blas_advice("SkylakeX", true, true).empty());
+  CHECK(memscale::blas_advice("Prescott", false, false).empty());  // an old CPU: Prescott is right
+  CHECK(memscale::blas_advice("", true, true).empty());            // not OpenBLAS
 }
 
 TEST_CASE("a convolution block's backward workspace is measured and its projected step peak holds",

@@ -113,6 +113,12 @@ struct Config {
   /// techniques/saved_compaction.hpp). Planned with pack_saved_masks, taken
   /// where the plan gets better at the same target. false: outputs are kept.
   bool recompute_saved_outputs = true;
+  /// Units the plan leaves in place keep a saved tensor whose rows end in runs
+  /// of +0 without them (causal attention's softmax output: each row is +0 past
+  /// its position), written back exactly in backward where that frees at least
+  /// a quarter of it (techniques/zero_tails.hpp). Planned with the two above.
+  /// false: such tensors are kept as they are.
+  bool pack_saved_zeros = true;
   bool use_static_profiling = true;
   bool use_empirical_fallback = true;
   int warmup_steps = 2;  ///< instrumented passes per layer when profiling empirically

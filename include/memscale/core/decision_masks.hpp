@@ -1,8 +1,9 @@
 // memscale — saved tensors kept compact in the plan (Config::pack_saved_masks,
-// Config::recompute_saved_outputs): the units a plan leaves in place may keep
-// their saved masks (a Dropout's scaled noise) a bit an element, and compute
-// again in backward the outputs whose inputs are saved anyway (a LayerNorm's,
-// a GELU's, a Dropout's product; techniques/saved_compaction.hpp). That frees
+// recompute_saved_outputs, pack_saved_zeros): the units a plan leaves in place
+// may keep their saved masks (a Dropout's scaled noise) a bit an element,
+// compute again in backward the outputs whose inputs are saved anyway (a
+// LayerNorm's, a GELU's, a Dropout's product), and keep tensors whose rows end
+// in +0 (causal softmax) without those tails (techniques/saved_compaction.hpp). That frees
 // those bytes at about a pass over them, where checkpointing a unit frees
 // everything it keeps for its whole recompute. So the decision engine plans
 // again on costs whose saved bytes are less what compacting frees, at the
@@ -136,8 +137,8 @@ inline compaction_choice choose_saved_compaction(std::vector<std::vector<slot_co
   std::ostringstream note;
   note << std::fixed << std::setprecision(1) << "saved tensors kept compact: ";
   if (take) {
-    note << slots << " slot(s) left in place keep their saved masks as bits and compute again the outputs whose "
-         << "inputs they save (" << detail::format_bytes(packed) << " less a step): projected peak "
+    note << slots << " slot(s) left in place keep their saved masks as bits, compute again the outputs whose "
+         << "inputs they save and drop their saved rows' trailing zeros (" << detail::format_bytes(packed) << " less a step): projected peak "
          << detail::format_bytes(trial.plan.planned_peak) << ", "
          << (trial_seconds - detail_masks::compaction_seconds(chosen)) * 1e3 << " ms of recompute and transfer and "
          << detail_masks::compaction_seconds(chosen) * 1e3 << " ms of compacting per step ("
@@ -151,7 +152,7 @@ inline compaction_choice choose_saved_compaction(std::vector<std::vector<slot_co
          << detail::format_bytes(trial.plan.planned_peak) << ", " << trial_seconds * 1e3 << " ms against "
          << detail::format_bytes(decided.planned_peak) << ", " << plain_seconds * 1e3 << " ms)";
   }
-  note << "; target " << detail::format_bytes(target) << " (Config::pack_saved_masks, Config::recompute_saved_outputs)";
+  note << "; target " << detail::format_bytes(target) << " (Config::pack_saved_masks, recompute_saved_outputs, pack_saved_zeros)";
   choice.note = note.str();
   if (!take) return choice;
   trial.plan.baseline_peak = decided.baseline_peak;  // the model as it is, saved tensors and all

@@ -78,15 +78,20 @@ struct profile_options {
   bool training = true;
   bool replay_draws = true;  ///< Config::replay_random_draws: a recompute saves its random draws' time
   bool products = true;      ///< Config::selective_recompute: measure each slot's matrix products
-  /// Config::pack_saved_masks, Config::recompute_saved_outputs: count what
-  /// keeping each slot's saved tensors compact frees and costs.
-  saved_compaction compaction{true, true};
+  /// Config::pack_saved_masks, recompute_saved_outputs, pack_saved_zeros: count
+  /// what keeping each slot's saved tensors compact frees and costs.
+  saved_compaction compaction{true, true, true};
 };
+
+/// What a compaction scope does under `config`.
+inline saved_compaction saved_compaction_of(const Config& config) {
+  return {config.pack_saved_masks, config.recompute_saved_outputs, config.pack_saved_zeros};
+}
 
 inline profile_options profile_options_from(const Config& config, bool training) {
   return {config.use_static_profiling, config.use_empirical_fallback, std::max(1, config.warmup_steps), training,
           config.replay_random_draws, config.selective_recompute,
-          saved_compaction{config.pack_saved_masks, config.recompute_saved_outputs}};
+          saved_compaction_of(config)};
 }
 
 /// Profiles the original `slots` of a chain for the given chain input. With

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <torch/cuda.h>
@@ -35,9 +36,32 @@ struct HardwareInfo {
   std::int64_t host_available_bytes = 0;
   int cpu_threads = 0;
   std::vector<gpu_info> gpus;
+  /// OpenBLAS's kernel set for this CPU (openblas_get_corename: "Haswell",
+  /// "SkylakeX", ...), "" where LibTorch's products do not run on OpenBLAS.
+  std::string blas_core;
+  /// What blas_advice() says about blas_core on this CPU ("" where nothing).
+  std::string blas_warning;
 
   [[nodiscard]] bool has_gpu() const noexcept { return !gpus.empty(); }
 };
+
+/// Advice where OpenBLAS runs its generic x86-64 kernels on a CPU with AVX2 or
+/// AVX-512: it picks kernels by CPU model, and an OpenBLAS older than the CPU
+/// (Debian 12's 0.3.21 on an Intel model 207, read "Intel(R) Xeon(R) Processor")
+/// falls back to "Prescott", SSE3 only. Measured on such a host, the benchmark
+/// GPT's step took 896 ms with Prescott's kernels, 423 ms with
+/// OPENBLAS_CORETYPE=Cooperlake (benchmarks/RESULTS.md). "" where the core is
+/// fine, unknown, or the CPU has neither.
+[[nodiscard]] inline std::string blas_advice(const std::string& core, bool avx2, bool avx512) {
+  const bool generic = core == "Prescott" || core == "Core2" || core == "Penryn" || core == "Nehalem" ||
+                       core == "Dunnington" || core == "Atom";
+  if (!generic || !(avx2 || avx512)) return {};
+  return "OpenBLAS runs its generic '" + core + "' kernels on this CPU, which has " +
+         std::string(avx512 ? "AVX-512" : "AVX2") +
+         " (the OpenBLAS build does not know the CPU's model): matrix products run at a fraction of the CPU's "
+         "speed, and profiles and plans see them so; set OPENBLAS_CORETYPE=" +
+         std::string(avx512 ? "SkylakeX" : "Haswell") + " in the environment before the process starts";
+}
 
 namespace detail {
 
@@ -80,9 +104,22 @@ inline std::int64_t host_available_bytes(std::int64_t fallback) {
 
 }  // namespace detail
 
+/// OpenBLAS's core name when its symbols are in the process, else "".
+inline std::string openblas_core() {
+  using corename_fn = char* (*)();
+  auto* fn = reinterpret_cast<corename_fn>(::dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  const char* name = fn != nullptr ? fn() : nullptr;
+  return name != nullptr ? std::string(name) : std::string();
+}
+
 /// Detects the host and, when LibTorch has CUDA, every visible GPU.
 inline HardwareInfo detect_hardware() {
   HardwareInfo info;
+  info.blas_core = openblas_core();
+#if defined(__x86_64__) || defined(__i386__)
+  info.blas_warning = blas_advice(info.blas_core, __builtin_cpu_supports("avx2") != 0,
+                                  __builtin_cpu_supports("avx512f") != 0);
+#endif
   const auto pages = ::sysconf(_SC_PHYS_PAGES);
   const auto page_size = ::sysconf(_SC_PAGESIZE);
   info.host_total_bytes = (pages > 0 && page_size > 0) ? static_cast<std::int64_t>(pages) * page_size : 0;
@@ -124,6 +161,8 @@ inline HardwareInfo detect_hardware() {
 inline std::ostream& operator<<(std::ostream& os, const HardwareInfo& hw) {
   os << "host: " << hw.cpu_threads << " CPU threads, " << detail::format_bytes(hw.host_total_bytes)
      << " RAM (" << detail::format_bytes(hw.host_available_bytes) << " available)\n";
+  if (!hw.blas_core.empty()) os << "blas: OpenBLAS, " << hw.blas_core << " kernels\n";
+  if (!hw.blas_warning.empty()) os << "warning: " << hw.blas_warning << "\n";
   if (hw.gpus.empty()) os << "gpus: none (CPU-only host)\n";
   for (const auto& g : hw.gpus)
     os << "gpu " << g.index << ": " << g.name << ", " << detail::format_bytes(g.total_bytes)

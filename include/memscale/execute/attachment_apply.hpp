@@ -225,7 +225,7 @@ inline void attachment::apply_units(std::size_t c, const std::vector<unit>& unit
     for (std::size_t k = 0; k < target.size() && k < chain.compacts_saved.size(); ++k)
       if (chain.compacts_saved[k] && !run_whole[k] && target[k].ptr() == chain.originals[k].ptr())
         target[k] = torch::nn::AnyModule(std::make_shared<CompactSavedSlotImpl>(
-            std::move(target[k]), saved_compaction{config_.pack_saved_masks, config_.recompute_saved_outputs}));
+            std::move(target[k]), saved_compaction_of(config_)));
   }
   // A chain whose slots are not all Tensor -> Tensor runs as it is: the
   // autocast wrapper has one Tensor forward.

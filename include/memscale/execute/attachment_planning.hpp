@@ -236,7 +236,7 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
     if (!selective.note.empty()) out.notes.push_back(selective.note);
   }
   compaction_choice masks;
-  if (config_.pack_saved_masks || config_.recompute_saved_outputs) {
+  if (saved_compaction_of(config_).any()) {
     masks = choose_saved_compaction(costs, supported, in, decided);
     if (!masks.note.empty()) out.notes.push_back(masks.note);
   }

@@ -32,6 +32,8 @@
 namespace memscale::core {
 
 inline void attachment::add_technique_notes() {
+  if (!report_.hardware.blas_warning.empty() && !report_.hardware.has_gpu())
+    report_.notes.push_back(report_.hardware.blas_warning);
   if (techniques_.tile && !config_.enable_checkpointing)
     report_.notes.emplace_back("enable_tiling: tiling chunks checkpointed runs, and enable_checkpointing is off, "
                                "so nothing is tiled");

@@ -150,6 +150,7 @@ inline void to_json(nlohmann::json& j, const Config& c) {
        {"selective_recompute", c.selective_recompute},
        {"pack_saved_masks", c.pack_saved_masks},
        {"recompute_saved_outputs", c.recompute_saved_outputs},
+       {"pack_saved_zeros", c.pack_saved_zeros},
        {"use_static_profiling", c.use_static_profiling},
        {"use_empirical_fallback", c.use_empirical_fallback},
        {"warmup_steps", c.warmup_steps},
@@ -195,6 +196,7 @@ inline void from_json(const nlohmann::json& j, Config& c) {
   field("selective_recompute", c.selective_recompute);
   field("pack_saved_masks", c.pack_saved_masks);
   field("recompute_saved_outputs", c.recompute_saved_outputs);
+  field("pack_saved_zeros", c.pack_saved_zeros);
   field("use_static_profiling", c.use_static_profiling);
   field("use_empirical_fallback", c.use_empirical_fallback);
   field("warmup_steps", c.warmup_steps);

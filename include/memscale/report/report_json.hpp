@@ -33,7 +33,9 @@ inline constexpr const char* report_json_schema = "memscale.report";
 inline constexpr int report_json_schema_version = 1;
 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(gpu_info, index, name, total_bytes, free_bytes)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(HardwareInfo, host_total_bytes, host_available_bytes, cpu_threads, gpus)
+// With defaults: a report written before blas_core and blas_warning existed still reads.
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(HardwareInfo, host_total_bytes, host_available_bytes, cpu_threads, gpus,
+                                                blas_core, blas_warning)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(slot_cost, input_bytes, output_bytes, output_is_view, saved_bytes, saves_input,
                                    saves_output, mutates_input, backward_from_input, workspace_bytes,
                                    backward_workspace_bytes, forward_seconds, backward_seconds,

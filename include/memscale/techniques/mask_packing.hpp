@@ -222,6 +222,46 @@ inline at::Tensor unpack_mask(const packed_mask& p) {
   return t;
 }
 
+/// x * mask where the mask is kept as bits, without writing the mask back:
+/// each element x[i] * (bit i ? value : +0), the multiplication the forward made
+/// (Dropout's product of its input and its noise). Undefined where the operands
+/// are not a contiguous float or double tensor and a mask of its sizes and type.
+template <class T, class U>
+at::Tensor multiply_by_bits(const at::Tensor& x, const packed_mask& m) {
+  auto out = at::empty(m.sizes, x.options());
+  const auto n = x.numel();
+  const auto* in = x.data_ptr<T>();
+  auto* o = out.data_ptr<T>();
+  const auto* bits = m.bits.data_ptr<std::uint8_t>();
+  T value;
+  const auto pattern = static_cast<U>(m.value);
+  std::memcpy(&value, &pattern, sizeof(T));
+  at::parallel_for(0, (n + 7) / 8, 1 << 13, [&](std::int64_t begin, std::int64_t end) {
+#if defined(__SSE2__)
+    if constexpr (std::is_same_v<T, float>) {  // whole bytes of eight; the last, partial one below
+      const auto whole = std::min(end, n / 8);
+      if (begin < whole) sse2_bits::multiply(in, bits, o, begin, whole, pattern);
+      begin = std::max(begin, whole);
+    }
+#endif
+    for (std::int64_t i = begin; i < end; ++i) {
+      const unsigned byte = bits[i];
+      for (std::int64_t j = 0; j < 8 && 8 * i + j < n; ++j)
+        o[8 * i + j] = in[8 * i + j] * (((byte >> j) & 1U) != 0 ? value : T(0));
+    }
+  });
+  return out;
+}
+
+inline at::Tensor multiply_by_bits(const at::Tensor& x, const packed_mask& m) {
+  if (!x.defined() || !x.is_contiguous() || x.sizes() != c10::IntArrayRef(m.sizes) || x.scalar_type() != m.dtype ||
+      !x.device().is_cpu())
+    return {};
+  if (m.dtype == at::kFloat) return multiply_by_bits<float, std::uint32_t>(x, m);
+  if (m.dtype == at::kDouble) return multiply_by_bits<double, std::uint64_t>(x, m);
+  return {};
+}
+
 }  // namespace detail
 
 }  // namespace memscale

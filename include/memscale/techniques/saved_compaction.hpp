@@ -1,7 +1,8 @@
 // memscale — saved tensors kept compact in the units a plan leaves in place:
-// masks as bits (Config::pack_saved_masks; techniques/mask_packing.hpp) and
+// masks as bits (Config::pack_saved_masks; techniques/mask_packing.hpp),
 // outputs computed again from inputs that are saved anyway
-// (Config::recompute_saved_outputs; detail/output_recipes.hpp). One saved-tensor
+// (Config::recompute_saved_outputs; detail/output_recipes.hpp), and rows
+// without their trailing +0 (Config::pack_saved_zeros; zero_tails.hpp). One saved-tensor
 // hook scope (offload/hooks.hpp) decides per tensor, in this order:
 //   - a tensor already saved in the scope (the same storage, view and version)
 //     shares what it was stored as;
@@ -9,6 +10,7 @@
 //     was saved in the scope (an absent optional aside), is stored as a recipe
 //     holding what those inputs are stored as (so a mask input stays bits);
 //   - a mask is stored as bits;
+//   - a tensor whose rows end in +0 (causal attention's softmax) without them;
 //   - anything else as it is (detached: mask_packing.hpp's pack_mask says why).
 // Backward gets every tensor back bit for bit. A recipe's input written in
 // place since the forward fails the unpack with an error saying so (autograd
@@ -38,6 +40,7 @@
 #include <memscale/offload/hooks.hpp>
 #include <memscale/techniques/checkpoint_segment.hpp>
 #include <memscale/techniques/mask_packing.hpp>
+#include <memscale/techniques/zero_tails.hpp>
 
 namespace memscale {
 
@@ -45,7 +48,8 @@ namespace memscale {
 struct saved_compaction {
   bool masks = false;
   bool outputs = false;
-  [[nodiscard]] bool any() const noexcept { return masks || outputs; }
+  bool zeros = false;  ///< Config::pack_saved_zeros (techniques/zero_tails.hpp)
+  [[nodiscard]] bool any() const noexcept { return masks || outputs || zeros; }
 };
 
 namespace detail {
@@ -58,7 +62,8 @@ inline std::atomic<std::int64_t>& recipe_count() {
 
 /// One saved tensor as a compaction scope stores it.
 struct saved_entry {
-  packed_mask stored;  ///< as it is, or as bits (no recipe); as it is in a census
+  packed_mask stored;  ///< as it is, or as bits (no recipe, no tails); as it is in a census
+  zero_tails tails;    ///< set: its rows without their trailing +0 (no recipe)
   std::shared_ptr<const output_recipe> recipe;        ///< set: computed again from `inputs`
   std::vector<std::shared_ptr<saved_entry>> inputs;  ///< the recipe's, as saved (null: an absent optional)
   std::vector<std::int64_t> input_versions;          ///< of those stored as they are, at the op
@@ -68,46 +73,6 @@ struct saved_entry {
   double bits_seconds = 0.0;  ///< census: what packing it as bits took (writing it back: as long again)
 };
 
-/// x * mask where the mask is kept as bits, without writing the mask back:
-/// each element x[i] * (bit i ? value : +0), the multiplication the forward made
-/// (Dropout's product of its input and its noise). Undefined where the operands
-/// are not a contiguous float or double tensor and a mask of its sizes and type.
-template <class T, class U>
-at::Tensor multiply_by_bits(const at::Tensor& x, const packed_mask& m) {
-  auto out = at::empty(m.sizes, x.options());
-  const auto n = x.numel();
-  const auto* in = x.data_ptr<T>();
-  auto* o = out.data_ptr<T>();
-  const auto* bits = m.bits.data_ptr<std::uint8_t>();
-  T value;
-  const auto pattern = static_cast<U>(m.value);
-  std::memcpy(&value, &pattern, sizeof(T));
-  at::parallel_for(0, (n + 7) / 8, 1 << 13, [&](std::int64_t begin, std::int64_t end) {
-#if defined(__SSE2__)
-    if constexpr (std::is_same_v<T, float>) {  // whole bytes of eight; the last, partial one below
-      const auto whole = std::min(end, n / 8);
-      if (begin < whole) sse2_bits::multiply(in, bits, o, begin, whole, pattern);
-      begin = std::max(begin, whole);
-    }
-#endif
-    for (std::int64_t i = begin; i < end; ++i) {
-      const unsigned byte = bits[i];
-      for (std::int64_t j = 0; j < 8 && 8 * i + j < n; ++j)
-        o[8 * i + j] = in[8 * i + j] * (((byte >> j) & 1U) != 0 ? value : T(0));
-    }
-  });
-  return out;
-}
-
-inline at::Tensor multiply_by_bits(const at::Tensor& x, const packed_mask& m) {
-  if (!x.defined() || !x.is_contiguous() || x.sizes() != c10::IntArrayRef(m.sizes) || x.scalar_type() != m.dtype ||
-      !x.device().is_cpu())
-    return {};
-  if (m.dtype == at::kFloat) return multiply_by_bits<float, std::uint32_t>(x, m);
-  if (m.dtype == at::kDouble) return multiply_by_bits<double, std::uint64_t>(x, m);
-  return {};
-}
-
 /// A mul recipe one of whose operands is kept as bits, computed from the bits.
 inline at::Tensor product_with_mask(const saved_entry& e) {
   if (e.recipe->op != output_op::mul || e.inputs.size() != 2 || !e.inputs[0] || !e.inputs[1]) return {};
@@ -115,9 +80,10 @@ inline at::Tensor product_with_mask(const saved_entry& e) {
     const auto& mask = *e.inputs[static_cast<std::size_t>(k)];
     const auto& other = *e.inputs[static_cast<std::size_t>(1 - k)];
     if (mask.recipe || !mask.stored.bits.defined()) continue;
-    if (other.recipe || !other.stored.plain.defined()) return {};
-    if (other.stored.plain._version() != e.input_versions[static_cast<std::size_t>(1 - k)]) return {};  // unpack_entry says
-    auto out = multiply_by_bits(other.stored.plain, mask.stored);
+    if (other.recipe || (!other.stored.plain.defined() && !other.tails.defined())) return {};
+    if (other.stored.plain.defined() && other.stored.plain._version() != e.input_versions[static_cast<std::size_t>(1 - k)])
+      return {};  // unpack_entry says
+    auto out = multiply_by_bits(other.tails.defined() ? unpack_zero_tails(other.tails) : other.stored.plain, mask.stored);
     if (out.defined() && out.strides().vec() == e.recipe->strides) return out;
     return {};
   }
@@ -126,7 +92,7 @@ inline at::Tensor product_with_mask(const saved_entry& e) {
 
 /// The saved tensor back, bit for bit.
 inline at::Tensor unpack_entry(const saved_entry& e) {
-  if (!e.recipe) return unpack_mask(e.stored);
+  if (!e.recipe) return e.tails.defined() ? unpack_zero_tails(e.tails) : unpack_mask(e.stored);
   if (auto product = product_with_mask(e); product.defined())
     return product.as_strided(e.sizes, e.strides, e.offset);
   std::vector<at::Tensor> inputs;
@@ -220,7 +186,8 @@ class compaction_state final : public output_frame {
         packed_mask_count().fetch_add(1, std::memory_order_relaxed);
       }
     }
-    if (!e->recipe && !e->stored.bits.defined()) e->stored.plain = t.detach();
+    if (!e->recipe && !e->stored.bits.defined() && what_.zeros && zero_tails_candidate(t)) pack_tails(t, e);
+    if (!e->recipe && !e->stored.bits.defined() && !e->tails.defined()) e->stored.plain = t.detach();
     saved_[storage].push_back({e, static_cast<std::int64_t>(t._version())});
     return e;
   }
@@ -229,10 +196,11 @@ class compaction_state final : public output_frame {
   /// the caller holds) is stored as it is instead: recomputing it frees nothing.
   void release_returned(const at::Tensor& returned) {
     for (auto& weak : recipes_)
-      if (auto e = weak.lock(); e && e->recipe && on_storage(returned, e->source)) {
+      if (auto e = weak.lock(); e && (e->recipe || e->tails.defined()) && on_storage(returned, e->source)) {
         e->stored.plain = returned.detach().as_strided(e->sizes, e->strides, e->offset);
         e->recipe.reset();
         e->inputs.clear();
+        e->tails = {};
       }
   }
 
@@ -288,6 +256,30 @@ class compaction_state final : public output_frame {
         return e;
     }
     return nullptr;
+  }
+
+  /// Stores `t` (a zero_tails_candidate) as its rows without their trailing +0
+  /// where that frees a quarter of it; a census counts it (packing and writing
+  /// back are a copy each, counted as twice the packing).
+  void pack_tails(const at::Tensor& t, const std::shared_ptr<saved_entry>& e) {
+    const auto start = std::chrono::steady_clock::now();
+    zero_tails z;
+    const bool packed = pack_zero_tails(t, z);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    own_seconds_ += seconds;
+    if (!packed) return;
+    const auto bytes = static_cast<std::int64_t>(t.nbytes()) - z.nbytes();
+    if (dry_) {
+      if (!counted_.insert(t.storage().unsafeGetStorageImpl()).second) return;
+      freed_ += bytes;
+      seconds_ += 2.0 * seconds;
+      largest_ = std::max<std::int64_t>(largest_, static_cast<std::int64_t>(t.nbytes()));
+      recipe_bytes_.emplace_back(weak_storage_of(t), bytes);
+      return;
+    }
+    e->tails = std::move(z);
+    recipes_.push_back(e);
+    zero_tails_count().fetch_add(1, std::memory_order_relaxed);
   }
 
   /// Makes `e` a recipe where `t` is an output computed here from inputs saved here.
