@@ -308,8 +308,12 @@ TEST_CASE("rows that end in +0 are kept without their tails and written back bit
   auto little = torch::randn({64, 300});
   little.narrow(1, 250, 50).zero_();  // a sixth of it: under the quarter it must free
   CHECK_FALSE(pack_zero_tails(little, z));
-  CHECK_FALSE(memscale::detail::zero_tails_candidate(torch::zeros({300, 64}).t()));  // not contiguous
-  CHECK_FALSE(memscale::detail::zero_tails_candidate(torch::zeros({64, 8})));        // rows too short, too small
+  const auto activation = [](torch::Tensor t) { return t.requires_grad_() * 1.0; };  // computed in a graph
+  CHECK(memscale::detail::zero_tails_candidate(activation(torch::zeros({300, 64}))));
+  CHECK_FALSE(memscale::detail::zero_tails_candidate(torch::zeros({300, 64})));  // a leaf: held anyway
+  CHECK_FALSE(memscale::detail::zero_tails_candidate(torch::zeros({300, 64}).requires_grad_()));  // a parameter
+  CHECK_FALSE(memscale::detail::zero_tails_candidate(activation(torch::zeros({300, 64})).t()));  // not contiguous
+  CHECK_FALSE(memscale::detail::zero_tails_candidate(activation(torch::zeros({64, 8}))));  // rows too short, too small
   CHECK_FALSE(memscale::detail::zero_tails_candidate(torch::zeros({400, 64}, at::kLong)));
 }
 

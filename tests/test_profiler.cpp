@@ -269,6 +269,10 @@ TEST_CASE("hardware detection reports the host, and GPUs only where CUDA is pres
   std::ostringstream os;
   os << hw;
   CHECK_THAT(os.str(), Catch::Contains("host:"));
+  // Any byte count prints, the most negative one too (its negation overflowed
+  // before: UBSan caught it when test_fuzz read a report with it).
+  CHECK(memscale::detail::format_bytes(std::numeric_limits<std::int64_t>::min()) == "-8388608.00 TiB");
+  CHECK(memscale::detail::format_bytes(-1536) == "-1.50 KiB");
   // LibTorch here runs its products on OpenBLAS when its symbols are in the
   // process (Debian's libtorch links libblas.so.3, OpenBLAS by the README's setup).
   if (dlsym(RTLD_DEFAULT, "openblas_get_corename") != nullptr) {

@@ -2,6 +2,7 @@
 // LibTorch has CUDA, host RAM always; a CPU-only host is a first-class target.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <optional>
@@ -67,7 +68,7 @@ namespace detail {
 
 inline std::string format_bytes(std::int64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double value = static_cast<double>(bytes < 0 ? -bytes : bytes);
+  double value = std::abs(static_cast<double>(bytes));  // not -bytes: INT64_MIN has no negation
   int unit = 0;
   while (value >= 1024.0 && unit < 4) {
     value /= 1024.0;

@@ -47,10 +47,13 @@ struct zero_tails {
   }
 };
 
-/// Whether `t` may be stored as zero_tails: floating, dense and contiguous on
-/// CPU, large, rows of at least 16 elements.
+/// Whether `t` may be stored as zero_tails: an activation (computed in the
+/// graph: a parameter, a buffer or the caller's input stays held anyway, and a
+/// copy of it would only add), floating, dense and contiguous on CPU, large,
+/// rows of at least 16 elements.
 inline bool zero_tails_candidate(const at::Tensor& t) {
-  return t.defined() && t.layout() == c10::kStrided && t.device().is_cpu() && c10::isFloatingType(t.scalar_type()) &&
+  return t.defined() && !t.is_leaf() && t.layout() == c10::kStrided && t.device().is_cpu() &&
+         c10::isFloatingType(t.scalar_type()) &&
          t.dim() >= 2 && t.size(-1) >= 16 && t.is_contiguous() && !t.is_neg() && !t.is_conj() && t.has_storage() &&
          t.numel() >= min_packed_elements && t.storage().data() != nullptr;
 }
