@@ -317,7 +317,8 @@ TEST_CASE("rows that end in +0 are kept without their tails and written back bit
   CHECK_FALSE(memscale::detail::zero_tails_candidate(torch::zeros({400, 64}, at::kLong)));
 }
 
-TEST_CASE("causal attention's softmax output is kept without its +0 tails: same gradients, less held", "[masks][memory]") {
+TEST_CASE("causal attention's softmax output is kept without its +0 tails: same gradients, less held",
+          "[masks][memory]") {
   memscale::memory_tracker::install();
   auto o = test::small_gpt();
   torch::manual_seed(6);

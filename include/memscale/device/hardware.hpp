@@ -162,8 +162,12 @@ inline HardwareInfo detect_hardware() {
 inline std::ostream& operator<<(std::ostream& os, const HardwareInfo& hw) {
   os << "host: " << hw.cpu_threads << " CPU threads, " << detail::format_bytes(hw.host_total_bytes)
      << " RAM (" << detail::format_bytes(hw.host_available_bytes) << " available)\n";
-  if (!hw.blas_core.empty()) os << "blas: OpenBLAS, " << hw.blas_core << " kernels\n";
-  if (!hw.blas_warning.empty()) os << "warning: " << hw.blas_warning << "\n";
+  if (!hw.blas_core.empty())
+    os << "blas: OpenBLAS, " << hw.blas_core << " kernels"
+       << (hw.blas_warning.empty() ? ""
+                                   : " (generic for this CPU: set OPENBLAS_CORETYPE; HardwareInfo::blas_warning "
+                                     "says which)")
+       << "\n";
   if (hw.gpus.empty()) os << "gpus: none (CPU-only host)\n";
   for (const auto& g : hw.gpus)
     os << "gpu " << g.index << ": " << g.name << ", " << detail::format_bytes(g.total_bytes)

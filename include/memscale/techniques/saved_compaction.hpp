@@ -81,9 +81,10 @@ inline at::Tensor product_with_mask(const saved_entry& e) {
     const auto& other = *e.inputs[static_cast<std::size_t>(1 - k)];
     if (mask.recipe || !mask.stored.bits.defined()) continue;
     if (other.recipe || (!other.stored.plain.defined() && !other.tails.defined())) return {};
-    if (other.stored.plain.defined() && other.stored.plain._version() != e.input_versions[static_cast<std::size_t>(1 - k)])
+    const auto& plain = other.stored.plain;
+    if (plain.defined() && plain._version() != e.input_versions[static_cast<std::size_t>(1 - k)])
       return {};  // unpack_entry says
-    auto out = multiply_by_bits(other.tails.defined() ? unpack_zero_tails(other.tails) : other.stored.plain, mask.stored);
+    auto out = multiply_by_bits(other.tails.defined() ? unpack_zero_tails(other.tails) : plain, mask.stored);
     if (out.defined() && out.strides().vec() == e.recipe->strides) return out;
     return {};
   }

@@ -58,6 +58,13 @@ inline bool zero_tails_candidate(const at::Tensor& t) {
          t.numel() >= min_packed_elements && t.storage().data() != nullptr;
 }
 
+/// Where each row's kept elements start: the running sum of `len`.
+inline std::vector<std::int64_t> row_starts(const std::int64_t* len, std::int64_t rows) {
+  std::vector<std::int64_t> start(static_cast<std::size_t>(rows) + 1, 0);
+  for (std::size_t r = 0; r < static_cast<std::size_t>(rows); ++r) start[r + 1] = start[r] + len[r];
+  return start;
+}
+
 /// Packs `t` (a zero_tails_candidate) into `out` where the rows' trailing +0
 /// elements come to at least `min_fraction` of its bytes; false (and `out`
 /// untouched) elsewhere.
@@ -80,13 +87,13 @@ bool pack_zero_tails(const at::Tensor& t, zero_tails& out, double min_fraction =
   for (std::int64_t r = 0; r < rows; ++r) kept += len[r];
   const auto dropped = t.numel() - kept;
   if (static_cast<double>(dropped) < min_fraction * static_cast<double>(t.numel())) return false;
-  std::vector<std::int64_t> start(static_cast<std::size_t>(rows) + 1, 0);
-  for (std::int64_t r = 0; r < rows; ++r) start[static_cast<std::size_t>(r) + 1] = start[static_cast<std::size_t>(r)] + len[r];
+  const auto start = row_starts(len, rows);
   auto bytes = at::empty({std::max<std::int64_t>(1, kept * static_cast<std::int64_t>(sizeof(U)))}, at::kByte);
   auto* dst = static_cast<U*>(bytes.data_ptr());
   at::parallel_for(0, rows, 256, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin; r < end; ++r)
-      std::memcpy(dst + start[static_cast<std::size_t>(r)], data + r * row, static_cast<std::size_t>(len[r]) * sizeof(U));
+      std::memcpy(dst + start[static_cast<std::size_t>(r)], data + r * row,
+                  static_cast<std::size_t>(len[r]) * sizeof(U));
   });
   out.kept = std::move(bytes);
   out.lengths = std::move(lengths);
@@ -106,8 +113,7 @@ inline at::Tensor unpack_zero_tails(const zero_tails& p) {
   const auto row = t.size(-1);
   const auto rows = t.numel() / row;
   const auto* len = p.lengths.data_ptr<std::int64_t>();
-  std::vector<std::int64_t> start(static_cast<std::size_t>(rows) + 1, 0);
-  for (std::int64_t r = 0; r < rows; ++r) start[static_cast<std::size_t>(r) + 1] = start[static_cast<std::size_t>(r)] + len[r];
+  const auto start = row_starts(len, rows);
   const auto* src = static_cast<const char*>(p.kept.data_ptr());
   auto* dst = static_cast<char*>(t.data_ptr());
   at::parallel_for(0, rows, 256, [&](std::int64_t begin, std::int64_t end) {
