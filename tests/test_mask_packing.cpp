@@ -75,7 +75,7 @@ TEST_CASE("a saved mask is kept as bits and written back bit for bit; anything e
   const auto product = memscale::detail::multiply_by_bits(x, memscale::detail::pack_mask(noise));
   const auto expected = x * noise;
   REQUIRE(product.defined());
-  CHECK(std::memcmp(product.data_ptr(), expected.data_ptr(), expected.nbytes()) == 0);
+  CHECK(same_bytes(product, expected));
   CHECK_FALSE(memscale::detail::multiply_by_bits(x.t(), memscale::detail::pack_mask(noise)).defined());
 }
 
