@@ -48,6 +48,16 @@ Fn* symbol(const char* name) {
   return reinterpret_cast<Fn*>(::dlsym(RTLD_DEFAULT, name));
 }
 
+/// The malloc this run's processes use: this process's, and what the
+/// one-process-per-row children do with glibc's mmap threshold.
+inline std::string malloc_in_use() {
+  const auto kind = memscale::process_malloc();
+  if (kind != memscale::malloc_kind::glibc) return std::string(memscale::to_string(kind)) + ", in every process";
+  return solo().default_malloc ? "glibc, its default (dynamic) mmap threshold in every process"
+                               : "glibc; the rows alone in a fresh process fix its mmap threshold "
+                                 "(fix_malloc_mmap_threshold()), the interleaved rows keep the default";
+}
+
 inline std::string blas_details() {
   std::ostringstream os;
   if (auto* threads = symbol<int()>("openblas_get_num_threads")) os << "OpenBLAS threads " << threads();

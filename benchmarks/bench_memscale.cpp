@@ -375,6 +375,7 @@ int main(int argc, char** argv) {
   std::cout << "blas:     " << host_info::blas_in_use() << "\n";
   if (const auto details = blas_details(); !details.empty()) std::cout << "          " << details << "\n";
   if (!hw.blas_warning.empty()) std::cout << "warning:  " << hw.blas_warning << "\n";
+  std::cout << "malloc:   " << malloc_in_use() << "\n";
   std::cout << "libtorch: " << TORCH_VERSION << " (CPU)\n";
   std::cout << "load avg: " << load_average() << " (1/5/15 min, at start)\n";
 

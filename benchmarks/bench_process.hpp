@@ -3,11 +3,11 @@
 // what a row's process holds is its own: the step's resident peak (VmHWM) over
 // the process before the model was built, beside the planner's projected peak,
 // and the step time with no other row sharing the process's heaps and caches.
-// The children call memscale::fix_malloc_mmap_threshold() first, as the
-// planner's note asks of a CPU budget that is to hold for the process
-// (--default-malloc: they do not). Their
-// losses must equal the parent's baseline row's, bit for bit (rows that keep
-// the arithmetic).
+// Under glibc's malloc the children call memscale::fix_malloc_mmap_threshold()
+// first, as the planner's note asks of a CPU budget that is to hold for the
+// process (--default-malloc: they do not); under tcmalloc (LD_PRELOAD) there is
+// nothing to fix. Their losses must equal the parent's baseline row's, bit for
+// bit (rows that keep the arithmetic).
 #pragma once
 
 #include <unistd.h>
@@ -132,9 +132,8 @@ inline bool print_process_rows(const Workload& w, const std::string& part, int s
   }
   os << "\n";
   t.print(os);
-  os << "one process per row: each row alone in a fresh process (this program, --solo), "
-     << (solo().default_malloc ? "with glibc's default mmap threshold" : "after fix_malloc_mmap_threshold()")
-     << ", its medians over "
+  os << "one process per row: each row alone in a fresh process (this program, --solo; malloc: "
+     << malloc_in_use() << "), its medians over "
      << steps << " steps, each after an unmeasured one as in the turns above, after the same warm-up and "
         "calibration step; projected (time): as in the table above, "
         "from the plan made in that process (the baseline row: the Conservative row's, which applies nothing); "

@@ -7,9 +7,10 @@ set -euo pipefail
 packages=(cmake g++ make pkg-config libtorch-dev libgloo-dev catch2 librange-v3-dev nlohmann-json3-dev libspdlog-dev
           libcpp-httplib-dev libopenblas0-pthread)
 # --tests: what the tests run against besides the build: a Prometheus server
-# and promtool (the metrics endpoint), headless Chromium (the HTML report).
+# and promtool (the metrics endpoint), headless Chromium (the HTML report),
+# tcmalloc (a child process preloads it: the malloc memscale detects).
 if [[ "${1:-}" == "--tests" ]]; then
-  packages+=(prometheus chromium)
+  packages+=(prometheus chromium libtcmalloc-minimal4)
 fi
 
 missing=()

@@ -336,9 +336,10 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
     if (!memory_tracker::installed())
       result.notes.push_back("the counting CPU allocator is not installed (memscale::memory_tracker::install()): "
                              "trials ran without the hard limit, so one over the budget ran to its end");
-    if (!fixed_malloc_mmap_threshold())
-      result.notes.push_back("glibc's mmap threshold is not fixed (memscale::fix_malloc_mmap_threshold()): the "
-                             "process's measured peaks include what malloc retains and vary run to run");
+    if (!process_memory_follows_allocator())
+      result.notes.push_back(malloc_retention_advice() +
+                             "; until then the trials' measured peaks include what malloc retains and vary run "
+                             "to run");
   }
   result.seconds = elapsed();
   if (options.use_cache && !result.cache_file.empty()) {

@@ -1,7 +1,8 @@
 // memscale::detail — what the process holds (Linux /proc/self): resident bytes,
 // their high-water mark and its reset (one registry, so that measurements nest);
-// and glibc's mmap threshold, which decides
-// whether freed tensor memory goes back to the system. Used by predict() to
+// glibc's mmap threshold, which decides whether freed tensor memory goes back
+// to the system; and which malloc the process runs on (glibc's, or tcmalloc,
+// jemalloc or mimalloc preloaded or linked in its place). Used by predict() to
 // measure what sits outside LibTorch's allocator (oneDNN and BLAS buffers,
 // malloc's retention), and by the benchmarks to measure a step's max RSS growth.
 #pragma once
@@ -18,6 +19,9 @@
 
 #if defined(__GLIBC__)
 #include <malloc.h>
+#endif
+#if defined(__linux__)
+#include <dlfcn.h>
 #endif
 
 namespace memscale {
@@ -116,6 +120,49 @@ inline std::atomic<std::int64_t>& pinned_mmap_threshold() {
 
 }  // namespace detail
 
+/// The malloc that serves the process's allocations (LibTorch's CPU tensors among them).
+enum class malloc_kind { glibc, tcmalloc, jemalloc, mimalloc, other };
+
+[[nodiscard]] constexpr const char* to_string(malloc_kind kind) noexcept {
+  switch (kind) {
+    case malloc_kind::glibc: return "glibc";
+    case malloc_kind::tcmalloc: return "tcmalloc";
+    case malloc_kind::jemalloc: return "jemalloc";
+    case malloc_kind::mimalloc: return "mimalloc";
+    case malloc_kind::other: break;
+  }
+  return "other";
+}
+
+namespace detail {
+/// A function the whole process exports under `name` (the executable, what
+/// LD_PRELOAD put in front, every library loaded), or nullptr.
+template <class Function>
+[[nodiscard]] Function* process_symbol(const char* name) noexcept {
+#if defined(__linux__)
+  return reinterpret_cast<Function*>(::dlsym(RTLD_DEFAULT, name));
+#else
+  (void)name;
+  return nullptr;
+#endif
+}
+}  // namespace detail
+
+/// Which malloc the process runs on, by a symbol only that one exports:
+/// gperftools' tcmalloc (tc_malloc), jemalloc (mallctl), mimalloc (mi_malloc);
+/// glibc's where none is there and the C library is glibc.
+[[nodiscard]] inline malloc_kind process_malloc() noexcept {
+  if (detail::process_symbol<void*(std::size_t)>("tc_malloc") != nullptr) return malloc_kind::tcmalloc;
+  using mallctl_fn = int(const char*, void*, std::size_t*, void*, std::size_t);
+  if (detail::process_symbol<mallctl_fn>("mallctl") != nullptr) return malloc_kind::jemalloc;
+  if (detail::process_symbol<void*(std::size_t)>("mi_malloc") != nullptr) return malloc_kind::mimalloc;
+#if defined(__GLIBC__)
+  return malloc_kind::glibc;
+#else
+  return malloc_kind::other;
+#endif
+}
+
 /// Fixes glibc's mmap threshold at `bytes` (mallopt(M_MMAP_THRESHOLD)): every
 /// block of at least that size is mapped on its own and given back to the system
 /// when freed. By default glibc raises the threshold each time it frees a mapped
@@ -125,11 +172,15 @@ inline std::atomic<std::int64_t>& pinned_mmap_threshold() {
 /// up to 12% between runs of the same program. With the threshold fixed it is the
 /// allocator's peak plus a constant (benchmarks/studies/README.md), which is what
 /// makes memscale::predict's process figures hold. The cost is a page fault per
-/// first touch of each large block (see benchmarks/RESULTS.md). The same as
-/// running with the environment variable MALLOC_MMAP_THRESHOLD_=bytes.
-/// Process-wide; returns false (and changes nothing) where malloc is not glibc's.
+/// first touch of each large block, every step: the benchmark GPT's step took
+/// 1.9x as long in a fresh process on a 2-core VM (benchmarks/RESULTS.md), where
+/// tcmalloc held 4-11% more at no such cost (process_memory_follows_allocator()).
+/// The same as running with the environment variable MALLOC_MMAP_THRESHOLD_=bytes.
+/// Process-wide; returns false (and changes nothing) where malloc is not glibc's
+/// (process_malloc(): tcmalloc, say, exports a mallopt that does nothing).
 inline bool fix_malloc_mmap_threshold(std::int64_t bytes = std::int64_t{128} << 10) {
 #if defined(__GLIBC__)
+  if (process_malloc() != malloc_kind::glibc) return false;
   if (bytes <= 0 || bytes > (std::int64_t{32} << 20)) return false;  // glibc's HEAP_MAX / 2 on 64-bit
   if (mallopt(M_MMAP_THRESHOLD, static_cast<int>(bytes)) != 1) return false;
   detail::pinned_mmap_threshold() = bytes;
@@ -141,13 +192,22 @@ inline bool fix_malloc_mmap_threshold(std::int64_t bytes = std::int64_t{128} << 
 }
 
 namespace detail {
-/// Gives malloc's free pages back to the system (glibc's malloc_trim(0)): with
+/// Gives malloc's free pages back to the system: glibc's malloc_trim(0) (with
 /// the dynamic mmap threshold, what wrap's full-batch profiling freed would
-/// otherwise stay resident for the rest of the process. No-op elsewhere.
+/// otherwise stay resident for the rest of the process), tcmalloc's
+/// MallocExtension_ReleaseFreeMemory(). No-op under another malloc.
 inline void release_free_heap() noexcept {
+  switch (process_malloc()) {
+    case malloc_kind::tcmalloc:
+      if (auto* release = process_symbol<void()>("MallocExtension_ReleaseFreeMemory")) release();
+      return;
+    case malloc_kind::glibc:
 #if defined(__GLIBC__)
-  (void)malloc_trim(0);
+      (void)malloc_trim(0);
 #endif
+      return;
+    default: return;
+  }
 }
 }  // namespace detail
 
@@ -163,6 +223,33 @@ inline void release_free_heap() noexcept {
   }
 #endif
   return std::nullopt;
+}
+
+/// Whether what the process holds follows LibTorch's allocator's live bytes, so
+/// that a plan's cut is the process's (the process-true figures of predict, the
+/// planner's CPU budget and the benchmarks): glibc's malloc with its mmap
+/// threshold fixed (every freed large block goes back to the system), or
+/// tcmalloc, which reuses freed spans and hands them back over time without the
+/// fixed threshold's page fault per large block each step (the benchmark GPT's
+/// process peaks 4-11% above the fixed threshold's, its steps about twice as
+/// fast; benchmarks/RESULTS.md, "tcmalloc").
+[[nodiscard]] inline bool process_memory_follows_allocator() {
+  const auto kind = process_malloc();
+  return kind == malloc_kind::tcmalloc || (kind == malloc_kind::glibc && fixed_malloc_mmap_threshold().has_value());
+}
+
+/// Where process_memory_follows_allocator() is false: why, and what makes the
+/// process's figures hold, for a Report's or a tuner's note.
+[[nodiscard]] inline std::string malloc_retention_advice() {
+  const auto kind = process_malloc();
+  if (kind == malloc_kind::glibc)
+    return "glibc's mmap threshold is not fixed: freed tensor memory may stay resident in malloc's heaps. "
+           "memscale::fix_malloc_mmap_threshold() (or MALLOC_MMAP_THRESHOLD_=131072) returns it, at the cost of a "
+           "page fault per first touch of each large block every step; tcmalloc returns it without that cost "
+           "(LD_PRELOAD=libtcmalloc_minimal.so.4, Debian's libtcmalloc-minimal4; benchmarks/RESULTS.md)";
+  return std::string("malloc is ") + to_string(kind) +
+         ", under which memscale has not measured what the process keeps of freed tensor memory (it has under "
+         "tcmalloc, and glibc's malloc with memscale::fix_malloc_mmap_threshold())";
 }
 
 }  // namespace memscale

@@ -156,8 +156,9 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
     box.reset();  // gradients, buffers and the RNG as they were
     attached->start_metrics_endpoint();  // noexcept; before add(), so that a detach() stops it
     registry::global().add(root, attached);
-    // Profiling ran the units at the full batch; with glibc's dynamic threshold
-    // the heap would keep what it freed, near the baseline's peak, whatever the plan.
+    // Profiling ran the units at the full batch; glibc's heap with its dynamic
+    // threshold (or tcmalloc's page heap, for a while) would keep what it freed,
+    // near the baseline's peak, whatever the plan.
     if (outside && !fixed_malloc_mmap_threshold()) memscale::detail::release_free_heap();
   } catch (...) {
     attached->restore();

@@ -156,11 +156,10 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
                             "holds the memory-reporting slot): what it holds outside LibTorch's allocator is "
                             "not reserved in the budget");
       }
-      if (config_.memory_budget_gb && !fixed_malloc_mmap_threshold())
-        out.notes.push_back("glibc's mmap threshold is not fixed: freed tensor memory may stay resident in "
-                            "malloc's heaps, so the process can hold well above the planned peak; call "
-                            "memscale::fix_malloc_mmap_threshold() (or set MALLOC_MMAP_THRESHOLD_=131072) "
-                            "before training for a CPU budget that holds");
+      if (config_.memory_budget_gb && !process_memory_follows_allocator())
+        out.notes.push_back(malloc_retention_advice() +
+                            "; until then the process can hold well above the planned peak, and the CPU budget "
+                            "does not hold for it");
     }
     if (auto root = root_.lock()) {
       for (const auto& p : root->parameters()) {
@@ -344,17 +343,15 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
   }
   // A plan's cut reaches the process only if freed blocks leave it: say so on CPU
   // whatever the budget, once (with a budget, the note above already did).
-  const auto said_threshold = std::any_of(out.notes.begin(), out.notes.end(), [](const std::string& n) {
-    return n.rfind("glibc's mmap threshold is not fixed", 0) == 0;
+  const auto advice = malloc_retention_advice();
+  const auto said_retention = std::any_of(out.notes.begin(), out.notes.end(), [&](const std::string& n) {
+    return n.rfind(advice, 0) == 0;
   });
-  if (device.is_cpu() && !said_threshold && !fixed_malloc_mmap_threshold() &&
+  if (device.is_cpu() && !said_retention && !process_memory_follows_allocator() &&
       decided.planned_peak < decided.baseline_peak)
-    out.notes.push_back("glibc's mmap threshold is not fixed: the plan cuts the step's peak by " +
+    out.notes.push_back(advice + "; until then the plan's cut of " +
                         detail::format_bytes(decided.baseline_peak - decided.planned_peak) +
-                        " for LibTorch's allocator, but freed tensor memory stays in malloc's heaps, so the process "
-                        "may hold little less than without it; memscale::fix_malloc_mmap_threshold() (or "
-                        "MALLOC_MMAP_THRESHOLD_=131072) makes the cut the process's, at the cost of a page fault per "
-                        "first touch of each large block (benchmarks/RESULTS.md)");
+                        " is LibTorch's allocator's, and the process may hold little less than without it");
   if (light_touch(in, decided.baseline_peak)) {
     const auto note = std::string("force_optimize with nothing pressing: the light touch, the step's growth above the "
                                   "static bytes cut to ") +

@@ -304,12 +304,15 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   if (device.is_cpu()) {
     if (outside_cpu >= 0) {
       outside = outside_cpu;
-      if (!fixed_malloc_mmap_threshold())
-        out.notes.push_back(
-            "glibc's mmap threshold is not fixed: freed tensor memory may stay resident in malloc's heaps, and a "
-            "fresh process's step then holds up to 2x the allocator's peak, varying run to run (measured 1.4-2.0x "
-            "on the example GPT and a ResNet-style CNN). Call memscale::fix_malloc_mmap_threshold() (or set "
-            "MALLOC_MMAP_THRESHOLD_=131072) before training for process figures that hold");
+      if (process_malloc() == malloc_kind::tcmalloc)
+        out.notes.push_back("malloc is tcmalloc: predict's process figures are calibrated and checked with glibc's "
+                            "malloc and its mmap threshold fixed; under tcmalloc the benchmark GPT's process peaks "
+                            "were 4-11% above those, and predict's figures are not checked there");
+      else if (!process_memory_follows_allocator())
+        out.notes.push_back(malloc_retention_advice() +
+                            "; until then a fresh process's step may hold up to 2x the allocator's peak, varying "
+                            "run to run (glibc's heaps: 1.4-2.0x measured on the example GPT and a ResNet-style "
+                            "CNN), and the process figures here do not hold");
     } else {
       out.notes.push_back("the process's resident high-water mark could not be reset or read (/proc/self): memory "
                           "outside LibTorch's allocator is not included");
