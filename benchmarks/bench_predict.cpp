@@ -3,9 +3,9 @@
 // For each model and batch size, two fresh processes (this program re-executed):
 //   predict: builds the model and its AdamW, runs memscale::predict (timed);
 //   measure: builds the same model, trains 1 warm-up + 3 steps at that batch and
-//            reads the process's max RSS growth (VmHWM over the steps minus VmRSS
-//            after the build) and the allocator's step peak (counting allocator),
-//            and times the steps.
+//            reads the process's max RSS growth (VmHWM over the 3 steps minus VmRSS
+//            after the build; and, apart, over planning and the warm-up too) and
+//            the allocator's step peak (counting allocator), and times the steps.
 // Then prints predicted vs measured growth with the error, and the time to predict
 // over the median step's time. Models: the example GPT (train_gpt's defaults),
 // the benchmark harness's ResNet-style CNN and MLP chain, and three models the
@@ -151,14 +151,21 @@ int child_measure(const Case& k) {
   memscale::memory_tracker::install();
   auto b = build(k.model, k.batch);
   torch::optim::AdamW opt(b.root->parameters(), torch::optim::AdamWOptions(3e-4));
-  // Planning (wrap's profiling) is part of the run: measured from before it.
+  // predict() is about the steady step: the process's growth over the 3 steps
+  // after the warm-up, from what it held once the model was built. Planning (wrap's
+  // profiling, which runs the units un-optimized) and the warm-up are measured
+  // too, on their own ("first"): a plan whose steps hold less than its planning
+  // did (the GPT's Aggressive plan from batch 16 on) peaks there.
   const auto built_live = memscale::memory_tracker::current_bytes();
+  const auto built = memscale::detail::read_process_memory();
   memscale::memory_tracker::process_peak_scope process;
   std::optional<memscale::OptimizationGuard> guard;
   if (k.aggressive) guard.emplace(b.optimize(config_for(true)));
   std::vector<double> times;
   i64 allocator_peak = 0;
+  std::optional<memscale::memory_tracker::process_peak_scope> steady;
   for (int s = 0; s < 4; ++s) {
+    if (s == 1) steady.emplace();
     memscale::memory_tracker::peak_scope scope;
     const auto t0 = std::chrono::steady_clock::now();
     opt.zero_grad();
@@ -167,10 +174,11 @@ int child_measure(const Case& k) {
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     allocator_peak = std::max(allocator_peak, scope.peak() - built_live);
   }
-  const auto growth = process.peak_growth();
+  const auto growth = built && steady->active() ? steady->peak() - built->resident_bytes : i64{-1};
+  const auto first = process.peak_growth();
   times.erase(times.begin());  // the warm-up
   std::sort(times.begin(), times.end());
-  std::cout << "RESULT growth=" << growth << " allocator=" << allocator_peak
+  std::cout << "RESULT growth=" << growth << " first=" << first << " allocator=" << allocator_peak
             << " step=" << times[times.size() / 2] << "\n";
   return 0;
 }
@@ -230,14 +238,18 @@ int main(int argc, char** argv) {
         for (auto b : batches.at(m)) cases.push_back({m, b, true});
     }
     const std::string self = "/proc/" + std::to_string(getpid()) + "/exe";
-    std::cout << "memscale::predict vs measured (" << (default_malloc ? "glibc's default malloc" : "fix_malloc_mmap_threshold()")
-              << "; AdamW; each figure from a fresh process; growth = the process's max RSS growth over 1 warm-up + "
-                 "3 steps after the model is built)\n";
+    const auto kind = memscale::process_malloc();
+    const std::string malloc_used = kind != memscale::malloc_kind::glibc ? memscale::to_string(kind)
+                                    : default_malloc                     ? "glibc's default malloc"
+                                                                         : "fix_malloc_mmap_threshold()";
+    std::cout << "memscale::predict vs measured (" << malloc_used
+              << "; AdamW; each figure from a fresh process; growth = the process's max RSS over the 3 steps after "
+                 "a warm-up, less its RSS once the model is built; 1st+plan: the same over planning and the warm-up)\n";
     std::cout << std::left << std::setw(10) << "model" << std::setw(12) << "plan" << std::right << std::setw(7)
               << "batch" << std::setw(13) << "predicted" << std::setw(12) << "measured" << std::setw(9) << "error"
               << std::setw(13) << "alloc pred" << std::setw(12) << "alloc meas" << std::setw(9) << "error"
               << std::setw(11) << "predict s" << std::setw(9) << "step s" << std::setw(10) << "pred/step"
-              << std::setw(8) << "calib" << "\n";
+              << std::setw(8) << "calib" << std::setw(13) << "1st+plan" << "\n";
     double worst = 0.0;
     for (const auto& k : cases) {
       const auto p = run_child(self, "predict", k, default_malloc);
@@ -253,7 +265,8 @@ int main(int argc, char** argv) {
                 << "%" << std::noshowpos << std::setw(9) << pa / MiB << " MiB" << std::setw(8) << ma / MiB << " MiB"
                 << std::showpos << std::setw(8) << aerr << "%" << std::noshowpos << std::setprecision(3)
                 << std::setw(11) << ps << std::setw(9) << ss << std::setprecision(2) << std::setw(10) << ps / ss
-                << std::setw(8) << p.at("calib") << "\n";
+                << std::setw(8) << p.at("calib") << std::setprecision(1) << std::setw(9)
+                << std::stod(m.at("first")) / MiB << " MiB\n";
     }
     std::cout << std::fixed << std::setprecision(1) << "largest |error| of the process growth: " << worst << "%\n";
     return 0;

@@ -306,8 +306,8 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
       outside = outside_cpu;
       if (process_malloc() == malloc_kind::tcmalloc)
         out.notes.push_back("malloc is tcmalloc: predict's process figures are calibrated and checked with glibc's "
-                            "malloc and its mmap threshold fixed; under tcmalloc the benchmark GPT's process peaks "
-                            "were 4-11% above those, and predict's figures are not checked there");
+                            "malloc and its mmap threshold fixed (within 1% on the example GPT); under tcmalloc the "
+                            "process held 1-13% more than predicted there (benchmarks/RESULTS.md, \"tcmalloc\")");
       else if (!process_memory_follows_allocator())
         out.notes.push_back(malloc_retention_advice() +
                             "; until then a fresh process's step may hold up to 2x the allocator's peak, varying "
