@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include <dlfcn.h>
-
 #include <torch/torch.h>
+
+#include <memscale/device/process_memory.hpp>
 
 namespace bench {
 
@@ -43,11 +43,6 @@ inline solo_options& solo() {
 
 // --- machine information ---------------------------------------------------------
 
-template <class Fn>
-Fn* symbol(const char* name) {
-  return reinterpret_cast<Fn*>(::dlsym(RTLD_DEFAULT, name));
-}
-
 /// The malloc this run's processes use: this process's, and what the
 /// one-process-per-row children do with glibc's mmap threshold.
 inline std::string malloc_in_use() {
@@ -60,8 +55,9 @@ inline std::string malloc_in_use() {
 
 inline std::string blas_details() {
   std::ostringstream os;
-  if (auto* threads = symbol<int()>("openblas_get_num_threads")) os << "OpenBLAS threads " << threads();
-  if (auto* config = symbol<char*()>("openblas_get_config")) os << ", config: " << config();
+  using memscale::detail::process_symbol;
+  if (auto* threads = process_symbol<int()>("openblas_get_num_threads")) os << "OpenBLAS threads " << threads();
+  if (auto* config = process_symbol<char*()>("openblas_get_config")) os << ", config: " << config();
   return os.str();
 }
 

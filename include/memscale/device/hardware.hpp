@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include <torch/cuda.h>
@@ -107,8 +106,7 @@ inline std::int64_t host_available_bytes(std::int64_t fallback) {
 
 /// OpenBLAS's core name when its symbols are in the process, else "".
 inline std::string openblas_core() {
-  using corename_fn = char* (*)();
-  auto* fn = reinterpret_cast<corename_fn>(::dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  auto* fn = detail::process_symbol<char*()>("openblas_get_corename");
   const char* name = fn != nullptr ? fn() : nullptr;
   return name != nullptr ? std::string(name) : std::string();
 }

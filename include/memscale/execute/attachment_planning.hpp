@@ -343,15 +343,15 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
   }
   // A plan's cut reaches the process only if freed blocks leave it: say so on CPU
   // whatever the budget, once (with a budget, the note above already did).
-  const auto advice = malloc_retention_advice();
-  const auto said_retention = std::any_of(out.notes.begin(), out.notes.end(), [&](const std::string& n) {
-    return n.rfind(advice, 0) == 0;
-  });
-  if (device.is_cpu() && !said_retention && !process_memory_follows_allocator() &&
-      decided.planned_peak < decided.baseline_peak)
-    out.notes.push_back(advice + "; until then the plan's cut of " +
-                        detail::format_bytes(decided.baseline_peak - decided.planned_peak) +
-                        " is LibTorch's allocator's, and the process may hold little less than without it");
+  if (device.is_cpu() && decided.planned_peak < decided.baseline_peak && !process_memory_follows_allocator()) {
+    const auto advice = malloc_retention_advice();
+    const auto said = std::any_of(out.notes.begin(), out.notes.end(),
+                                  [&](const std::string& n) { return n.rfind(advice, 0) == 0; });
+    if (!said)
+      out.notes.push_back(advice + "; until then the plan's cut of " +
+                          detail::format_bytes(decided.baseline_peak - decided.planned_peak) +
+                          " is LibTorch's allocator's, and the process may hold little less than without it");
+  }
   if (light_touch(in, decided.baseline_peak)) {
     const auto note = std::string("force_optimize with nothing pressing: the light touch, the step's growth above the "
                                   "static bytes cut to ") +
