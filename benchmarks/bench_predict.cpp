@@ -13,7 +13,16 @@
 // an MLP of other widths with BatchNorm). Each runs baseline (the default Config,
 // which on a roomy host applies nothing) and, for the GPT, with the Aggressive plan.
 //
-//   memscale_bench_predict [--default-malloc] [--models gpt,resnet,...]
+//   memscale_bench_predict [--default-malloc] [--device cuda] [--models gpt,resnet,...]
+//
+// With --device cuda (a CUDA build on a GPU) the models, their inputs and AdamW live
+// on the GPU, and what is compared is what the device holds: the prediction's total
+// against the caching allocator's peak reserved bytes over the 3 steady steps plus
+// the device memory in use outside it (the CUDA context, cuBLAS's and cuDNN's
+// handles: cudaMemGetInfo's used bytes less the reserve, read after the steps),
+// and the allocator's share against its peak allocated bytes. The batches are
+// larger there, and the example GPT of the GPU benchmark (gpt-large: d_model 768,
+// 12 layers, context 256) is added.
 //
 // By default both processes call memscale::fix_malloc_mmap_threshold() (see its
 // comment); --default-malloc leaves glibc's dynamic threshold, to show what it does.
@@ -37,6 +46,9 @@
 #include <torch/torch.h>
 
 #include <memscale/memscale.hpp>
+#if MEMSCALE_HAS_CUDA()
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include "gpt.hpp"
 #include "resnet.hpp"
@@ -50,6 +62,7 @@ struct Case {
   std::string model;
   i64 batch;
   bool aggressive;
+  torch::Device device = torch::kCPU;
 };
 
 /// A model, its example input at `batch`, its loss (taking the first rows of its
@@ -59,18 +72,23 @@ struct Built {
   std::function<torch::Tensor(const torch::Tensor&)> forward;
   std::function<torch::Tensor(const torch::Tensor&)> loss;
   torch::Tensor input;
+  torch::Tensor targets;
   std::function<memscale::Prediction(torch::optim::Optimizer&, const memscale::Config&)> predict;
   std::function<memscale::OptimizationGuard(const memscale::Config&)> optimize;
 };
 
 template <class M>
 Built finish(M model, torch::Tensor input, torch::Tensor targets,
-             std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss) {
+             std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss, torch::Device device) {
+  model->to(device);
+  input = input.to(device);
+  targets = targets.to(device);
   Built b;
   b.root = model.ptr();
   b.forward = [model](const torch::Tensor& x) mutable { return model->forward(x); };
   b.loss = [targets, loss](const torch::Tensor& out) { return loss(out, targets.narrow(0, 0, out.size(0))); };
   b.input = input;
+  b.targets = targets;
   b.predict = [model, input, l = b.loss](torch::optim::Optimizer& opt, const memscale::Config& c) mutable {
     return memscale::predict(model, input, opt, l, c);
   };
@@ -90,38 +108,43 @@ torch::nn::Sequential mlp(int blocks, i64 width, i64 hidden, bool batchnorm) {
   return seq;
 }
 
-Built build(const std::string& name, i64 batch) {
+Built build(const std::string& name, i64 batch, torch::Device device) {
   torch::manual_seed(7);
   const auto cross_entropy = [](const torch::Tensor& out, const torch::Tensor& t) {
     return torch::cross_entropy_loss(out, t);
   };
   const auto mse = [](const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out, t); };
-  if (name == "gpt" || name == "gpt-wide") {
+  if (name == "gpt" || name == "gpt-wide" || name == "gpt-large") {
     gpt::Options o;  // train_gpt's defaults
     if (name == "gpt-wide") {
       o.d_model = 256;
       o.layers = 2;
       o.context = 64;
       o.heads = 8;
+    } else if (name == "gpt-large") {  // memscale_bench_gpu's
+      o.d_model = 768;
+      o.layers = 12;
+      o.context = 256;
+      o.heads = 12;
     }
     const auto tokens = torch::randint(0, o.vocab, {batch, o.context}, torch::kLong);
     const auto targets = torch::randint(0, o.vocab, {batch, o.context}, torch::kLong);
     return finish(gpt::GPT(o), tokens, targets, [](const torch::Tensor& out, const torch::Tensor& t) {
       return gpt::loss(out, t);
-    });
+    }, device);
   }
   if (name == "resnet" || name == "cnn-deep") {
     const bool deep = name == "cnn-deep";
     const auto x = torch::randn({batch, 3, 32, 32});
     const auto t = torch::randint(10, {batch}, torch::kLong);
-    return finish(deep ? resnet::ResNet(8, 32) : resnet::ResNet(4, 64), x, t, cross_entropy);
+    return finish(deep ? resnet::ResNet(8, 32) : resnet::ResNet(4, 64), x, t, cross_entropy, device);
   }
   if (name == "mlp" || name == "mlp-bn") {
     const bool bn = name == "mlp-bn";
     const i64 width = bn ? 96 : 64, hidden = bn ? 384 : 256;
     const auto x = torch::randn({batch, width});
     const auto t = torch::randn({batch, width});
-    return finish(mlp(bn ? 6 : 8, width, hidden, bn), x, t, mse);
+    return finish(mlp(bn ? 6 : 8, width, hidden, bn), x, t, mse, device);
   }
   throw std::invalid_argument("unknown model " + name);
 }
@@ -134,22 +157,78 @@ memscale::Config config_for(bool aggressive) {
 }
 
 int child_predict(const Case& k) {
-  const auto b = build(k.model, k.batch);
+  const auto b = build(k.model, k.batch, k.device);
   torch::optim::AdamW opt(b.root->parameters(), torch::optim::AdamWOptions(3e-4));
   const auto p = b.predict(opt, config_for(k.aggressive));
   if (std::getenv("MEMSCALE_BENCH_SHOW") != nullptr) std::cerr << p << "\n";
   const auto& used = k.aggressive ? p.planned : p.baseline;
   const auto total = k.aggressive ? p.peak_bytes : p.baseline_peak_bytes;
-  std::cout << "RESULT growth=" << total - used.parameter_bytes - used.buffer_bytes
-            << " allocator=" << used.allocator_bytes() - used.parameter_bytes - used.buffer_bytes
+  // CPU: the process's growth from once the model is built; CUDA: what the device holds.
+  const auto weights = k.device.is_cpu() ? used.parameter_bytes + used.buffer_bytes : i64{0};
+  std::cout << "RESULT growth=" << total - weights << " allocator=" << used.allocator_bytes() - weights
             << " outside=" << used.outside_allocator_bytes << " seconds=" << p.seconds
             << " calib=" << p.calibration_batches.front() << "," << p.calibration_batches.back() << "\n";
   return 0;
 }
 
+#if MEMSCALE_HAS_CUDA()
+/// One steady step's peak on the GPU: the caching allocator's peak allocated and
+/// reserved bytes over the 3 steps after a warm-up (the warm-up, and wrap's planning
+/// before it, are the "first" figure), plus what the device holds outside the
+/// caching allocator once they ran, less the batch's input and targets.
+int child_measure_cuda(const Case& k) {
+  auto b = build(k.model, k.batch, k.device);
+  torch::optim::AdamW opt(b.root->parameters(), torch::optim::AdamWOptions(3e-4));
+  const auto index = k.device.has_index() ? k.device.index() : c10::DeviceIndex{0};
+  namespace cca = c10::cuda::CUDACachingAllocator;
+  cca::resetPeakStats(index);
+  std::optional<memscale::OptimizationGuard> guard;
+  if (k.aggressive) guard.emplace(b.optimize(config_for(true)));
+  std::vector<double> times;
+  i64 first = 0;
+  for (int s = 0; s < 4; ++s) {
+    torch::cuda::synchronize();
+    if (s == 1) {
+      first = static_cast<i64>(cca::getDeviceStats(index).reserved_bytes[0].peak);
+      cca::resetPeakStats(index);
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    opt.zero_grad();
+    b.loss(b.forward(b.input)).backward();
+    opt.step();
+    torch::cuda::synchronize();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  const auto stats = cca::getDeviceStats(index);
+  const auto reserved_now = static_cast<i64>(stats.reserved_bytes[0].current);
+  i64 outside = -1;
+  for (const auto& g : memscale::detect_hardware().gpus)
+    if (g.index == index && g.free_bytes >= 0) outside = g.total_bytes - g.free_bytes - reserved_now;
+  // The batch's input and targets are the data pipeline's, which predict() does
+  // not count (as on the CPU, whose growth is from once they exist).
+  const auto data = static_cast<i64>(b.input.nbytes() + b.targets.nbytes());
+  const auto reserved_peak = static_cast<i64>(stats.reserved_bytes[0].peak) - data;
+  times.erase(times.begin());
+  std::sort(times.begin(), times.end());
+  std::cout << "RESULT growth=" << (outside < 0 ? i64{-1} : reserved_peak + outside)
+            << " first=" << (outside < 0 ? i64{-1} : first - data + outside)
+            << " allocator=" << static_cast<i64>(stats.allocated_bytes[0].peak) - data << " outside=" << outside
+            << " reserve=" << static_cast<i64>(stats.reserved_bytes[0].peak - stats.allocated_bytes[0].peak)
+            << " step=" << times[times.size() / 2] << "\n";
+  return 0;
+}
+#endif
+
 int child_measure(const Case& k) {
+  if (k.device.is_cuda()) {
+#if MEMSCALE_HAS_CUDA()
+    return child_measure_cuda(k);
+#else
+    throw std::runtime_error("--device cuda needs a CUDA build of LibTorch");
+#endif
+  }
   memscale::memory_tracker::install();
-  auto b = build(k.model, k.batch);
+  auto b = build(k.model, k.batch, k.device);
   torch::optim::AdamW opt(b.root->parameters(), torch::optim::AdamWOptions(3e-4));
   // predict() is about the steady step: the process's growth over the 3 steps
   // after the warm-up, from what it held once the model was built. Planning (wrap's
@@ -187,7 +266,7 @@ std::map<std::string, std::string> run_child(const std::string& self, const std:
                                              bool default_malloc) {
   std::ostringstream cmd;
   cmd << "'" << self << "' " << role << " " << k.model << " " << k.batch << " " << (k.aggressive ? 1 : 0) << " "
-      << (default_malloc ? 1 : 0);
+      << (default_malloc ? 1 : 0) << " " << k.device.str();
   std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.str().c_str(), "r"), pclose);
   if (!pipe) throw std::runtime_error("cannot run " + cmd.str());
   std::map<std::string, std::string> out;
@@ -209,51 +288,90 @@ std::map<std::string, std::string> run_child(const std::string& self, const std:
 
 int main(int argc, char** argv) {
   try {
-    if (argc == 6 && (std::string(argv[1]) == "predict" || std::string(argv[1]) == "measure")) {
+    if (argc == 7 && (std::string(argv[1]) == "predict" || std::string(argv[1]) == "measure")) {
       if (std::string(argv[5]) != "1") memscale::fix_malloc_mmap_threshold();
-      const Case k{argv[2], std::stoll(argv[3]), std::string(argv[4]) == "1"};
+      const Case k{argv[2], std::stoll(argv[3]), std::string(argv[4]) == "1", torch::Device(argv[6])};
       return std::string(argv[1]) == "predict" ? child_predict(k) : child_measure(k);
     }
     bool default_malloc = false;
-    std::vector<std::string> models{"gpt", "resnet", "mlp", "gpt-wide", "cnn-deep", "mlp-bn"};
+    torch::Device device = torch::kCPU;
+    std::vector<std::string> models;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--default-malloc") default_malloc = true;
+      else if (a == "--device" && i + 1 < argc && (std::string(argv[i + 1]) == "cpu" ||
+                                                   std::string(argv[i + 1]) == "cuda"))
+        device = torch::Device(argv[++i]);
       else if (a == "--models" && i + 1 < argc) {
         models.clear();
         std::stringstream list(argv[++i]);
         for (std::string m; std::getline(list, m, ',');) models.push_back(m);
       } else {
-        std::cerr << "usage: " << argv[0] << " [--default-malloc] [--models gpt,resnet,mlp,gpt-wide,cnn-deep,mlp-bn]\n";
+        std::cerr << "usage: " << argv[0] << " [--default-malloc] [--device cpu|cuda] "
+                  << "[--models gpt,resnet,mlp,gpt-wide,cnn-deep,mlp-bn,gpt-large]\n";
         return 2;
       }
     }
-    const std::map<std::string, std::vector<i64>> batches{{"gpt", {8, 16, 32}},      {"resnet", {16, 32, 64}},
-                                                           {"mlp", {256, 1024, 4096}}, {"gpt-wide", {8, 16, 32}},
-                                                           {"cnn-deep", {16, 32, 64}}, {"mlp-bn", {512, 2048, 8192}}};
+    const bool cuda = device.is_cuda();
+    if (cuda && !torch::cuda::is_available()) throw std::runtime_error("--device cuda: no GPU is visible");
+    if (models.empty()) {
+      models = {"gpt", "resnet", "mlp", "gpt-wide", "cnn-deep", "mlp-bn"};
+      if (cuda) models.push_back("gpt-large");
+    }
+    // On the GPU the same models at batches 4x larger (at the CPU's a 0.5 GiB
+    // context would be most of every figure), and the GPU benchmark's GPT.
+    const std::map<std::string, std::vector<i64>> batches =
+        cuda ? std::map<std::string, std::vector<i64>>{{"gpt", {32, 64, 128}},       {"resnet", {64, 128, 256}},
+                                                       {"mlp", {4096, 16384, 65536}}, {"gpt-wide", {32, 64, 128}},
+                                                       {"cnn-deep", {64, 128, 256}},  {"mlp-bn", {8192, 32768, 131072}},
+                                                       {"gpt-large", {8, 16, 32}}}
+             : std::map<std::string, std::vector<i64>>{{"gpt", {8, 16, 32}},      {"resnet", {16, 32, 64}},
+                                                       {"mlp", {256, 1024, 4096}}, {"gpt-wide", {8, 16, 32}},
+                                                       {"cnn-deep", {16, 32, 64}}, {"mlp-bn", {512, 2048, 8192}},
+                                                       {"gpt-large", {2, 4, 8}}};
     std::vector<Case> cases;
     for (const auto& m : models) {
-      for (auto b : batches.at(m)) cases.push_back({m, b, false});
-      if (m == "gpt")
-        for (auto b : batches.at(m)) cases.push_back({m, b, true});
+      if (!batches.contains(m)) throw std::invalid_argument("unknown model " + m);
+      for (auto b : batches.at(m)) cases.push_back({m, b, false, device});
+      if (m == "gpt" || m == "gpt-large")
+        for (auto b : batches.at(m)) cases.push_back({m, b, true, device});
     }
     const std::string self = "/proc/" + std::to_string(getpid()) + "/exe";
     const auto kind = memscale::process_malloc();
     const std::string malloc_used = kind != memscale::malloc_kind::glibc ? memscale::to_string(kind)
                                     : default_malloc                     ? "glibc's default malloc"
                                                                          : "fix_malloc_mmap_threshold()";
-    std::cout << "memscale::predict vs measured (" << malloc_used
-              << "; AdamW; each figure from a fresh process; growth = the process's max RSS over the 3 steps after "
-                 "a warm-up, less its RSS once the model is built; 1st+plan: the same over planning and the warm-up)\n";
+    if (cuda)
+      std::cout << "memscale::predict vs measured on " << device.str()
+                << " (AdamW; each figure from a fresh process; measured = the caching allocator's peak reserved bytes "
+                   "over the 3 steps after a warm-up plus the device memory in use outside it (context), less the "
+                   "batch's input and targets; alloc = its peak allocated bytes, less the same; out = the reserve "
+                   "above the allocations at their peaks plus the context; 1st+plan: the total over planning and the "
+                   "warm-up)\n";
+    else
+      std::cout << "memscale::predict vs measured (" << malloc_used
+                << "; AdamW; each figure from a fresh process; growth = the process's max RSS over the 3 steps "
+                   "after a warm-up, less its RSS once the model is built; 1st+plan: the same over planning and the "
+                   "warm-up)\n";
     std::cout << std::left << std::setw(10) << "model" << std::setw(12) << "plan" << std::right << std::setw(7)
               << "batch" << std::setw(13) << "predicted" << std::setw(12) << "measured" << std::setw(9) << "error"
               << std::setw(13) << "alloc pred" << std::setw(12) << "alloc meas" << std::setw(9) << "error"
               << std::setw(11) << "predict s" << std::setw(9) << "step s" << std::setw(10) << "pred/step"
-              << std::setw(8) << "calib" << std::setw(13) << "1st+plan" << "\n";
+              << std::setw(8) << "calib" << std::setw(13) << "1st+plan"
+              << (cuda ? "     out pred   out meas" : "") << "\n";
     double worst = 0.0;
+    int failed = 0;
     for (const auto& k : cases) {
-      const auto p = run_child(self, "predict", k, default_malloc);
-      const auto m = run_child(self, "measure", k, default_malloc);
+      std::map<std::string, std::string> p, m;
+      try {
+        p = run_child(self, "predict", k, default_malloc);
+        m = run_child(self, "measure", k, default_malloc);
+      } catch (const std::exception& e) {  // the row says so; the others still run
+        ++failed;
+        std::cout << std::left << std::setw(10) << k.model << std::setw(12) << (k.aggressive ? "Aggressive" : "none")
+                  << std::right << std::setw(7) << k.batch << "  failed: " << e.what() << "\n";
+        continue;
+      }
       const double pg = std::stod(p.at("growth")), mg = std::stod(m.at("growth"));
       const double pa = std::stod(p.at("allocator")), ma = std::stod(m.at("allocator"));
       const double err = 100.0 * (pg - mg) / mg, aerr = 100.0 * (pa - ma) / ma;
@@ -266,10 +384,16 @@ int main(int argc, char** argv) {
                 << std::showpos << std::setw(8) << aerr << "%" << std::noshowpos << std::setprecision(3)
                 << std::setw(11) << ps << std::setw(9) << ss << std::setprecision(2) << std::setw(10) << ps / ss
                 << std::setw(8) << p.at("calib") << std::setprecision(1) << std::setw(9)
-                << std::stod(m.at("first")) / MiB << " MiB\n";
+                << std::stod(m.at("first")) / MiB << " MiB";
+      if (cuda)
+        std::cout << std::setw(9) << std::stod(p.at("outside")) / MiB << " MiB" << std::setw(7)
+                  << (std::stod(m.at("outside")) + std::stod(m.at("reserve"))) / MiB << " MiB";
+      std::cout << std::endl;
     }
-    std::cout << std::fixed << std::setprecision(1) << "largest |error| of the process growth: " << worst << "%\n";
-    return 0;
+    std::cout << std::fixed << std::setprecision(1) << "largest |error| of the "
+              << (cuda ? "device total" : "process growth") << ": " << worst << "%"
+              << (failed > 0 ? " (" + std::to_string(failed) + " rows failed)" : "") << "\n";
+    return failed > 0 ? 1 : 0;
   } catch (const std::exception& e) {
     std::cerr << "bench_predict: " << e.what() << "\n";
     return 1;

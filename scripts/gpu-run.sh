@@ -7,21 +7,27 @@
 #     dequantize and the fused AdamW8bit step against host references),
 #   - the hidden CUDA tests (offload tiers, batching, the chain's peak on CUDA,
 #     the fused 8-bit step against the CPU one, CUDA backward through memscale's
-#     engine; the engine-order test alone, in a process of its own),
-#   - the whole CPU suite, on LibTorch 2.x at run time,
+#     engine; the memory tracker, predict, verify_correctness, autotune, mixed
+#     precision and tiling on CUDA; the engine-order test alone, in a process of
+#     its own),
+#   - the OOM predictor against measured steps on the GPU (memscale_bench_predict
+#     --device cuda: peak reserved bytes plus the context),
 #   - the GPU benchmark (bandwidth; GPT baseline / checkpoint / + offload; the
 #     fused 8-bit AdamW step against LibTorch's AdamW).
+# Device time is short: only the test files with CUDA cases are compiled, and
+# each step has a time limit. MEMSCALE_GPU_CPU_SUITE=1 compiles every test file
+# and runs the whole CPU suite on LibTorch 2.x too (minutes more).
 # Logs go to $OUT (or ./gpu-out). Exit status: the first failing step's.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 status=0
-step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, remembers a failure
-  local name=$1
-  shift
+step() {  # step NAME LIMIT_S COMMAND...: runs it, logs to $out/NAME.log, remembers a failure
+  local name=$1 limit=$2
+  shift 2
   local start=$SECONDS
-  "$@" >"$out/$name.log" 2>&1
+  timeout --signal=INT --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   printf '%-22s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - start))" | tee -a "$out/summary.txt"
   if ((rc != 0 && status == 0)); then status=$rc; fi
@@ -31,17 +37,25 @@ step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, remembers a fa
 prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)') || exit 1
 { nvidia-smi; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } \
   >"$out/device.txt" 2>&1
-step configure cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
+cpu_suite=${MEMSCALE_GPU_CPU_SUITE:-0}
+tests_regex='/test_(optim8bit|[a-z_]*_cuda)\.cpp$'
+[[ $cpu_suite == 1 ]] && tests_regex=''
+# The GPU image's own spdlog (1.12) does not compile against its fmt (12): the vendored one is used.
+step configure 120 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
   -DMEMSCALE_THIRD_PARTY_DIR="$PWD/third_party" -DMEMSCALE_CUDA_ARCHITECTURES="${MEMSCALE_CUDA_ARCHITECTURES:-90}" \
-  -DMEMSCALE_BUILD_EXAMPLES=ON -DMEMSCALE_BUILD_BENCHMARKS=ON -DMEMSCALE_BUILD_TESTS=ON -DMEMSCALE_UNITY_PROGRAMS=OFF || exit "$status"
-step build cmake --build build-gpu -j "$(nproc)" --target memscale_tests memscale_cuda_tests memscale_cuda_adamw8bit_tests \
-  memscale_bench_gpu train_gpt || exit "$status"
-step kernel_test ./build-gpu/tests/memscale_cuda_tests
-step kernel_test_8bit ./build-gpu/tests/memscale_cuda_adamw8bit_tests
+  -DMEMSCALE_BUILD_EXAMPLES=ON -DMEMSCALE_BUILD_BENCHMARKS=ON -DMEMSCALE_BUILD_TESTS=ON -DMEMSCALE_UNITY_PROGRAMS=OFF \
+  -DMEMSCALE_TEST_SOURCES_REGEX="$tests_regex" -DCMAKE_DISABLE_FIND_PACKAGE_spdlog=ON || exit "$status"
+step build 600 cmake --build build-gpu -j "$(nproc)" --target memscale_tests memscale_cuda_tests \
+  memscale_cuda_adamw8bit_tests memscale_bench_predict memscale_bench_gpu || exit "$status"
+step kernel_test 60 ./build-gpu/tests/memscale_cuda_tests
+step kernel_test_8bit 60 ./build-gpu/tests/memscale_cuda_adamw8bit_tests
 # In a process of its own: it leaves LibTorch's base engine in charge of CUDA backwards.
-step engine_order ./build-gpu/tests/memscale_tests "[.cuda_engine_order]"
-step cuda_tests ./build-gpu/tests/memscale_tests "[.cuda]"
-step cpu_suite ./build-gpu/tests/memscale_tests
-step bench_gpu ./build-gpu/benchmarks/memscale_bench_gpu --steps "${MEMSCALE_GPU_STEPS:-5}"
-step example_cpu ./build-gpu/examples/train_gpt --steps 4
+step engine_order 60 ./build-gpu/tests/memscale_tests "[.cuda_engine_order]"
+step cuda_tests "${MEMSCALE_GPU_TESTS_LIMIT:-240}" ./build-gpu/tests/memscale_tests "[.cuda]" --durations yes
+step bench_predict "${MEMSCALE_GPU_PREDICT_LIMIT:-240}" ./build-gpu/benchmarks/memscale_bench_predict --device cuda
+step bench_gpu "${MEMSCALE_GPU_BENCH_LIMIT:-180}" ./build-gpu/benchmarks/memscale_bench_gpu \
+  --steps "${MEMSCALE_GPU_STEPS:-5}"
+if [[ $cpu_suite == 1 ]]; then
+  step cpu_suite 900 ./build-gpu/tests/memscale_tests
+fi
 exit "$status"

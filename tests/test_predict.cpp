@@ -2,10 +2,13 @@
 // (parameters, gradients, buffers, optimizer state, RNG), the optimizer state
 // sizes of every supported type against what a real step keeps, the predicted
 // allocator peak against a measured step (baseline and with a plan), the
-// largest batch against the tracker's hard limit, its errors, and the shape-only
-// step (predict/shape_only.hpp) against the real one.
+// largest batch against the tracker's hard limit, its errors, the shape-only
+// step (predict/shape_only.hpp) against the real one, and the model of CUDA's
+// caching allocator (predict/cuda_reserve.hpp) against its rules and a real trace.
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <memory>
@@ -14,7 +17,10 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include <memscale/predict/blas_workspace.hpp>
+#include <memscale/predict/cuda_reserve.hpp>
 #include <memscale/predict/shape_only.hpp>
 
 #include "resnet.hpp"
@@ -712,4 +718,99 @@ TEST_CASE("a prediction's outside-allocator growth is linear between its points 
   CHECK(p.outside_allocator_bytes_at(2) == 1000);
   p.outside_growth.clear();
   CHECK(p.outside_allocator_bytes_at(64) == 1300);
+}
+
+TEST_CASE("the model of CUDA's caching allocator rounds, carves segments, splits and merges as LibTorch's does",
+          "[predict][cuda_reserve]") {
+  using memscale::predictor::caching_allocator_model;
+  constexpr std::int64_t KiB = 1024, MiB = 1024 * 1024;
+  SECTION("small requests: 512-byte multiples out of 2 MiB segments") {
+    caching_allocator_model m;
+    m.allocate(1, 100);
+    CHECK(m.allocated() == 512);
+    CHECK(m.reserved() == 2 * MiB);
+    for (std::uint64_t k = 2; k <= 4; ++k) m.allocate(k, 600 * KiB);  // 512 + 3 x 600 KiB fit in one segment
+    CHECK(m.reserved() == 2 * MiB);
+    m.allocate(5, 600 * KiB);
+    CHECK(m.reserved() == 4 * MiB);
+    CHECK(m.segments() == 2);
+  }
+  SECTION("1 to 10 MiB out of 20 MiB segments; larger ones their size in 2 MiB steps, unsplit below 1 MiB more") {
+    caching_allocator_model m;
+    for (std::uint64_t k = 1; k <= 4; ++k) m.allocate(k, 5 * MiB);  // the 4th takes the last 5 MiB whole
+    CHECK(m.reserved() == 20 * MiB);
+    CHECK(m.allocated() == 20 * MiB);
+    m.allocate(5, 5 * MiB);
+    CHECK(m.reserved() == 40 * MiB);
+    caching_allocator_model big;
+    big.allocate(1, 11 * MiB);
+    CHECK(big.reserved() == 12 * MiB);
+    CHECK(big.allocated() == 12 * MiB);  // 1 MiB left is not split off
+  }
+  SECTION("freed blocks merge within their segment and are reused best fit first") {
+    caching_allocator_model m;
+    m.allocate(1, 8 * MiB);
+    m.allocate(2, 8 * MiB);
+    CHECK(m.reserved() == 20 * MiB);
+    m.free(1);
+    m.free(2);
+    CHECK(m.allocated() == 0);
+    m.allocate(3, 19 * MiB);  // fits only in the whole segment merged again
+    CHECK(m.reserved() == 20 * MiB);
+    m.free(3);
+    m.allocate(4, 30 * MiB);
+    m.free(4);
+    m.allocate(5, 15 * MiB);  // best fit: the 20 MiB segment, not the 30 MiB one
+    m.allocate(6, 25 * MiB);
+    CHECK(m.reserved() == 50 * MiB);
+    CHECK(m.peak_allocated() == 40 * MiB);
+  }
+  SECTION("a step replayed: its blocks extrapolated to the batch, the state after the first step") {
+    using memscale::predictor::timeline;
+    const auto step = [](std::int64_t batch) {  // one block of a MiB per row, freed; one of 4 KiB kept
+      timeline t;
+      t.live = {batch * MiB, batch * MiB + 4 * KiB, 4 * KiB};
+      t.allocation = {true, true, false};
+      t.block = {0, 1, 0};
+      return t;
+    };
+    const memscale::predictor::timeline_fit fit(step(2), 2, step(4), 4);
+    REQUIRE(fit.has_blocks());
+    CHECK(fit.bytes(0, 8) == 8 * MiB);
+    CHECK(fit.bytes(2, 8) == 8 * MiB);
+    const auto r = memscale::predictor::replay_reserve(fit, 8, {64 * MiB}, {64 * MiB, 64 * MiB}, 0);
+    REQUIRE(r.has_value());
+    CHECK(r->allocated == 3 * 64 * MiB + 8 * MiB + 4 * KiB);
+    CHECK(r->reserved == 3 * 64 * MiB + 20 * MiB + 2 * MiB);
+    timeline unnumbered = step(4);  // b2's numbers are the ones replayed
+    unnumbered.block.clear();
+    CHECK_FALSE(memscale::predictor::replay_reserve(
+                    memscale::predictor::timeline_fit(step(2), 2, unnumbered, 4), 8, {}, {}, 0)
+                    .has_value());
+  }
+}
+
+TEST_CASE("the model of CUDA's caching allocator replays a real H200 trace to the byte", "[predict][cuda_reserve]") {
+  // tests/data/cuda_trace_gpt_b64.json: the allocator's own record of the example GPT's training (model built,
+  // a warm-up and 3 steps at batch 64) on an H200, LibTorch 2.11 (benchmarks/studies/cuda_allocator_trace.py).
+  // A unity build keeps each file's own path in __FILE__.
+  std::ifstream in(std::filesystem::path(__FILE__).parent_path() / "data" / "cuda_trace_gpt_b64.json");
+  REQUIRE(in.good());
+  const auto trace = nlohmann::json::parse(in);
+  memscale::predictor::caching_allocator_model m;
+  std::int64_t reserved = 0, reserved_peak = 0;
+  int segments = 0;
+  for (const auto& e : trace.at("events")) {
+    const auto what = e.at(0).get<std::string>();
+    const auto address = e.at(1).get<std::uint64_t>();
+    const auto bytes = e.at(2).get<std::int64_t>();
+    if (what == "a") m.allocate(address, bytes);
+    else if (what == "f") m.free(address);
+    else if (what == "s") reserved_peak = std::max(reserved_peak, reserved += bytes), ++segments;
+    else if (what == "x") reserved -= bytes;
+  }
+  REQUIRE(reserved_peak == trace.at("reserved_peak").get<std::int64_t>());
+  CHECK(m.peak_reserved() == reserved_peak);
+  CHECK(m.peak_allocated() == trace.at("allocated_peak").get<std::int64_t>());
+  CHECK(m.segments() == segments);
 }

@@ -25,6 +25,7 @@
 #include <torch/torch.h>
 
 #include <memscale/autotuning/result.hpp>
+#include <memscale/device/hardware.hpp>
 #include <memscale/device/memory_tracker.hpp>
 #include <memscale/core/profiler.hpp>
 #include <memscale/predict/optimizer_state.hpp>
@@ -209,9 +210,7 @@ void run_trial(TuneTrial& t, const torch::Tensor& x, const trial_context& c, Att
     const bool as_eight_bit =
         t.config.use_8bit_optimizer && dynamic_cast<const optim::AdamW8bit*>(c.optimizer) == nullptr;
     auto shadow = shadow_optimizer(*c.optimizer, as_eight_bit);
-#if MEMSCALE_HAS_CUDA()
-    if (c.device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();  // no earlier trial's reserve reused
-#endif
+    memscale::detail::release_cached_device_memory(c.device);  // CUDA: no earlier trial's reserve reused
     // The budget as a hard limit (never looser than one the caller set).
     std::optional<memory_tracker::hard_limit_scope> hard;
     if (c.device.is_cpu() && memory_tracker::installed()) {
@@ -241,6 +240,10 @@ void run_trial(TuneTrial& t, const torch::Tensor& x, const trial_context& c, Att
     const auto held = meter.held_growth();
     t.allocator_peak_bytes = allocator >= 0 ? c.static_bytes + allocator : -1;
     t.measured_peak_bytes = std::max(t.allocator_peak_bytes, held >= 0 ? c.static_bytes + held : -1);
+    // CUDA: the device's memory in use outside the caching allocator (the context)
+    // counts against the budget, as predict() counts it.
+    if (t.measured_peak_bytes >= 0)
+      t.measured_peak_bytes += memscale::detail::memory_outside_caching_allocator(c.device);
     std::sort(times.begin(), times.end());
     const auto n = times.size();
     t.step_seconds = n % 2 == 1 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
@@ -254,9 +257,7 @@ void run_trial(TuneTrial& t, const torch::Tensor& x, const trial_context& c, Att
   } catch (...) {
     record_exception(t);
   }
-#if MEMSCALE_HAS_CUDA()
-  if (c.device.is_cuda() && t.outcome == TrialOutcome::out_of_memory) c10::cuda::CUDACachingAllocator::emptyCache();
-#endif
+  if (t.outcome == TrialOutcome::out_of_memory) memscale::detail::release_cached_device_memory(c.device);
 }
 
 }  // namespace memscale::autotuning::detail

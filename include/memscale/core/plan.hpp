@@ -82,7 +82,9 @@ struct Report {
   /// memscale ran the model at the full batch to plan it (OpenMP and BLAS worker
   /// threads' buffers, oneDNN's scratchpads, malloc's retention): reserved in the
   /// budget, so that the budget holds for the process. About 0 in a process that
-  /// has trained before (they exist already). 0 on CUDA.
+  /// has trained before (they exist already). CUDA: the device memory in use
+  /// outside the caching allocator when planned (the CUDA context, cuBLAS's and
+  /// cuDNN's handles).
   std::int64_t outside_allocator_bytes = 0;
   /// Call sites planned one level finer than their outermost (nested calls):
   /// what the outer calls keep outside the inner calls, which no unit can free.
@@ -259,6 +261,8 @@ struct Report {
     if (device == "cpu")
       os << " + outside the allocator " << format_bytes(outside_allocator_bytes)
          << " (the process's growth beyond LibTorch's allocator while memscale ran the model to plan it)";
+    else if (outside_allocator_bytes != 0)
+      os << " + outside the caching allocator " << format_bytes(outside_allocator_bytes) << " (the CUDA context)";
     os << "\n";
     os << "projected peak: baseline " << format_bytes(plan.baseline_peak) << " (pressure " << std::fixed
        << std::setprecision(2) << plan.pressure << "), planned " << format_bytes(plan.planned_peak)

@@ -157,6 +157,27 @@ inline HardwareInfo detect_hardware() {
   return hw.host_total_bytes;
 }
 
+namespace detail {
+
+/// CUDA: the device memory in use outside the caching allocator now (the CUDA
+/// context, cuBLAS's and cuDNN's handles, other processes' memory); 0 elsewhere,
+/// or where memscale was built without CUDA.
+[[nodiscard]] inline std::int64_t memory_outside_caching_allocator([[maybe_unused]] c10::Device device) {
+#if MEMSCALE_HAS_CUDA()
+  if (!device.is_cuda()) return 0;
+  const auto index = cuda_allocator_index(device);
+  for (const auto& g : detect_hardware().gpus)
+    if (g.index == index && g.free_bytes >= 0) {
+      const auto reserved = static_cast<std::int64_t>(
+          c10::cuda::CUDACachingAllocator::getDeviceStats(index).reserved_bytes[0].current);
+      return std::max<std::int64_t>(0, g.total_bytes - g.free_bytes - reserved);
+    }
+#endif
+  return 0;
+}
+
+}  // namespace detail
+
 inline std::ostream& operator<<(std::ostream& os, const HardwareInfo& hw) {
   os << "host: " << hw.cpu_threads << " CPU threads, " << detail::format_bytes(hw.host_total_bytes)
      << " RAM (" << detail::format_bytes(hw.host_available_bytes) << " available)\n";

@@ -23,12 +23,47 @@
 
 #if defined(MEMSCALE_WITH_CUDA) && MEMSCALE_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #define MEMSCALE_HAS_CUDA() 1
 #else
 #define MEMSCALE_HAS_CUDA() 0
 #endif
 
 namespace memscale {
+
+namespace detail {
+#if MEMSCALE_HAS_CUDA()
+/// The index of CUDA device `device`, with the caching allocator made ready for
+/// every device first: LibTorch makes it so at the process's first CUDA
+/// allocation, and before that its statistics refuse every device ("Invalid
+/// device argument"). Its init() only adds the devices it lacks.
+inline c10::DeviceIndex cuda_allocator_index(c10::Device device) {
+  static std::once_flag ready;
+  std::call_once(ready, [] { c10::cuda::CUDACachingAllocator::init(c10::cuda::device_count()); });
+  return device.has_index() ? device.index() : c10::DeviceIndex{0};
+}
+#endif
+
+/// CUDA: hands the caching allocator's unused blocks back to the device, so that
+/// what it reserves from here on follows what is allocated (cudaMemGetInfo and
+/// other processes see them free). Nothing on another device.
+inline void release_cached_device_memory([[maybe_unused]] c10::Device device) {
+#if MEMSCALE_HAS_CUDA()
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
+/// CUDA: the caching allocator's allocated bytes on `device` now; 0 elsewhere.
+[[nodiscard]] inline std::int64_t allocated_on_device([[maybe_unused]] c10::Device device) {
+#if MEMSCALE_HAS_CUDA()
+  if (device.is_cuda()) {
+    const auto index = cuda_allocator_index(device);
+    return static_cast<std::int64_t>(c10::cuda::CUDACachingAllocator::getDeviceStats(index).allocated_bytes[0].current);
+  }
+#endif
+  return 0;
+}
+}  // namespace detail
 
 /// Live and peak bytes per device, measured. CPU figures come from the counting
 /// allocator while it is installed (process-wide, counting from install()), else
@@ -266,9 +301,7 @@ class memory_tracker {
                 "(which replaces the process's CPU allocator)");
   }
 #if MEMSCALE_HAS_CUDA()
-  static c10::DeviceIndex cuda_index(c10::Device device) {
-    return device.has_index() ? device.index() : c10::DeviceIndex{0};
-  }
+  static c10::DeviceIndex cuda_index(c10::Device device) { return detail::cuda_allocator_index(device); }
 #endif
 };
 

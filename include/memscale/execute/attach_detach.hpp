@@ -17,6 +17,7 @@
 #include <memscale/config.hpp>
 #include <memscale/core/profiler.hpp>
 #include <memscale/detail/fault_injection.hpp>
+#include <memscale/device/memory_tracker.hpp>
 #include <memscale/device/process_memory.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/execute/attachment.hpp>
@@ -112,13 +113,12 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
     // CPU: what the process comes to hold beyond the allocator, from the first
     // full-batch operation on (verify's step or the example forward) to the end
     // of profiling. Declared before the sandbox, so it closes after it.
+    const auto parameters = root->parameters();
+    const c10::Device device = example != nullptr ? example->device()
+                               : parameters.empty() ? c10::Device(c10::kCPU)
+                                                    : parameters.front().device();
     std::optional<outside_allocator_probe> outside;
-    if (forward && profile_outside_allocator_bytes() < 0) {
-      const auto parameters = root->parameters();
-      const bool cpu = example != nullptr ? example->device().is_cpu()
-                                          : parameters.empty() || parameters.front().device().is_cpu();
-      if (cpu) outside.emplace();
-    }
+    if (forward && profile_outside_allocator_bytes() < 0 && device.is_cpu()) outside.emplace();
     const outside_probe_binding bound(*attached, outside ? &*outside : nullptr);
     // With a CPU budget and no verification step (which runs a whole step of
     // its own first), a training step at two rows lets the probe see what
@@ -160,6 +160,8 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
     // threshold (or tcmalloc's page heap, for a while) would keep what it freed,
     // near the baseline's peak, whatever the plan.
     if (outside && !fixed_malloc_mmap_threshold()) memscale::detail::release_free_heap();
+    // CUDA: likewise the caching allocator keeps profiling's blocks reserved.
+    if (forward) memscale::detail::release_cached_device_memory(device);
   } catch (...) {
     attached->restore();
     attached->wrap_finished(telemetry_outcome(std::current_exception()));

@@ -160,6 +160,8 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
         out.notes.push_back(malloc_retention_advice() +
                             "; until then the process can hold well above the planned peak, and the CPU budget "
                             "does not hold for it");
+    } else {  // CUDA: the context and libraries' handles count against the device's memory too
+      out.outside_allocator_bytes = memscale::detail::memory_outside_caching_allocator(device);
     }
     if (auto root = root_.lock()) {
       for (const auto& p : root->parameters()) {

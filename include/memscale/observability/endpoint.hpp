@@ -44,7 +44,7 @@ class metrics_endpoint {
   /// a kept-alive connection as long, at least a second, for its next one).
   /// Never throws for a port it cannot bind: bound() is then false, error() says why.
   metrics_endpoint(std::string address, int port, page body,
-                   std::chrono::milliseconds io_timeout = std::chrono::seconds(2))
+                   [[maybe_unused]] std::chrono::milliseconds io_timeout = std::chrono::seconds(2))
       : address_(std::move(address)) {
 #if MEMSCALE_HAS_HTTP()
     auto state = std::make_shared<shared>();

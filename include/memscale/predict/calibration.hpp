@@ -130,6 +130,7 @@ inline timeline_fit fit_timelines(calibration& c, std::vector<std::int64_t>& bat
     r.allocation = {true, true, false};
     r.marks = {1, 2};
     r.reserved_peak = t.reserved_peak;
+    r.allocated_peak = t.allocated_peak;
     return r;
   };
   return {reduce(runs[2]), first_calibration_batch + 2, reduce(runs[3]), first_calibration_batch + 3};

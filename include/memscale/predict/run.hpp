@@ -33,6 +33,7 @@
 #include <memscale/execute/attach.hpp>
 #include <memscale/execute/verify.hpp>
 #include <memscale/predict/calibration.hpp>
+#include <memscale/predict/cuda_reserve.hpp>
 #include <memscale/predict/optimizer_state.hpp>
 #include <memscale/predict/prediction.hpp>
 #include <memscale/predict/shape_only_scope.hpp>
@@ -193,6 +194,13 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     process_growth = process->peak_growth();
   }
   process.reset();
+  std::int64_t persistent = 0;  // CUDA: what stays allocated that is not the model's (cuBLAS's workspaces, ...)
+  if (device.is_cuda()) {
+    box.reset();  // gradients as they were
+    persistent = detail::unnamed_allocations(device, memscale::detail::allocated_on_device(device), parameters,
+                                             root->buffers(), optimizer.state().empty() ? 0 : own.state_bytes,
+                                             example_input);
+  }
   // CPU: what the process holds beyond the allocator (-1: not measured).
   const std::int64_t outside_cpu =
       device.is_cpu() && process_growth >= 0 ? std::max<std::int64_t>(0, process_growth - allocator_growth) : -1;
@@ -318,20 +326,25 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
                           "outside LibTorch's allocator is not included");
     }
   } else if (device.is_cuda()) {
-    outside = plan_fit.reserved_overhead();
-#if MEMSCALE_HAS_CUDA()
-    const auto hw = detect_hardware();
-    for (const auto& g : hw.gpus)
-      if (g.index == (device.has_index() ? device.index() : 0) && g.free_bytes >= 0) {
-        const auto reserved = static_cast<std::int64_t>(
-            c10::cuda::CUDACachingAllocator::getDeviceStats(g.index).reserved_bytes[0].current);
-        outside += std::max<std::int64_t>(0, g.total_bytes - g.free_bytes - reserved);  // context (+ other processes)
-      }
-#endif
-    out.notes.push_back("CUDA: outside the allocator = the caching allocator's reserve above its allocations at "
-                        "batch 2, plus the device memory in use outside it now (the CUDA context, and other "
-                        "processes' memory)");
+    outside = memscale::detail::memory_outside_caching_allocator(device);  // the reserve: per timeline and batch, below
+    out.notes.push_back("CUDA: outside the allocator = the caching allocator's reserve above its allocations "
+                        "(the step's extrapolated allocations and frees replayed through a model of its rounding, "
+                        "segments and best fit; where the calibrations did not align, the reserve it held above its "
+                        "allocations at the larger calibration batch), plus the device memory in use outside it now "
+                        "(the CUDA context, cuBLAS's and cuDNN's handles, and other processes' memory); what is "
+                        "allocated on the device beyond the model's tensors, its optimizer's state and the example "
+                        "(cuBLAS's workspaces, the program's other tensors) is counted as held through the step");
   }
+  auto resident = detail::resident_blocks(parameters, root->buffers(), trainable, c.gradients_kept, device);
+  if (persistent > 0) resident.push_back(persistent);
+  const auto base_state = detail::state_blocks(trainable, own.state_bytes);
+  const auto plan_state = detail::state_blocks(trainable, planned_optimizer.state_bytes);
+  const auto cuda_reserve = [&](const timeline_fit& fit, const optimizer_footprint& opt, std::int64_t batch) {
+    if (!device.is_cuda()) return std::int64_t{0};
+    const auto replayed = replay_reserve(fit, batch, resident, &opt == &own ? base_state : plan_state,
+                                         opt.transient_bytes);
+    return replayed ? std::max<std::int64_t>(0, replayed->reserved - replayed->allocated) : fit.reserved_overhead();
+  };
 
   const bool kept = c.gradients_kept;
   const auto breakdown = [&](const timeline_fit& fit, const optimizer_footprint& opt, std::int64_t batch) {
@@ -347,8 +360,8 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     // more of them than the peak holds: its figures add up to the allocator's peak.
     const auto beyond_activations = std::max<std::int64_t>(0, dynamic - b.activation_bytes);
     if (!kept) b.gradient_bytes = std::min(fixed.gradient_bytes, beyond_activations);
-    b.transient_bytes = beyond_activations - (kept ? 0 : b.gradient_bytes);
-    b.outside_allocator_bytes = outside + out.outside_growth_at(batch);
+    b.transient_bytes = beyond_activations - (kept ? 0 : b.gradient_bytes) + persistent;
+    b.outside_allocator_bytes = outside + out.outside_growth_at(batch) + cuda_reserve(fit, opt, batch);
     return b;
   };
   out.baseline = breakdown(base_fit, own, out.batch_size);

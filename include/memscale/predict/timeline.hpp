@@ -8,12 +8,14 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <c10/core/Allocator.h>
@@ -32,6 +34,11 @@ struct timeline {
   std::vector<bool> allocation;
   std::vector<std::size_t> marks;  ///< event counts at each mark()
   std::int64_t reserved_peak = 0;  ///< CUDA: highest reserved bytes reported (caching allocator)
+  std::int64_t allocated_peak = 0;  ///< CUDA: highest allocated bytes reported, on the device as a whole
+  /// Each event's block, numbered in allocation order from 0 (a free names the
+  /// block it frees), to replay the step through a model of CUDA's caching
+  /// allocator (predict/cuda_reserve.hpp).
+  std::vector<std::uint32_t> block;
 
   [[nodiscard]] std::int64_t peak() const {
     return live.empty() ? 0 : std::max<std::int64_t>(0, *std::max_element(live.begin(), live.end()));
@@ -77,10 +84,25 @@ class timeline_fit {
     const auto n = m < t1_.marks.size() ? t1_.marks[m] : t1_.live.size();
     return n == 0 ? 0 : static_cast<std::int64_t>(value(n - 1, batch) + 0.5);
   }
-  [[nodiscard]] std::int64_t reserved_overhead() const {  // CUDA: reserved above allocated at b2
-    return std::max<std::int64_t>(0, t2_.reserved_peak - t2_.peak());
+  /// CUDA: what the caching allocator reserved above its allocations at b2 (both
+  /// on the device as a whole, at their highest).
+  [[nodiscard]] std::int64_t reserved_overhead() const {
+    return std::max<std::int64_t>(0, t2_.reserved_peak - t2_.allocated_peak);
   }
   [[nodiscard]] std::size_t events() const { return t1_.live.size(); }
+  /// Event `event`: an allocation (else a free), its block, and its bytes at `batch`.
+  [[nodiscard]] bool allocation(std::size_t event) const { return t2_.allocation[event]; }
+  /// Whether the events name their blocks (b2's numbering: on CUDA, autograd's
+  /// device thread and the caller's may free two blocks in either order, which
+  /// changes neither timeline's live bytes but the numbers their frees name).
+  [[nodiscard]] bool has_blocks() const noexcept {
+    return !t2_.live.empty() && t2_.block.size() == t2_.live.size();
+  }
+  [[nodiscard]] std::uint32_t block(std::size_t event) const { return t2_.block[event]; }
+  [[nodiscard]] std::int64_t bytes(std::size_t event, std::int64_t batch) const {
+    const double before = event == 0 ? 0.0 : value(event - 1, batch);
+    return static_cast<std::int64_t>(std::abs(value(event, batch) - before) + 0.5);
+  }
 
  private:
   timeline t1_, t2_;
@@ -103,13 +125,15 @@ class timeline_reporter final : public c10::MemoryReportingInfoBase {
     if (ptr != nullptr && ours(device)) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (open_ && alloc_size > 0) {
-        blocks_[ptr] = alloc_size;
+        blocks_[ptr] = {alloc_size, next_block_};
         live_ += alloc_size;
-        record(true, static_cast<std::int64_t>(total_reserved));
+        record(true, next_block_++, static_cast<std::int64_t>(total_allocated),
+               static_cast<std::int64_t>(total_reserved));
       } else if (const auto it = alloc_size < 0 ? blocks_.find(ptr) : blocks_.end(); it != blocks_.end()) {
         if (open_) {
-          live_ -= it->second;
-          record(false, static_cast<std::int64_t>(total_reserved));
+          live_ -= it->second.first;
+          record(false, it->second.second, static_cast<std::int64_t>(total_allocated),
+                 static_cast<std::int64_t>(total_reserved));
         }
         blocks_.erase(it);
       }
@@ -140,10 +164,14 @@ class timeline_reporter final : public c10::MemoryReportingInfoBase {
     const auto index = [](c10::Device d) { return d.has_index() ? d.index() : c10::DeviceIndex{0}; };
     return index(device) == index(device_);
   }
-  void record(bool allocation, std::int64_t reserved) {
+  void record(bool allocation, std::uint32_t block, std::int64_t allocated, std::int64_t reserved) {
     trace_.live.push_back(live_);
     trace_.allocation.push_back(allocation);
-    if (!device_.is_cpu()) trace_.reserved_peak = std::max(trace_.reserved_peak, reserved);
+    trace_.block.push_back(block);
+    if (!device_.is_cpu()) {
+      trace_.reserved_peak = std::max(trace_.reserved_peak, reserved);
+      trace_.allocated_peak = std::max(trace_.allocated_peak, allocated);
+    }
   }
 
   c10::Device device_;
@@ -152,7 +180,8 @@ class timeline_reporter final : public c10::MemoryReportingInfoBase {
   std::mutex mutex_;
   bool open_ = true;
   std::int64_t live_ = 0;
-  std::unordered_map<void*, std::int64_t> blocks_;
+  std::unordered_map<void*, std::pair<std::int64_t, std::uint32_t>> blocks_;  // bytes, number
+  std::uint32_t next_block_ = 0;
   timeline trace_;
 };
 
