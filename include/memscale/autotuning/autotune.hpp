@@ -44,6 +44,7 @@
 #include <memscale/errors.hpp>
 #include <memscale/observability/metrics.hpp>
 #include <memscale/observability/telemetry.hpp>
+#include <memscale/predict/cuda_reserve.hpp>
 #include <memscale/predict/optimizer_state.hpp>
 #include <memscale/predict/predict.hpp>
 
@@ -184,6 +185,18 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
     if (b.defined() && b.device() == device) context.static_bytes += static_cast<std::int64_t>(b.nbytes());
   context.warmup_steps = options.warmup_steps;
   context.timed_steps = options.timed_steps;
+  // CUDA: what is allocated on the device that a trial's growth does not see and
+  // is not the model's (cuBLAS's workspaces, the program's other tensors); training
+  // with the winner holds it too, and predict() counts it.
+  if (device.is_cuda()) {
+    std::int64_t state = 0;
+    if (!optimizer.state().empty())
+      for (const auto& group : optimizer.param_groups())
+        for (const auto& p : group.params())
+          if (p.defined() && p.requires_grad() && p.device() == device) state += own.state_bytes(p, group.options());
+    context.unnamed_bytes = predictor::detail::unnamed_allocations(
+        device, memscale::detail::allocated_on_device(device), parameters, root->buffers(), state, example_input);
+  }
 
   // The budget, as predict() and the planner count it.
   const auto hardware = detect_hardware();

@@ -197,6 +197,7 @@ struct trial_context {
   std::vector<torch::Tensor> parameters;
   c10::Device device = c10::kCPU;
   std::int64_t static_bytes = 0;  ///< parameters and buffers, live before any trial
+  std::int64_t unnamed_bytes = 0;  ///< CUDA: allocated before the trials and not the model's (cuBLAS's workspaces)
   std::int64_t budget_bytes = 0;
   int warmup_steps = 1;
   int timed_steps = 2;
@@ -240,10 +241,11 @@ void run_trial(TuneTrial& t, const torch::Tensor& x, const trial_context& c, Att
     const auto held = meter.held_growth();
     t.allocator_peak_bytes = allocator >= 0 ? c.static_bytes + allocator : -1;
     t.measured_peak_bytes = std::max(t.allocator_peak_bytes, held >= 0 ? c.static_bytes + held : -1);
-    // CUDA: the device's memory in use outside the caching allocator (the context)
-    // counts against the budget, as predict() counts it.
+    // CUDA: the device's memory in use outside the caching allocator (the context),
+    // and what was allocated before that is not the model's, count against the
+    // budget, as predict() counts them.
     if (t.measured_peak_bytes >= 0)
-      t.measured_peak_bytes += memscale::detail::memory_outside_caching_allocator(c.device);
+      t.measured_peak_bytes += memscale::detail::memory_outside_caching_allocator(c.device) + c.unnamed_bytes;
     std::sort(times.begin(), times.end());
     const auto n = times.size();
     t.step_seconds = n % 2 == 1 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
