@@ -72,7 +72,6 @@ struct Built {
   std::function<torch::Tensor(const torch::Tensor&)> forward;
   std::function<torch::Tensor(const torch::Tensor&)> loss;
   torch::Tensor input;
-  torch::Tensor targets;
   std::function<memscale::Prediction(torch::optim::Optimizer&, const memscale::Config&)> predict;
   std::function<memscale::OptimizationGuard(const memscale::Config&)> optimize;
 };
@@ -88,7 +87,6 @@ Built finish(M model, torch::Tensor input, torch::Tensor targets,
   b.forward = [model](const torch::Tensor& x) mutable { return model->forward(x); };
   b.loss = [targets, loss](const torch::Tensor& out) { return loss(out, targets.narrow(0, 0, out.size(0))); };
   b.input = input;
-  b.targets = targets;
   b.predict = [model, input, l = b.loss](torch::optim::Optimizer& opt, const memscale::Config& c) mutable {
     return memscale::predict(model, input, opt, l, c);
   };
@@ -175,7 +173,7 @@ int child_predict(const Case& k) {
 /// One steady step's peak on the GPU: the caching allocator's peak allocated and
 /// reserved bytes over the 3 steps after a warm-up (the warm-up, and wrap's planning
 /// before it, are the "first" figure), plus what the device holds outside the
-/// caching allocator once they ran, less the batch's input and targets.
+/// caching allocator once they ran, less the batch's input.
 int child_measure_cuda(const Case& k) {
   auto b = build(k.model, k.batch, k.device);
   torch::optim::AdamW opt(b.root->parameters(), torch::optim::AdamWOptions(3e-4));
@@ -204,9 +202,10 @@ int child_measure_cuda(const Case& k) {
   i64 outside = -1;
   for (const auto& g : memscale::detect_hardware().gpus)
     if (g.index == index && g.free_bytes >= 0) outside = g.total_bytes - g.free_bytes - reserved_now;
-  // The batch's input and targets are the data pipeline's, which predict() does
-  // not count (as on the CPU, whose growth is from once they exist).
-  const auto data = static_cast<i64>(b.input.nbytes() + b.targets.nbytes());
+  // The batch's input is the data pipeline's, which predict() does not count; on
+  // CUDA it counts what else is allocated on the device (here the targets, as the
+  // program's other tensors).
+  const auto data = static_cast<i64>(b.input.nbytes());
   const auto reserved_peak = static_cast<i64>(stats.reserved_bytes[0].peak) - data;
   times.erase(times.begin());
   std::sort(times.begin(), times.end());
@@ -345,7 +344,7 @@ int main(int argc, char** argv) {
       std::cout << "memscale::predict vs measured on " << device.str()
                 << " (AdamW; each figure from a fresh process; measured = the caching allocator's peak reserved bytes "
                    "over the 3 steps after a warm-up plus the device memory in use outside it (context), less the "
-                   "batch's input and targets; alloc = its peak allocated bytes, less the same; out = the reserve "
+                   "batch's input; alloc = its peak allocated bytes, less the same; out = the reserve "
                    "above the allocations at their peaks plus the context; 1st+plan: the total over planning and the "
                    "warm-up)\n";
     else
