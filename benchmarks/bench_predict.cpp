@@ -198,10 +198,7 @@ int child_measure_cuda(const Case& k) {
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   const auto stats = cca::getDeviceStats(index);
-  const auto reserved_now = static_cast<i64>(stats.reserved_bytes[0].current);
-  i64 outside = -1;
-  for (const auto& g : memscale::detect_hardware().gpus)
-    if (g.index == index && g.free_bytes >= 0) outside = g.total_bytes - g.free_bytes - reserved_now;
+  const auto outside = memscale::detail::memory_outside_caching_allocator(k.device);
   // The batch's input is the data pipeline's, which predict() does not count; on
   // CUDA it counts what else is allocated on the device (here the targets, as the
   // program's other tensors).
@@ -209,8 +206,7 @@ int child_measure_cuda(const Case& k) {
   const auto reserved_peak = static_cast<i64>(stats.reserved_bytes[0].peak) - data;
   times.erase(times.begin());
   std::sort(times.begin(), times.end());
-  std::cout << "RESULT growth=" << (outside < 0 ? i64{-1} : reserved_peak + outside)
-            << " first=" << (outside < 0 ? i64{-1} : first - data + outside)
+  std::cout << "RESULT growth=" << reserved_peak + outside << " first=" << first - data + outside
             << " allocator=" << static_cast<i64>(stats.allocated_bytes[0].peak) - data << " outside=" << outside
             << " reserve=" << static_cast<i64>(stats.reserved_bytes[0].peak - stats.allocated_bytes[0].peak)
             << " step=" << times[times.size() / 2] << "\n";

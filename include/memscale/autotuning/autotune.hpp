@@ -188,15 +188,10 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
   // CUDA: what is allocated on the device that a trial's growth does not see and
   // is not the model's (cuBLAS's workspaces, the program's other tensors); training
   // with the winner holds it too, and predict() counts it.
-  if (device.is_cuda()) {
-    std::int64_t state = 0;
-    if (!optimizer.state().empty())
-      for (const auto& group : optimizer.param_groups())
-        for (const auto& p : group.params())
-          if (p.defined() && p.requires_grad() && p.device() == device) state += own.state_bytes(p, group.options());
+  if (device.is_cuda())
     context.unnamed_bytes = predictor::detail::unnamed_allocations(
-        device, memscale::detail::allocated_on_device(device), parameters, root->buffers(), state, example_input);
-  }
+        device, memscale::detail::allocated_on_device(device), parameters, root->buffers(),
+        predictor::held_state_bytes(optimizer, device), example_input);
 
   // The budget, as predict() and the planner count it.
   const auto hardware = detect_hardware();

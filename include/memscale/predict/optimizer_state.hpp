@@ -98,6 +98,18 @@ inline std::int64_t bytes_of(const torch::Tensor& p) { return static_cast<std::i
               "): the types predict() knows are " + supported_optimizers);
 }
 
+/// The state `optimizer` holds now for its parameters on `device` that require
+/// grad, as its type sizes it: 0 before its first step (it has none yet).
+[[nodiscard]] inline std::int64_t held_state_bytes(const torch::optim::Optimizer& optimizer, c10::Device device) {
+  if (optimizer.state().empty()) return 0;
+  const auto sizing = sizing_of(optimizer);
+  std::int64_t bytes = 0;
+  for (const auto& group : optimizer.param_groups())
+    for (const auto& p : group.params())
+      if (p.defined() && p.requires_grad() && p.device() == device) bytes += sizing.state_bytes(p, group.options());
+  return bytes;
+}
+
 /// What the optimizer holds and allocates on `device`.
 struct optimizer_footprint {
   std::string name;

@@ -198,8 +198,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   if (device.is_cuda()) {
     box.reset();  // gradients as they were
     persistent = detail::unnamed_allocations(device, memscale::detail::allocated_on_device(device), parameters,
-                                             root->buffers(), optimizer.state().empty() ? 0 : own.state_bytes,
-                                             example_input);
+                                             root->buffers(), held_state_bytes(optimizer, device), example_input);
   }
   // CPU: what the process holds beyond the allocator (-1: not measured).
   const std::int64_t outside_cpu =
