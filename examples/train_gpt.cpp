@@ -60,6 +60,10 @@
 
 extern char** environ;
 
+// Named, so that the program compiles in one translation unit with the others
+// (MEMSCALE_UNITY_TRAIN_GPT, cmake/MemscaleTargetOptions.cmake), whose helpers
+// share these names.
+namespace train_gpt_program {
 namespace {
 
 using clock_type = std::chrono::steady_clock;
@@ -598,16 +602,18 @@ int run(const Args& args) {
 }
 
 }  // namespace
+}  // namespace train_gpt_program
 
 int main(int argc, char** argv) {
+  namespace program = train_gpt_program;
   memscale::memory_tracker::install();  // before any tensor exists, so every byte is counted
   gpt::register_memscale_rule();
   std::string who = "train_gpt";
   try {
-    const auto args = parse_args(argc, argv);
-    if (args.world_size > 1 && !args.rank) return launch(argc, argv, args);
+    const auto args = program::parse_args(argc, argv);
+    if (args.world_size > 1 && !args.rank) return program::launch(argc, argv, args);
     if (args.rank) who += " (rank " + std::to_string(*args.rank) + ")";
-    return run(args);
+    return program::run(args);
   } catch (const std::invalid_argument& e) {
     std::cerr << who << ": " << e.what() << "\n";
     return 2;

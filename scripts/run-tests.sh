@@ -77,6 +77,11 @@ sanitized_build() {
   cmake --preset "$preset" >/dev/null &&
     cmake --build --preset "$preset" -j "$jobs" --target memscale_tests
 }
+# The sanitizer presets run each test process with one OpenMP and one OpenBLAS
+# thread (CMakePresets.json): ctest runs one test per core, and a second thread
+# per process only spun on a core the other test was using. Measured on CI's two
+# cores (2026-11-27): the ASan tests took 219 s with LibTorch's default threads,
+# 162 s with one; one file's test spent 38% of its CPU time in sched_yield.
 sanitized_run() {
   ctest --preset "$1" -L unit -j "$jobs" --timeout 600
 }
@@ -97,7 +102,9 @@ header_checks() {  # against 1.13, then 2.x
 # The CTest tests that only compile and run a small program (a consumer's
 # build, the packages, the negative compile tests): 180 s of compiling on CI's
 # two cores, nothing they check depends on a compile beside them, and they run
-# beside the sanitizer builds, which leave a core idle at their tail.
+# beside the sanitizer builds, which leave a core idle at their tail. Two at a
+# time (the negative compiles, which share the build tree, one after another):
+# one at a time they took 415 s, longer than the ASan build beside them.
 compile_labels='^(consumer|package|compile_fail)$'
 run_ctest() {  # run_ctest <log name> <ctest arguments...>
   local log=build/$1.log status=0 line
@@ -126,16 +133,41 @@ stage setup-deps ./scripts/setup-deps.sh --tests
 stage fetch-libtorch2 cmake/fetch_libtorch2_headers.sh .cache/libtorch2
 beside header-checks header_checks
 # -Werror: memscale's own targets (every header, instantiated by the tests,
-# examples and benchmarks) compile at -O3 without a warning.
-stage configure cmake --preset default -DMEMSCALE_WERROR=ON
+# examples and benchmarks) compile at -O3 without a warning. train_gpt compiles
+# in the programs' one unit (cmake/MemscaleTargetOptions.cmake).
+stage configure cmake --preset default -DMEMSCALE_WERROR=ON -DMEMSCALE_UNITY_TRAIN_GPT=ON
 if [[ ! " ${failures[*]} " =~ " "(setup-deps|configure)" " ]]; then stage build cmake --build --preset default -j "$jobs"; fi
 join header-checks
 if [[ " ${failures[*]} " =~ " "(setup-deps|configure|build)" " ]]; then summary; fi
 
+# Debian's OpenBLAS (0.3.21) picks its kernels by CPU model, and on a CPU it
+# does not know falls back to its generic SSE3 ones ("Prescott"): CI's Xeon is
+# such a CPU (memscale::blas_advice says so to a user). As the README advises,
+# the tests run with the kernels for the CPU's instruction set, unless the
+# environment names some already. Measured on CI's two cores (2026-11-27): a
+# third of one file's ASan test time was Prescott's sgemm; the ASan tests took
+# 162 s with it, 133 s with SkylakeX's kernels.
+blas_core_for_tests() {
+  local core flags
+  [[ -z ${OPENBLAS_CORETYPE:-} && -x build/tests/memscale_tests ]] || return 0
+  core=$(OPENBLAS_VERBOSE=2 build/tests/memscale_tests --list-tags 2>&1 >/dev/null | sed -n 's/^Core: //p' | head -n 1 || true)
+  case $core in Prescott | Core2 | Penryn | Nehalem | Dunnington | Atom) ;; *) return 0 ;; esac
+  flags=" $(grep -m 1 '^flags' /proc/cpuinfo 2>/dev/null) "
+  if [[ $flags == *" avx512f "* && $flags == *" avx512bw "* && $flags == *" avx512vl "* && $flags == *" avx512dq "* ]]; then
+    export OPENBLAS_CORETYPE=SkylakeX
+  elif [[ $flags == *" avx2 "* && $flags == *" fma "* ]]; then
+    export OPENBLAS_CORETYPE=Haswell
+  else
+    return 0
+  fi
+  echo "=== OpenBLAS runs its generic '$core' kernels on this CPU: the tests run with OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE"
+}
+blas_core_for_tests
+
 rm -f build/ctest.log.summary build/ctest-compile.log.summary
 stage ctest run_ctest ctest -j "$jobs" -LE "$compile_labels"
 if [[ ${MEMSCALE_SANITIZERS:-1} != 0 ]]; then
-  beside ctest-compile run_ctest ctest-compile -j 1 -L "$compile_labels"
+  beside ctest-compile run_ctest ctest-compile -j "$jobs" -L "$compile_labels"
   beside tsan-build sanitized_build tsan
   stage asan-build sanitized_build asan
   join tsan-build

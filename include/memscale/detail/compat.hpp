@@ -3,7 +3,7 @@
 #pragma once
 
 #include <ATen/autocast_mode.h>
-#include <torch/version.h>
+#include <torch/torch.h>
 
 #if TORCH_VERSION_MAJOR >= 2
 #include <variant>

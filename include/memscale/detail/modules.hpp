@@ -9,8 +9,7 @@
 #include <type_traits>
 #include <typeinfo>
 
-#include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
+#include <torch/torch.h>
 
 namespace memscale {
 namespace detail {

@@ -8,10 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/Context.h>
-#include <c10/core/Device.h>
+#include <torch/torch.h>
 
 namespace memscale::detail {
 

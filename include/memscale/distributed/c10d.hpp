@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#include <torch/version.h>
+#include <torch/torch.h>
 
 // ProcessGroupGloo.hpp is wrapped in USE_C10D_GLOO, which PyTorch's own build
 // defines and Torch's CMake config does not; its <gloo/...> headers come from

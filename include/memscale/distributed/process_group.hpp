@@ -12,7 +12,7 @@
 #include <string_view>
 #include <utility>
 
-#include <torch/version.h>
+#include <torch/torch.h>
 
 #include <memscale/distributed/c10d.hpp>
 #include <memscale/errors.hpp>

@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include <torch/nn/modules/container/any.h>
+#include <torch/torch.h>
 
 namespace memscale {
 
