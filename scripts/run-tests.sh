@@ -144,7 +144,9 @@ if [[ " ${failures[*]} " =~ " "(setup-deps|configure|build)" " ]]; then summary;
 # does not know falls back to its generic SSE3 ones ("Prescott"): CI's Xeon is
 # such a CPU (memscale::blas_advice says so to a user). As the README advises,
 # the tests run with the kernels for the CPU's instruction set, unless the
-# environment names some already. Measured on CI's two cores (2026-11-27): a
+# environment names some already. The generic cores and the choice are
+# blas_advice's (include/memscale/device/hardware.hpp): change both together;
+# SkylakeX is asked here only with the AVX-512 subsets its kernels use. Measured on CI's two cores (2026-11-27): a
 # third of one file's ASan test time was Prescott's sgemm; the ASan tests took
 # 162 s with it, 133 s with SkylakeX's kernels.
 blas_core_for_tests() {
