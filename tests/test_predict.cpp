@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include <memscale/predict/blas_workspace.hpp>
+#include <memscale/predict/calibration.hpp>
 #include <memscale/predict/cuda_reserve.hpp>
 #include <memscale/predict/shape_only.hpp>
 
@@ -207,6 +208,127 @@ TEST_CASE("predict's allocator peak matches a measured steady-state step, baseli
     CHECK(predicted_growth(p.baseline) == Approx(measured).epsilon(0.01));
     CHECK(p.calibration_batches.front() == 2);
     CHECK(p.shape_only == (TORCH_VERSION_MAJOR < 2));
+  }
+}
+
+namespace {
+
+/// Off the CPU predict() calibrates near the example's batch; this runs that
+/// scheme on the CPU, where the tracker measures the allocator exactly.
+struct near_target_scope {
+  near_target_scope() { memscale::predictor::detail::near_target_on_cpu() = true; }
+  ~near_target_scope() { memscale::predictor::detail::near_target_on_cpu() = false; }
+  near_target_scope(const near_target_scope&) = delete;
+  near_target_scope& operator=(const near_target_scope&) = delete;
+};
+
+/// A chain whose forward makes one tensor more from batch 41 on: an operator
+/// that takes another path at larger batches, as CUDA's reductions and cuDNN's
+/// algorithms do.
+struct WiderPathImpl : torch::nn::Module {
+  WiderPathImpl()
+      : in(register_module("in", torch::nn::Linear(64, 512))),
+        out(register_module("out", torch::nn::Linear(512, 64))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::gelu(in->forward(x));
+    if (x.size(0) > 40) h = h * torch::sigmoid(h);  // kept for backward: 2 more blocks of [batch, 512]
+    return out->forward(h);
+  }
+  torch::nn::Linear in, out;
+};
+TORCH_MODULE(WiderPath);
+
+}  // namespace
+
+TEST_CASE("off the CPU, predict calibrates near the example's batch: as measured, past a step out of memory and "
+          "another path at larger batches (the scheme run on the CPU)",
+          "[predict][oom]") {
+  memory_tracker::install();
+  torch::manual_seed(13);
+  const auto loss = [](const torch::Tensor& y) { return y.pow(2).mean(); };
+  const auto noted = [](const memscale::Prediction& p, const std::string& text) {
+    return std::any_of(p.notes.begin(), p.notes.end(),
+                       [&](const auto& n) { return n.find(text) != std::string::npos; });
+  };
+
+  SECTION("batches T/4 and T/2 align: baseline and plan as measured") {
+    auto model = test::flat_chain(4, 64, 512, 0.1);
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+    const auto x = torch::randn({64, 64});
+    const auto config = test::quiet({.mode = memscale::OptimizationMode::Aggressive});
+    std::optional<memscale::Prediction> found;
+    {
+      near_target_scope near;
+      found = memscale::predict(model, x, optimizer, loss, config);
+    }
+    const auto& p = *found;
+    INFO(p);
+    REQUIRE(p.plan_applies);
+    CHECK(p.calibration_batches == std::vector<std::int64_t>{32, 16});
+    CHECK_FALSE(p.shape_only);
+    CHECK(noted(p, "calibration near the example's batch"));
+    (void)measured_step(model, optimizer, x, loss);  // state created
+    CHECK(predicted_growth(p.baseline) == Approx(measured_step(model, optimizer, x, loss)).epsilon(0.01));
+    auto guard = memscale::optimize(model, x, config);
+    (void)measured_step(model, optimizer, x, loss);
+    CHECK(predicted_growth(p.planned) == Approx(measured_step(model, optimizer, x, loss)).epsilon(0.01));
+  }
+
+  SECTION("a step at T/2 runs out of memory: T/8 and T/4, the model as it was") {
+    auto model = test::flat_chain(4, 64, 512, 0.0);
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+    const auto x = torch::randn({512, 64});
+    (void)measured_step(model, optimizer, x, loss);  // gradients and state exist
+    const auto config = test::quiet({.enable_offloading = false});
+    std::optional<memscale::Prediction> free_run, limited;
+    {
+      near_target_scope near;
+      free_run = memscale::predict(model, x, optimizer, loss, config);
+    }
+    // The forward and backward's growth at batches 128 and 256, gradients existing.
+    const auto growth_at = [&](std::int64_t batch) {
+      const auto input = x.narrow(0, 0, batch).clone();
+      memory_tracker::peak_scope scope;
+      loss(model->forward(input)).backward();
+      return scope.peak_growth();
+    };
+    const auto g128 = growth_at(128), g256 = growth_at(256);
+    REQUIRE(g256 - g128 > (1 << 20));
+    const test::model_state before(*model);
+    const auto state = test::optimizer_state(optimizer);
+    std::int64_t gradients = 0;
+    for (const auto& p : model->parameters()) gradients += static_cast<std::int64_t>(p.nbytes());
+    {
+      near_target_scope near;
+      // Room for the calibration's own gradients beside the set-aside ones, and a step between 128 and 256 rows.
+      memory_tracker::hard_limit_scope hard(memory_tracker::current_bytes() + gradients + (g128 + g256) / 2);
+      limited = memscale::predict(model, x, optimizer, loss, config);
+    }
+    INFO(*limited);
+    CHECK(free_run->calibration_batches == std::vector<std::int64_t>{256, 128});
+    CHECK(limited->calibration_batches == std::vector<std::int64_t>{128, 64});
+    CHECK(noted(*limited, "a step at batch(es) 256 ran out of memory"));
+    CHECK(limited->baseline.allocator_bytes() == Approx(free_run->baseline.allocator_bytes()).epsilon(0.001));
+    CHECK(test::model_state(*model) == before);
+    CHECK(test::bit_equal(test::optimizer_state(optimizer), state));
+  }
+
+  SECTION("another path from batch 41: 32 and 64 do not align, 48 and 64 do; the small batches miss it") {
+    WiderPath model;
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+    const auto x = torch::randn({128, 64});
+    std::optional<memscale::Prediction> near_fit;
+    {
+      near_target_scope near;
+      near_fit = memscale::predict(model, x, optimizer, loss, test::quiet());
+    }
+    const auto small_fit = memscale::predict(model, x, optimizer, loss, test::quiet());
+    INFO(*near_fit);
+    CHECK(near_fit->calibration_batches == std::vector<std::int64_t>{64, 32, 48});
+    (void)measured_step(model, optimizer, x, loss);
+    const auto measured = measured_step(model, optimizer, x, loss);
+    CHECK(predicted_growth(near_fit->baseline) == Approx(measured).epsilon(0.01));
+    CHECK(predicted_growth(small_fit.baseline) < 0.9 * static_cast<double>(measured));
   }
 }
 

@@ -185,13 +185,17 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
     if (b.defined() && b.device() == device) context.static_bytes += static_cast<std::int64_t>(b.nbytes());
   context.warmup_steps = options.warmup_steps;
   context.timed_steps = options.timed_steps;
-  // CUDA: what is allocated on the device that a trial's growth does not see and
-  // is not the model's (cuBLAS's workspaces, the program's other tensors); training
-  // with the winner holds it too, and predict() counts it.
-  if (device.is_cuda())
-    context.unnamed_bytes = predictor::detail::unnamed_allocations(
-        device, memscale::detail::allocated_on_device(device), parameters, root->buffers(),
-        predictor::held_state_bytes(optimizer, device), example_input);
+  // CUDA: a trial measures what the device holds at its peak, less what only the
+  // trials hold (trial_context::trial_only_bytes).
+  if (device.is_cuda()) {
+    context.trial_only_bytes = predictor::held_state_bytes(optimizer, device);
+    const auto add = [&](const torch::Tensor& t) {
+      if (t.defined() && t.device() == device) context.trial_only_bytes += static_cast<std::int64_t>(t.nbytes());
+    };
+    for (const auto& p : parameters) add(p.grad());  // set aside by the sandbox below
+    for (const auto& b : root->buffers()) add(b);      // its copies
+    add(example_input);
+  }
 
   // The budget, as predict() and the planner count it.
   const auto hardware = detect_hardware();

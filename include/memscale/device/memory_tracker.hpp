@@ -15,6 +15,7 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/Device.h>
+#include <c10/util/Exception.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 
 #include <memscale/device/cpu_byte_sources.hpp>
@@ -51,6 +52,16 @@ inline void release_cached_device_memory([[maybe_unused]] c10::Device device) {
 #if MEMSCALE_HAS_CUDA()
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
+}
+
+/// Whether `e` is an allocation failure (LibTorch 2.x and the tracker's hard
+/// limit throw c10::OutOfMemoryError; 1.13's CUDA and CPU allocators a c10::Error).
+inline bool is_out_of_memory(const c10::Error& e) {
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return true;
+  const std::string what = e.what_without_backtrace();
+  for (const char* sign : {"out of memory", "not enough memory", "can't allocate memory", "Cannot allocate memory"})
+    if (what.find(sign) != std::string::npos) return true;
+  return false;
 }
 
 /// CUDA: the caching allocator's allocated bytes on `device` now; 0 elsewhere.

@@ -2,11 +2,13 @@
 // a small batch, for real or shape-only, while a timeline_scope records its
 // allocations (calibration), and two aligned timelines at consecutive batches
 // found and fitted (fit_timelines; fit_shape_only_or_real prefers shape-only
-// steps and says why when it ran them for real). predict/run.hpp drives them;
+// steps and says why when it ran them for real; off the CPU, fit_near_target
+// runs them near the example's batch). predict/run.hpp drives them;
 // predict/predict.hpp's header says how the prediction works.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -20,6 +22,7 @@
 #include <torch/version.h>
 
 #include <memscale/device/hardware.hpp>
+#include <memscale/device/memory_tracker.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/execute/verify.hpp>
 #include <memscale/predict/blas_workspace.hpp>
@@ -48,6 +51,9 @@ struct calibration {
   bool gradients_kept = TORCH_VERSION_MAJOR < 2;  // what Optimizer::zero_grad() does by default
   std::vector<torch::Tensor> trainable;
   core::verify::sandbox* box = nullptr;
+  /// Real steps run near the example's batch first (fit_near_target): off the
+  /// CPU, and on it where the test seam near_target_on_cpu() asks.
+  bool near_target = false;
 
   [[nodiscard]] torch::Tensor batch_of(std::int64_t batch) const { return rows_of(example, batch); }
 
@@ -104,10 +110,107 @@ struct calibration {
 /// convolutions from batch 2; measured in benchmarks/studies/README.md).
 inline constexpr std::int64_t first_calibration_batch = 2;
 
-/// Two aligned calibration timelines: batches (2, 3), else (3, 4), else (4, 5).
-/// Sets `note` when none align (the fit is then of the last two, phase by phase).
+/// A test seam: calibrate near the example's batch on the CPU too (real steps),
+/// as predict() does off it. Internal; process-wide.
+inline std::atomic<bool>& near_target_on_cpu() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
+/// A timeline reduced to its forward end, its peak and its end: what is
+/// extrapolated where two calibrations do not align event by event.
+[[nodiscard]] inline timeline whole_step(const timeline& t) {
+  timeline r;
+  r.live = {t.at_mark(0), t.peak(), t.end()};
+  r.allocation = {true, true, false};
+  r.marks = {1, 2};
+  r.reserved_peak = t.reserved_peak;
+  r.allocated_peak = t.allocated_peak;
+  return r;
+}
+
+/// The smallest batch fit_near_target runs at; below it, the small batches.
+inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
+
+/// Real steps near the example's batch T, where the step's operators take the
+/// paths they take at T: a reduction over more rows splits over more blocks
+/// with buffers of their own, cuBLAS and cuDNN choose algorithms (and
+/// workspaces) by shape. Extrapolated from batches 2 to 5, an MLP's step on an
+/// H200 was predicted 11-20% short of its allocations at batches 4096 to 65536,
+/// a ResNet's 18-38% over (benchmarks/RESULTS.md). Tries batches (H/2, H), then
+/// (3H/4, H), for H = T/2; where a step at H runs out of memory, H = T/4, T/8,
+/// ... down to 2 * smallest_near_batch (the cache emptied before each step, so
+/// that each step's reserve is its own). Where neither pair aligns, the larger
+/// pair as a whole (whole_step), with `note` saying so. Nothing where no H ran
+/// (T under 4 * smallest_near_batch, or out of memory at each); `note` then
+/// names the batches that ran out of memory.
+[[nodiscard]] inline std::optional<timeline_fit> fit_near_target(calibration& c, std::vector<std::int64_t>& batches,
+                                                                 std::string& note, std::int64_t& allocator_growth) {
+  std::string short_of_memory;
+  const auto run = [&](std::int64_t b) -> std::optional<timeline> {
+    memscale::detail::release_cached_device_memory(c.device);
+    try {
+      auto t = c.run(b);
+      allocator_growth = std::max(allocator_growth, t.peak());
+      batches.push_back(b);
+      return t;
+    } catch (const c10::Error& e) {
+      if (!memscale::detail::is_out_of_memory(e)) throw;
+    } catch (const std::bad_alloc&) {
+    }
+    c.box->reset();
+    memscale::detail::release_cached_device_memory(c.device);
+    short_of_memory += (short_of_memory.empty() ? "" : ", ") + std::to_string(b);
+    return std::nullopt;
+  };
+  // What to say: which steps ran out of memory, then `more`.
+  const auto said = [&](const std::string& more) {
+    const auto ran_out = short_of_memory.empty() ? std::string()
+                                                 : "a step at batch(es) " + short_of_memory + " ran out of memory";
+    return ran_out.empty() || more.empty() ? ran_out + more : ran_out + "; " + more;
+  };
+  for (std::int64_t high = c.example.size(0) / 2; high / 2 >= smallest_near_batch; high /= 2) {
+    const auto top = run(high);
+    if (!top) continue;
+    const auto low = run(high / 2);
+    if (low && aligned(*low, *top)) {
+      note = said("");
+      return timeline_fit(*low, high / 2, *top, high);
+    }
+    const auto mid_batch = 3 * high / 4;
+    const auto mid = run(mid_batch);
+    if (mid && aligned(*mid, *top)) {
+      note = said("");
+      return timeline_fit(*mid, mid_batch, *top, high);
+    }
+    if (!mid && !low) continue;
+    note = said("the step's allocations differ between batches " + std::to_string(high / 2) + ", " +
+                std::to_string(mid_batch) + " and " + std::to_string(high) +
+                " (an operator takes another path at some batch size): the peak is extrapolated from the last two "
+                "as a whole, not event by event");
+    return mid ? timeline_fit(whole_step(*mid), mid_batch, whole_step(*top), high)
+               : timeline_fit(whole_step(*low), high / 2, whole_step(*top), high);
+  }
+  if (!short_of_memory.empty()) note = said("so it was calibrated at the smallest batches");
+  return std::nullopt;
+}
+
+/// Two aligned calibration timelines: near the example's batch where
+/// `c.near_target` and the steps are real (fit_near_target), else batches
+/// (2, 3), else (3, 4), else (4, 5). Sets `note` when none align (the fit is
+/// then of the last two, phase by phase) or a near-target step ran out of memory.
 inline timeline_fit fit_timelines(calibration& c, std::vector<std::int64_t>& batches, std::string& note,
                                   std::int64_t& allocator_growth) {
+  std::string near_note;
+  if (c.near_target && c.how == calibration::execution::real) {
+    if (auto fit = fit_near_target(c, batches, near_note, allocator_growth)) {
+      note = near_note;
+      return *fit;
+    }
+  }
+  const auto with_near_note = [&](std::string text) {
+    return near_note.empty() ? text : text.empty() ? near_note : near_note + "; " + text;
+  };
   std::vector<timeline> runs;
   for (std::int64_t b = first_calibration_batch; b <= first_calibration_batch + 3; ++b) {
     runs.push_back(c.run(b));
@@ -117,23 +220,16 @@ inline timeline_fit fit_timelines(calibration& c, std::vector<std::int64_t>& bat
     allocator_growth = std::max(allocator_growth, runs.back().peak());
     batches.push_back(b);
     const auto n = runs.size();
-    if (n >= 2 && aligned(runs[n - 2], runs[n - 1])) return {runs[n - 2], b - 1, runs[n - 1], b};
+    if (n >= 2 && aligned(runs[n - 2], runs[n - 1])) {
+      note = with_near_note("");
+      return {runs[n - 2], b - 1, runs[n - 1], b};
+    }
   }
-  note = "the step's allocations differ between each two consecutive batches from " +
+  note = with_near_note("the step's allocations differ between each two consecutive batches from " +
          std::to_string(first_calibration_batch) + " to " + std::to_string(first_calibration_batch + 3) +
          " (an operator takes another path at some batch size): the peak is extrapolated from the last two as a "
-         "whole, not event by event";
-  // Reduce each run to its peak, its forward end and its end: a three-event timeline.
-  const auto reduce = [](const timeline& t) {
-    timeline r;
-    r.live = {t.at_mark(0), t.peak(), t.end()};
-    r.allocation = {true, true, false};
-    r.marks = {1, 2};
-    r.reserved_peak = t.reserved_peak;
-    r.allocated_peak = t.allocated_peak;
-    return r;
-  };
-  return {reduce(runs[2]), first_calibration_batch + 2, reduce(runs[3]), first_calibration_batch + 3};
+         "whole, not event by event");
+  return {whole_step(runs[2]), first_calibration_batch + 2, whole_step(runs[3]), first_calibration_batch + 3};
 }
 
 /// fit_timelines with the step run shape-only (`how`: census or not) where that
@@ -148,6 +244,8 @@ inline std::string fit_shape_only_or_real(calibration& c, calibration::execution
   std::string why;
   if (!c.device.is_cpu()) {
     why = "the model is on " + c.device.str() + " (shape-only calibration is used on CPU only)";
+  } else if (c.near_target) {
+    why = "calibration near the example's batch was asked for (a test seam)";
   } else if (!shape_only_available()) {
     why = TORCH_VERSION_MAJOR < 2 ? "shape-only execution is unavailable (another library registered a fallback "
                                     "for DispatchKey::Fake)"

@@ -48,6 +48,12 @@ std::unique_ptr<torch::optim::Optimizer> shadow_of(std::vector<torch::Tensor> pa
 
 inline std::int64_t bytes_of(const torch::Tensor& p) { return static_cast<std::int64_t>(p.nbytes()); }
 
+/// AdamWOptions as AdamW8bitOptions (Config::use_8bit_optimizer's optimizer).
+inline optim::AdamW8bitOptions as_eight_bit(const torch::optim::OptimizerOptions& options) {
+  const auto& o = static_cast<const torch::optim::AdamWOptions&>(options);
+  return optim::AdamW8bitOptions(o.lr()).betas(o.betas()).eps(o.eps()).weight_decay(o.weight_decay());
+}
+
 }  // namespace detail
 
 /// memscale::optim::AdamW8bit's sizing.

@@ -11,7 +11,10 @@
 // batch, so the timeline at any batch is their event-by-event extrapolation,
 // and its maximum is the step's peak. Where the two do not align (an operator
 // that takes another path at some batch), batches 3 and 4, then 4 and 5 are
-// tried. On CPU with LibTorch 1.x these steps run shape-only
+// tried. Off the CPU the steps run for real near the example's batch T first
+// (batches T/4 and T/2, or lower where a step runs out of memory: predict/
+// calibration.hpp's fit_near_target), where CUDA's operators take the paths
+// they take at T. On CPU with LibTorch 1.x these steps run shape-only
 // (predict/shape_only.hpp: every output allocated as the real step allocates
 // it, nothing computed), the first without the plan in census mode (each
 // operator's first call in the process also runs for real, so that its code and

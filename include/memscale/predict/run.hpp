@@ -90,12 +90,6 @@ inline std::int64_t largest_fitting(const std::function<std::int64_t(std::int64_
   return low;
 }
 
-/// AdamWOptions as AdamW8bitOptions (Config::use_8bit_optimizer's optimizer).
-inline optim::AdamW8bitOptions as_eight_bit(const torch::optim::OptimizerOptions& options) {
-  const auto& o = static_cast<const torch::optim::AdamWOptions&>(options);
-  return optim::AdamW8bitOptions(o.lr()).betas(o.betas()).eps(o.eps()).weight_decay(o.weight_decay());
-}
-
 }  // namespace detail
 
 /// predict() with the model's forward and the loss as functions (what the
@@ -160,6 +154,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   // Calibration: the model as it is, then with the plan.
   core::verify::sandbox box(*root);  // gradients, buffers and RNG back at the end
   detail::calibration c{forward, loss_fn, example_input, device, TORCH_VERSION_MAJOR < 2, trainable, &box};
+  c.near_target = !device.is_cpu() || detail::near_target_on_cpu();
   std::string misaligned;
   // What the process holds outside the allocator (libtorch's code read in at
   // first use, oneDNN and BLAS buffers, malloc's retention), measured over the
@@ -363,6 +358,11 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     b.outside_allocator_bytes = outside + out.outside_growth_at(batch) + cuda_reserve(fit, opt, batch);
     return b;
   };
+  for (const auto& [fit, which] : {std::pair{&base_fit, "without"}, std::pair{&plan_fit, "with"}})
+    if (device.is_cuda() && !fit->has_blocks() && (fit == &base_fit || out.plan_applies))
+      out.notes.push_back(std::string("CUDA: the calibrations ") + which + " the plan did not align event by event: " +
+                          "the caching allocator's reserve is the one held at batch " +
+                          std::to_string(fit->second_batch()) + ", not replayed");
   out.baseline = breakdown(base_fit, own, out.batch_size);
   out.planned = breakdown(plan_fit, planned_optimizer, out.batch_size);
   out.baseline_peak_bytes = out.baseline.total_bytes();
