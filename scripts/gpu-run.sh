@@ -8,8 +8,9 @@
 #   - the hidden CUDA tests (offload tiers, batching, the chain's peak on CUDA,
 #     the fused 8-bit step against the CPU one, CUDA backward through memscale's
 #     engine; the memory tracker, predict, verify_correctness, autotune, mixed
-#     precision and tiling on CUDA; the engine-order test alone, in a process of
-#     its own),
+#     precision and tiling on CUDA; predict's calibration timelines at small, near
+#     and full batches, written to $OUT/cuda_calibration_study.json for study on a
+#     CPU; the engine-order test alone, in a process of its own),
 #   - the OOM predictor against measured steps on the GPU (memscale_bench_predict
 #     --device cuda: peak reserved bytes plus the context),
 #   - the GPU benchmark (bandwidth; GPT baseline / checkpoint / + offload; the
@@ -51,7 +52,9 @@ step kernel_test 60 ./build-gpu/tests/memscale_cuda_tests
 step kernel_test_8bit 60 ./build-gpu/tests/memscale_cuda_adamw8bit_tests
 # In a process of its own: it leaves LibTorch's base engine in charge of CUDA backwards.
 step engine_order 60 ./build-gpu/tests/memscale_tests "[.cuda_engine_order]"
-step cuda_tests "${MEMSCALE_GPU_TESTS_LIMIT:-240}" ./build-gpu/tests/memscale_tests "[.cuda]" --durations yes
+# MEMSCALE_GPU_OUT: where the calibration study writes its timelines (cuda_calibration_study.json).
+step cuda_tests "${MEMSCALE_GPU_TESTS_LIMIT:-240}" env MEMSCALE_GPU_OUT="$out" \
+  ./build-gpu/tests/memscale_tests "[.cuda]" --durations yes
 step bench_predict "${MEMSCALE_GPU_PREDICT_LIMIT:-240}" ./build-gpu/benchmarks/memscale_bench_predict --device cuda
 step bench_gpu "${MEMSCALE_GPU_BENCH_LIMIT:-180}" ./build-gpu/benchmarks/memscale_bench_gpu \
   --steps "${MEMSCALE_GPU_STEPS:-5}"

@@ -4,16 +4,21 @@
 // under a budget, mixed precision with the loss scaler, tiling. Hidden tests
 // ("[.cuda]"): CTest does not list them; scripts/gpu-run.sh runs them on a GPU
 // machine (`memscale_tests "[.cuda]"`), and each fails there if no GPU is
-// visible. Each prints its measured figures on lines "CUDA-FIGURE ...".
+// visible. Each prints its measured figures on lines "CUDA-FIGURE ..."; the
+// calibration study also writes its timelines where MEMSCALE_GPU_OUT says.
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <limits>
+#include <optional>
 
 #include <c10/util/Logging.h>
+#include <nlohmann/json.hpp>
 
+#include "resnet.hpp"
 #include "test_support.hpp"
 
 #include <memscale/detail/fault_injection.hpp>
@@ -290,6 +295,117 @@ TEST_CASE("verify_correctness on a CUDA GPT passes, under mixed precision too, a
       CHECK(test::parameter_identity(*model) == identity);
       CHECK(test::model_state(*model) == before);
     }
+}
+
+TEST_CASE("predict's CUDA calibration recorded for study off the GPU: each step's timeline at small, near and "
+          "full batches, and the prediction",
+          "[.cuda][predict][study]") {
+  require_cuda();
+  warm_cublas();
+  // Written where MEMSCALE_GPU_OUT names a folder (scripts/gpu-run.sh sets it): the allocation timeline of a
+  // forward, loss and backward (as predict records it) at each batch, from an emptied cache after an unrecorded
+  // warm-up at that batch, with the caching allocator's peaks; a full training step's measured peaks; and
+  // predict's figures and notes. Enough to test the extrapolation and the reserve replay on a CPU.
+  nlohmann::json all;
+  const auto study = [&](const std::string& name, auto model, const torch::Tensor& input, const torch::Tensor& targets,
+                         const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
+                         const std::vector<std::int64_t>& batches) {
+    nlohmann::json j;
+    const auto forward = [&](const torch::Tensor& x) -> torch::Tensor { return model->forward(x); };
+    const auto parameters = model->parameters();
+    for (const auto& p : parameters) j["parameter_bytes"].push_back(p.nbytes());
+    j["allocated_before_model"] = memory_tracker::current_bytes(gpu);
+    for (const auto b : batches) {
+      const auto x = input.narrow(0, 0, b).contiguous();
+      const auto t = targets.narrow(0, 0, b);
+      for (int pass = 0; pass < 2; ++pass) {
+        for (auto& p : parameters) p.mutable_grad() = torch::Tensor();
+        fresh_cache();
+        std::optional<memscale::predictor::timeline_scope> recorder;
+        if (pass == 1) recorder.emplace(gpu);
+        {  // the step's tensors freed while recording, as in predict's calibration
+          const auto out = forward(x);
+          if (recorder) recorder->mark();
+          const auto value = loss(out, t);
+          if (recorder) recorder->mark();
+          value.backward();
+        }
+        if (!recorder) continue;
+        const auto tl = recorder->finish();
+        j["timelines"][std::to_string(b)] = {
+            {"live", tl.live},   {"allocation", std::vector<int>(tl.allocation.begin(), tl.allocation.end())},
+            {"block", tl.block}, {"marks", tl.marks},
+            {"reserved_peak", tl.reserved_peak}, {"allocated_peak", tl.allocated_peak}};
+      }
+    }
+    for (auto& p : parameters) p.mutable_grad() = torch::Tensor();
+    torch::optim::AdamW optimizer(parameters, torch::optim::AdamWOptions(1e-3));
+    const auto full = input.size(0);
+    const std::function<torch::Tensor(const torch::Tensor&)> step_loss = [&](const torch::Tensor& out) {
+      return loss(out, targets.narrow(0, 0, out.size(0)));
+    };
+    const auto p = memscale::predict(model, input, optimizer, step_loss, test::quiet());
+    j["predicted"] = {{"batch", full},
+                      {"allocator", p.baseline.allocator_bytes()},
+                      {"outside", p.baseline.outside_allocator_bytes},
+                      {"total", p.baseline_peak_bytes},
+                      {"calibration_batches", p.calibration_batches},
+                      {"notes", p.notes}};
+    fresh_cache();
+    for (int s = 0; s < 4; ++s) {
+      if (s == 1) memory_tracker::reset_peak(gpu);
+      optimizer.zero_grad();
+      loss(forward(input), targets).backward();
+      optimizer.step();
+    }
+    const auto [reserved_peak, outside] = reserved_peak_and_outside();
+    j["measured"] = {{"allocated_peak", memory_tracker::peak_bytes(gpu)}, {"reserved_peak", reserved_peak},
+                     {"outside", outside}, {"input_bytes", input.nbytes()}};
+    figure("study-" + name)("predicted_total", p.baseline_peak_bytes)("measured_total", reserved_peak + outside)(
+        "calibration", p.calibration_batches.front())("timelines", j["timelines"].size());
+    CHECK(j["timelines"].size() == batches.size());
+    all[name] = std::move(j);
+  };
+  const auto cross_entropy = [](const torch::Tensor& out, const torch::Tensor& t) {
+    return torch::cross_entropy_loss(out, t);
+  };
+  {
+    torch::manual_seed(5);
+    const gpt::Options o;
+    gpt::GPT model(o);
+    model->to(torch::kCUDA);
+    const auto tokens = torch::randint(0, o.vocab, {64, o.context}, torch::kLong).to(gpu);
+    const auto targets = torch::randint(0, o.vocab, {64, o.context}, torch::kLong).to(gpu);
+    study("gpt", model, tokens, targets,
+          [](const torch::Tensor& out, const torch::Tensor& t) { return gpt::loss(out, t); }, {2, 3, 4, 16, 32, 64});
+  }
+  {
+    torch::manual_seed(5);
+    torch::nn::Sequential model;
+    for (int i = 0; i < 8; ++i) {  // memscale_bench_predict's "mlp"
+      model->push_back(torch::nn::Linear(64, 256));
+      model->push_back(torch::nn::GELU());
+      model->push_back(torch::nn::Linear(256, 64));
+      model->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({64})));
+    }
+    model->to(torch::kCUDA);
+    const auto x = torch::randn({16384, 64}, gpu), t = torch::randn({16384, 64}, gpu);
+    study("mlp", model, x, t,
+          [](const torch::Tensor& out, const torch::Tensor& target) { return torch::mse_loss(out, target); },
+          {2, 3, 4, 4096, 8192, 16384});
+  }
+  for (const bool deep : {false, true}) {  // memscale_bench_predict's "resnet" and "cnn-deep"
+    torch::manual_seed(5);
+    auto model = deep ? resnet::ResNet(8, 32) : resnet::ResNet(4, 64);
+    model->to(torch::kCUDA);
+    const auto x = torch::randn({128, 3, 32, 32}, gpu);
+    const auto t = torch::randint(10, {128}, torch::kLong).to(gpu);
+    study(deep ? "cnn-deep" : "resnet", model, x, t, cross_entropy, {2, 3, 4, 5, 32, 48, 64, 128});
+  }
+  if (const char* dir = std::getenv("MEMSCALE_GPU_OUT"); dir != nullptr && *dir != '\0') {
+    std::ofstream(std::filesystem::path(dir) / "cuda_calibration_study.json") << all.dump();
+    std::cout << "study written to " << dir << "/cuda_calibration_study.json" << std::endl;
+  }
 }
 
 TEST_CASE("autotune on CUDA: the winner fits a budget between the baseline's and Aggressive's, state kept",
