@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -189,12 +190,15 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
   // trials hold (trial_context::trial_only_bytes).
   if (device.is_cuda()) {
     context.trial_only_bytes = predictor::held_state_bytes(optimizer, device);
+    std::set<const void*> seen;  // a tied parameter's gradient once
     const auto add = [&](const torch::Tensor& t) {
-      if (t.defined() && t.device() == device) context.trial_only_bytes += static_cast<std::int64_t>(t.nbytes());
+      if (t.defined() && t.device() == device && seen.insert(t.unsafeGetTensorImpl()).second)
+        context.trial_only_bytes += static_cast<std::int64_t>(t.nbytes());
     };
     for (const auto& p : parameters) add(p.grad());  // set aside by the sandbox below
     for (const auto& b : root->buffers()) add(b);      // its copies
     add(example_input);
+    context.example = example_input;
   }
 
   // The budget, as predict() and the planner count it.

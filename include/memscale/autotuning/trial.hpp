@@ -197,6 +197,7 @@ struct trial_context {
   /// the caller's optimizer state beside the shadow's, and the example input
   /// (the data pipeline's, which predict() does not count either).
   std::int64_t trial_only_bytes = 0;
+  torch::Tensor example{};  ///< CUDA: the example input (a trial at another batch makes its own input beside it)
   std::int64_t budget_bytes = 0;
   int warmup_steps = 1;
   int timed_steps = 2;
@@ -245,8 +246,9 @@ void run_trial(TuneTrial& t, const torch::Tensor& x, const trial_context& c, Att
       // (the context). Counting the trial's growth over the model's bytes instead
       // missed 116 MB of 1.46 GB on an H200: the winner, measured to fit, held 4%
       // more than the budget when trained (benchmarks/RESULTS.md).
+      const auto own_input = x.is_same(c.example) ? std::int64_t{0} : static_cast<std::int64_t>(x.nbytes());
       t.measured_peak_bytes =
-          reserved - c.trial_only_bytes + memscale::detail::memory_outside_caching_allocator(c.device);
+          reserved - c.trial_only_bytes - own_input + memscale::detail::memory_outside_caching_allocator(c.device);
     } else {
       const auto held = meter.held_growth();
       t.measured_peak_bytes = std::max(t.allocator_peak_bytes, held >= 0 ? c.static_bytes + held : -1);

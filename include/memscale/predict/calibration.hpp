@@ -148,6 +148,7 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
                                                                  std::string& note, std::int64_t& allocator_growth) {
   std::string short_of_memory;
   const auto run = [&](std::int64_t b) -> std::optional<timeline> {
+    c.box->reset();  // the last step's gradients freed before the cache is emptied
     memscale::detail::release_cached_device_memory(c.device);
     try {
       auto t = c.run(b);
@@ -169,7 +170,18 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
                                                  : "a step at batch(es) " + short_of_memory + " ran out of memory";
     return ran_out.empty() || more.empty() ? ran_out + more : ran_out + "; " + more;
   };
+  if (c.example.size(0) / 4 < smallest_near_batch) return std::nullopt;
+  // An unrecorded step first: what a process's first step allocates once (cuBLAS's
+  // workspaces, for the caller's thread and autograd's) is then not in one timeline
+  // of a pair only. Where even it runs out of memory, the small batches follow.
+  try {
+    (void)c.run(first_calibration_batch);
+  } catch (const c10::Error& e) {
+    if (!memscale::detail::is_out_of_memory(e)) throw;
+  } catch (const std::bad_alloc&) {
+  }
   for (std::int64_t high = c.example.size(0) / 2; high / 2 >= smallest_near_batch; high /= 2) {
+    const auto ran_before = batches.size();
     const auto top = run(high);
     if (!top) continue;
     const auto low = run(high / 2);
@@ -183,7 +195,10 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
       note = said("");
       return timeline_fit(*mid, mid_batch, *top, high);
     }
-    if (!mid && !low) continue;
+    if (!mid && !low) {  // only the step at `high` ran: not a pair
+      batches.resize(ran_before);
+      continue;
+    }
     note = said("the step's allocations differ between batches " + std::to_string(high / 2) + ", " +
                 std::to_string(mid_batch) + " and " + std::to_string(high) +
                 " (an operator takes another path at some batch size): the peak is extrapolated from the last two "
