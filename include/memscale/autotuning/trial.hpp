@@ -146,26 +146,17 @@ class trial_meter {
       if (!reporting_->active()) reporting_.reset();
     }
     if (device.is_cuda() || memory_tracker::installed() || reporting_) peak_.emplace(device);
-#if MEMSCALE_HAS_CUDA()
-    if (device.is_cuda()) {
-      const auto index = device.has_index() ? device.index() : c10::DeviceIndex{0};
-      reserved_before_ = static_cast<std::int64_t>(
-          c10::cuda::CUDACachingAllocator::getDeviceStats(index).reserved_bytes[0].current);
-    }
-#endif
     if (device.is_cpu()) process_.emplace();
   }
   /// Growth of the allocator's live bytes over the scope, or -1 when nothing measures it.
   [[nodiscard]] std::int64_t allocator_growth() const { return peak_ ? peak_->peak_growth() : -1; }
-  /// Growth of what the process (CPU: resident high-water mark) or the device
-  /// (CUDA: the caching allocator's reserve) holds, or -1.
+  /// CPU: growth of the process's resident high-water mark over the scope, or -1.
   [[nodiscard]] std::int64_t held_growth() {
-    if (process_ && process_->active()) return process_->peak_growth();
-    const auto reserved = reserved_peak();
-    return reserved >= 0 ? reserved - reserved_before_ : -1;
+    return process_ && process_->active() ? process_->peak_growth() : -1;
   }
-  /// CUDA: the caching allocator's peak reserved bytes over the scope, every
-  /// segment it holds counted (those from before the scope too); else -1.
+  /// CUDA: the caching allocator's peak reserved bytes over the scope (the
+  /// peak_scope reset it), every segment it holds counted, those from before
+  /// the scope too; else -1.
   [[nodiscard]] std::int64_t reserved_peak() const {
 #if MEMSCALE_HAS_CUDA()
     if (device_.is_cuda()) {
@@ -181,7 +172,6 @@ class trial_meter {
   std::optional<memory_tracker::reporting_scope> reporting_;
   std::optional<memory_tracker::peak_scope> peak_;
   std::optional<memory_tracker::process_peak_scope> process_;  // CPU
-  std::int64_t reserved_before_ = 0;
 };
 
 /// What a trial needs of the model and the caller.

@@ -146,23 +146,30 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
 /// names the batches that ran out of memory.
 [[nodiscard]] inline std::optional<timeline_fit> fit_near_target(calibration& c, std::vector<std::int64_t>& batches,
                                                                  std::string& note, std::int64_t& allocator_growth) {
-  std::string short_of_memory;
-  const auto run = [&](std::int64_t b) -> std::optional<timeline> {
-    c.box->reset();  // the last step's gradients freed before the cache is emptied
-    memscale::detail::release_cached_device_memory(c.device);
+  // A step at batch `b`, or nothing where it ran out of memory (any other failure propagates).
+  const auto step_at = [&](std::int64_t b) -> std::optional<timeline> {
     try {
-      auto t = c.run(b);
-      allocator_growth = std::max(allocator_growth, t.peak());
-      batches.push_back(b);
-      return t;
+      return c.run(b);
     } catch (const c10::Error& e) {
       if (!memscale::detail::is_out_of_memory(e)) throw;
     } catch (const std::bad_alloc&) {
     }
     c.box->reset();
     memscale::detail::release_cached_device_memory(c.device);
-    short_of_memory += (short_of_memory.empty() ? "" : ", ") + std::to_string(b);
     return std::nullopt;
+  };
+  std::string short_of_memory;
+  const auto run = [&](std::int64_t b) {
+    c.box->reset();  // the last step's gradients freed before the cache is emptied
+    memscale::detail::release_cached_device_memory(c.device);
+    auto t = step_at(b);
+    if (t) {
+      allocator_growth = std::max(allocator_growth, t->peak());
+      batches.push_back(b);
+    } else {
+      short_of_memory += (short_of_memory.empty() ? "" : ", ") + std::to_string(b);
+    }
+    return t;
   };
   // What to say: which steps ran out of memory, then `more`.
   const auto said = [&](const std::string& more) {
@@ -173,13 +180,8 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
   if (c.example.size(0) / 4 < smallest_near_batch) return std::nullopt;
   // An unrecorded step first: what a process's first step allocates once (cuBLAS's
   // workspaces, for the caller's thread and autograd's) is then not in one timeline
-  // of a pair only. Where even it runs out of memory, the small batches follow.
-  try {
-    (void)c.run(first_calibration_batch);
-  } catch (const c10::Error& e) {
-    if (!memscale::detail::is_out_of_memory(e)) throw;
-  } catch (const std::bad_alloc&) {
-  }
+  // of a pair only. Where even it runs out of memory, the steps below say so.
+  (void)step_at(first_calibration_batch);
   for (std::int64_t high = c.example.size(0) / 2; high / 2 >= smallest_near_batch; high /= 2) {
     const auto ran_before = batches.size();
     const auto top = run(high);
