@@ -298,6 +298,21 @@ TEST_CASE("the tracker counts live and peak CPU bytes", "[memory]") {
   CHECK(scope.peak_growth() == 4 << 20);  // the inner scope did not hide the outer peak
 }
 
+TEST_CASE("allocation failures are told from other errors, a CUDA library's own included", "[memory][oom]") {
+  const c10::SourceLocation here{"test", __FILE__, __LINE__};
+  const auto error = [&](const std::string& what) { return c10::Error(here, what); };
+  using memscale::detail::is_out_of_memory;
+  CHECK(is_out_of_memory(c10::OutOfMemoryError(here, "anything")));
+  CHECK(is_out_of_memory(error("CUDA out of memory. Tried to allocate 2.00 GiB")));
+  CHECK(is_out_of_memory(error("CUDA error: out of memory")));
+  CHECK(is_out_of_memory(error("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")));
+  CHECK(is_out_of_memory(error("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")));
+  CHECK(is_out_of_memory(error("cuDNN error: CUDNN_STATUS_ALLOC_FAILED")));
+  CHECK(is_out_of_memory(error("cuFFT error: CUFFT_ALLOC_FAILED")));
+  CHECK_FALSE(is_out_of_memory(error("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm`")));
+  CHECK_FALSE(is_out_of_memory(error("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x3)")));
+}
+
 TEST_CASE("a hard limit makes a CPU allocation past it throw c10::OutOfMemoryError, and a step survives it",
           "[memory][oom]") {
   memory_tracker::install();

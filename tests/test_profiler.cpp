@@ -334,3 +334,92 @@ TEST_CASE("a convolution block's backward workspace is measured and its projecte
   CHECK(static_cast<double>(projected) >= 0.98 * step_peak);
   CHECK(static_cast<double>(projected) <= 1.15 * step_peak);
 }
+
+namespace {
+/// A GPT's MLP half 128 wide: no static rule covers it, so profiling measures it.
+gpt::MLP wide_mlp() {
+  gpt::Options o;
+  o.d_model = 128;
+  return gpt::MLP(o);
+}
+}  // namespace
+
+TEST_CASE("a slot whose measuring would not fit the room a budget leaves is measured on parts of the batch",
+          "[profiler]") {
+  memscale::memory_tracker::install();
+  torch::manual_seed(3);
+  std::vector<torch::nn::AnyModule> slots{torch::nn::AnyModule(wide_mlp()), torch::nn::AnyModule(wide_mlp())};
+  const auto x = torch::randn({64, 16, 128});  // 64 rows: an eighth is 8
+  const auto profiled = [&](std::int64_t room, std::int64_t* peak) {
+    profile_options options{false, true, 1, true};
+    options.room_bytes = room;
+    memscale::memory_tracker::peak_scope scope;
+    auto p = profile_chain("", slots, x, options);
+    *peak = scope.peak_growth();
+    return p;
+  };
+  std::int64_t whole_peak = 0, parts_peak = 0, roomy_peak = 0;
+  const auto whole = profiled(-1, &whole_peak);
+  REQUIRE(whole.caveats.empty());
+  // Room for half of what measuring a slot whole holds.
+  const auto parts = profiled(whole_peak / 2, &parts_peak);
+  INFO("whole " << whole_peak << " B, on parts " << parts_peak << " B");
+  REQUIRE(parts.caveats.size() == 2);
+  CHECK_THAT(parts.caveats[0], Catch::Contains("measured on 8, 16 and 24 of 64 rows"));
+  CHECK(parts_peak <= whole_peak / 2);
+  for (std::size_t k = 0; k < 2; ++k) {
+    INFO("slot " << k);
+    const auto& w = whole.slots[k];
+    const auto& p = parts.slots[k];
+    CHECK(p.input_bytes == w.input_bytes);
+    CHECK(p.output_bytes == w.output_bytes);
+    CHECK(p.saves_input == w.saves_input);
+    CHECK(p.saves_output == w.saves_output);
+    CHECK(std::abs(p.saved_bytes - w.saved_bytes) <= w.saved_bytes / 50);
+    CHECK(std::abs(p.kept_bytes() - w.kept_bytes()) <= w.kept_bytes() / 50);
+    CHECK(std::abs(p.backward_extra_bytes() - w.backward_extra_bytes()) <=
+          std::max<std::int64_t>(w.backward_extra_bytes() / 10, 256 << 10));
+    CHECK(p.compact_bytes > 0);
+    CHECK(std::abs(p.compact_bytes - w.compact_bytes) <= w.compact_bytes / 50);
+    CHECK(p.forward_seconds > 0.0);
+  }
+  // Room enough for the whole: measured whole, as without a budget.
+  const auto roomy = profiled(whole_peak * 2, &roomy_peak);
+  CHECK(roomy.caveats.empty());
+  CHECK(roomy.slots[0].saved_bytes == whole.slots[0].saved_bytes);
+}
+
+TEST_CASE("under a budget, planning measures within the room the budget leaves, and the plan still trains",
+          "[profiler][api]") {
+  memscale::memory_tracker::install();
+  torch::manual_seed(4);
+  torch::nn::Sequential model;
+  for (int i = 0; i < 4; ++i) model->push_back(wide_mlp());
+  const auto x = torch::randn({64, 16, 128});
+  std::int64_t params = 0;
+  for (const auto& p : model->parameters()) params += static_cast<std::int64_t>(p.nbytes());
+  const auto planning_peak = [&](memscale::Config config, std::string& report) {
+    memscale::memory_tracker::peak_scope scope;
+    auto guard = memscale::optimize(model, x, test::quiet(config));
+    const auto peak = scope.peak_growth();
+    report = guard.report().str();
+    model->forward(x).pow(2).mean().backward();  // the plan trains
+    for (const auto& p : model->parameters()) CHECK(p.grad().defined());
+    model->zero_grad();
+    return peak;
+  };
+  std::string unbudgeted, budgeted;
+  const auto free_peak = planning_peak({.mode = memscale::OptimizationMode::Aggressive}, unbudgeted);
+  CHECK_THAT(unbudgeted, !Catch::Contains("rows, its bytes extrapolated"));
+  // Room for about half of what measuring a slot whole held there (the four
+  // slots' planning peaks are measuring one slot each).
+  const auto budget = params + static_cast<std::int64_t>(x.nbytes()) + free_peak / 2;
+  const auto peak = planning_peak({.mode = memscale::OptimizationMode::Aggressive,
+                                   .enable_offloading = false,
+                                   .target_gpu_utilization = 1.0,
+                                   .memory_budget_gb = static_cast<double>(budget) / (1024.0 * 1024.0 * 1024.0)},
+                                  budgeted);
+  INFO(budgeted);
+  CHECK_THAT(budgeted, Catch::Contains("measured on 8, 16 and 24 of 64 rows"));
+  CHECK(peak < free_peak * 3 / 4);
+}

@@ -32,6 +32,7 @@
 #include <memscale/core/graph.hpp>
 #include <memscale/core/layer_rules.hpp>
 #include <memscale/core/slot_measurement.hpp>
+#include <memscale/core/slot_parts.hpp>
 #include <memscale/device/memory_tracker.hpp>
 #include <memscale/core/tile_rules.hpp>
 #include <memscale/detail/buffers.hpp>
@@ -81,6 +82,10 @@ struct profile_options {
   /// Config::pack_saved_masks, recompute_saved_outputs, pack_saved_zeros: count
   /// what keeping each slot's saved tensors compact frees and costs.
   saved_compaction compaction{true, true, true};
+  /// The bytes measuring a slot may hold above what lives when it starts (the
+  /// room a budget leaves; core/slot_parts.hpp): a slot that would need more is
+  /// measured on parts of the batch. Negative: no limit.
+  std::int64_t room_bytes = -1;
 };
 
 /// What a compaction scope does under `config`.
@@ -208,9 +213,10 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
     }
     auto input = current_tensor.defined() ? current_tensor : detail::synthetic_input(current, device);
     detail::measured_slot measured;
+    std::string parts_note;  // measured on parts of the batch, or whole over the room
     try {
-      measured = detail::measure_slot(slot, input, options.passes, reporting ? &*reporting : nullptr,
-                                      options.products, options.compaction);
+      measured = detail::measure_slot_within(slot, input, options.passes, reporting ? &*reporting : nullptr,
+                                             options.products, options.compaction, options.room_bytes, parts_note);
     } catch (const c10::Error& e) {
       profile.supported = false;
       profile.unsupported_reason = "slot " + profile.slot_names.back() + " failed on a tensor of shape " +
@@ -227,7 +233,9 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
     if (measured.bytes == detail::byte_source::allocations) {
       profile.slots.push_back(shape_facts(measured.cost));
       profile.sources.push_back(profile_source::empirical);
-      profile.notes.emplace_back(options.use_static ? "no static rule: measured" : "measured");
+      profile.notes.emplace_back(std::string(options.use_static ? "no static rule: measured" : "measured") +
+                                 (parts_note.empty() ? "" : "; " + parts_note));
+      if (!parts_note.empty()) profile.caveats.push_back("slot " + profile.slot_names.back() + " " + parts_note);
     } else if (auto fallback = estimate_layer(*slot.ptr(), current)) {
       // Only reached with use_static_profiling off: its bytes beat unmeasured ones; the times are measured.
       auto cost = detail::static_cost(*fallback, measured.cost.input_bytes, detail::compute_rates{});

@@ -87,6 +87,8 @@ struct measured_slot {
   torch::Tensor output;  ///< detached, for the next slot
   bool tensor_output = true;
   byte_source bytes = byte_source::allocations;
+  /// The most it held at once above what lived when it began (allocations only).
+  std::int64_t peak_bytes = 0;
 };
 
 inline const void* storage_of(const torch::Tensor& t) {
@@ -133,7 +135,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
     synchronize(device);
     torch::Tensor y;
     std::int64_t copied_bytes = 0;  // products a recording forward would copy (product_replay.hpp)
-    std::int64_t live_before = 0, live_after = 0, peak = 0;
+    std::int64_t live_before = 0, live_after = 0, peak = 0, held = 0;
     std::vector<offload::saved_storage_log::entry> saved;
     {
       std::optional<memory_tracker::peak_scope> scope;
@@ -185,6 +187,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       if (by_allocations) {
         live_after = memory_tracker::current_bytes(device);
         peak = scope->peak();
+        held = std::max(held, peak - live_before + 2 * cost.input_bytes);
       }
       if (log) saved = log->entries();
     }
@@ -248,6 +251,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
           for (const auto& g : grads)
             if (g.defined()) returned += static_cast<std::int64_t>(g.nbytes());
           cost.backward_workspace_bytes = std::max<std::int64_t>(0, scope->peak() - live_before_backward - returned);
+          held = std::max(held, scope->peak() - live_before + 2 * cost.input_bytes);
         }
       }
       cost.backward_seconds = profile_clock_scope::now() - start;
@@ -284,6 +288,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
     result.cost.backward_seconds = fastest_backward;
     result.output = std::move(next);
     result.bytes = source;
+    result.peak_bytes = held;
   }
   return result;
 }

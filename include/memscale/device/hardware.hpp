@@ -160,17 +160,22 @@ inline HardwareInfo detect_hardware() {
 namespace detail {
 
 /// CUDA: the device memory in use outside the caching allocator now (the CUDA
-/// context, cuBLAS's and cuDNN's handles, other processes' memory); 0 elsewhere,
-/// where memscale was built without CUDA, or for a device that is not the
-/// current one (as detect_hardware(), it asks only the current device).
+/// context, cuBLAS's and cuDNN's handles, other processes' memory) on `device`,
+/// current or not; 0 elsewhere, where memscale was built without CUDA, or where
+/// the runtime cannot answer.
 [[nodiscard]] inline std::int64_t memory_outside_caching_allocator([[maybe_unused]] c10::Device device) {
 #if MEMSCALE_HAS_CUDA()
   if (!device.is_cuda()) return 0;
   const auto index = cuda_allocator_index(device);
   int current = 0;
   std::size_t free_now = 0, total = 0;
-  if (cudaGetDevice(&current) != cudaSuccess || current != index || cudaMemGetInfo(&free_now, &total) != cudaSuccess)
-    return 0;
+  if (cudaGetDevice(&current) != cudaSuccess) return 0;
+  // cudaMemGetInfo answers for the current device: `device`'s (whose context
+  // its tensors made), then the current one back.
+  if (current != index && cudaSetDevice(index) != cudaSuccess) return 0;
+  const bool read = cudaMemGetInfo(&free_now, &total) == cudaSuccess;
+  if (current != index) (void)cudaSetDevice(current);
+  if (!read) return 0;
   const auto reserved =
       static_cast<std::int64_t>(c10::cuda::CUDACachingAllocator::getDeviceStats(index).reserved_bytes[0].current);
   return std::max<std::int64_t>(0, static_cast<std::int64_t>(total) - static_cast<std::int64_t>(free_now) - reserved);

@@ -55,11 +55,15 @@ inline void release_cached_device_memory([[maybe_unused]] c10::Device device) {
 }
 
 /// Whether `e` is an allocation failure (LibTorch 2.x and the tracker's hard
-/// limit throw c10::OutOfMemoryError; 1.13's CUDA and CPU allocators a c10::Error).
+/// limit throw c10::OutOfMemoryError; 1.13's CUDA and CPU allocators a c10::Error;
+/// a CUDA library that could not allocate its own memory names its status:
+/// "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+/// cuDNN's, cuSOLVER's and cuSPARSE's likewise, cuFFT's "CUFFT_ALLOC_FAILED").
 inline bool is_out_of_memory(const c10::Error& e) {
   if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return true;
   const std::string what = e.what_without_backtrace();
-  for (const char* sign : {"out of memory", "not enough memory", "can't allocate memory", "Cannot allocate memory"})
+  for (const char* sign : {"out of memory", "not enough memory", "can't allocate memory", "Cannot allocate memory",
+                           "_ALLOC_FAILED", "cudaErrorMemoryAllocation"})
     if (what.find(sign) != std::string::npos) return true;
   return false;
 }

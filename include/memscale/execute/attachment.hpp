@@ -263,16 +263,17 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     if (std::exchange(first_change, false)) detail::fault_point(detail::pipeline_stage::apply);
   }
 
-  /// Stage 1 (Config::auto_policy), at the first plan: decides the strategy from
-  /// the profiles and the engine's input, narrows `in` and config_ to it, and
-  /// records the decision in `out`.
+  /// Stage 1 (Config::auto_policy), at the first plan: decides the strategy from the profiles and
+  /// the engine's input, narrows `in` and config_ to it, and records the decision in `out`.
   void choose_strategy(const std::vector<chain_profile>& profiles, const std::vector<std::vector<slot_cost>>& costs,
                        const std::vector<bool>& supported, engine_input& in, const c10::Device& device, Report& out);
 
-  /// Profiles chains `which` (inputs indexed by chain), runs the engine, fills `out`;
+  /// Profiles chains `which` (inputs indexed by chain) within profiling_room(), runs the engine, fills `out`;
   /// `which` may come back naming a finer level's chains (consider_finer_level).
   std::vector<std::vector<unit>> plan(std::vector<std::size_t>& which, const std::vector<torch::Tensor>& inputs,
                                       Report& out);
+  std::int64_t profiling_room(const std::vector<std::size_t>& which, const std::vector<torch::Tensor>& inputs,
+                              const Report& out) const;
 
   /// A chain's profile, and what each gets before the engine reads it (attachment_levels.hpp).
   chain_profile profile_of(const managed_chain& chain, const torch::Tensor& input, const profile_options& options) const;
@@ -296,9 +297,8 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     return engine_;
   }
 
-  /// Replaces chain c's slots as `units` say (originals where a unit is kept):
-  /// a Sequential's slots are swapped, call sites get runners, and a whole
-  /// model that offloads gets its offload scope.
+  /// Replaces chain c's slots as `units` say (originals where a unit is kept): a Sequential's slots
+  /// are swapped, call sites get runners, and a whole model that offloads gets its offload scope.
   void apply_units(std::size_t c, const std::vector<unit>& units, bool supported, pending_changes& changes,
                    bool& first_change);
 

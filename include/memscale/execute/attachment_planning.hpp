@@ -15,6 +15,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -121,12 +122,51 @@ inline void attachment::choose_strategy(const std::vector<chain_profile>& profil
     telemetry_.emit(telemetry::policy_decided(facts_, out.strategy));
 }
 
+/// The bytes profiling may hold for one slot under the budget
+/// (profile_options::room_bytes): the usable bytes, less the model's
+/// parameters, buffers and gradients on the device, the chains' inputs and the
+/// units' recorded inputs, and what lives outside the allocator (CPU: where
+/// measured; CUDA: the context and other processes' memory). -1 on a CPU
+/// without memory_budget_gb: the host's memory is no budget to plan within.
+inline std::int64_t attachment::profiling_room(const std::vector<std::size_t>& which,
+                                               const std::vector<torch::Tensor>& inputs, const Report& out) const {
+  const auto device = inputs[which.front()].device();
+  if (device.is_cpu() && !config_.memory_budget_gb) return -1;
+  const auto usable = static_cast<std::int64_t>(
+      static_cast<double>(memory_budget_bytes(config_.memory_budget_gb, out.hardware, device)) *
+      config_.target_gpu_utilization);
+  std::int64_t held = 0;
+  std::unordered_set<const void*> counted;
+  const auto count = [&](const torch::Tensor& t) {
+    if (t.defined() && t.device() == device && t.has_storage() &&
+        counted.insert(t.storage().unsafeGetStorageImpl()).second)
+      held += static_cast<std::int64_t>(t.storage().nbytes());
+  };
+  if (auto root = root_.lock()) {
+    for (const auto& p : root->parameters()) {
+      count(p);
+      count(p.grad());
+    }
+    for (const auto& b : root->buffers()) count(b);
+  }
+  for (auto c : which) {
+    count(inputs[c]);
+    for (const auto& t : chains_[c].unit_inputs) count(t);
+  }
+  if (device.is_cpu())
+    held += std::max<std::int64_t>(0, profile_outside_allocator_bytes());
+  else
+    held += memscale::detail::memory_outside_caching_allocator(device);
+  return std::max<std::int64_t>(0, usable - held);
+}
+
 inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>& which,
                                                        const std::vector<torch::Tensor>& inputs, Report& out) {
   const auto device = inputs[which.front()].device();
   bool training = true;
   if (auto root = root_.lock()) training = root->is_training();
-  const auto options = profile_options_from(config_, training);
+  auto options = profile_options_from(config_, training);
+  options.room_bytes = profiling_room(which, inputs, out);
   detail::fault_point(detail::pipeline_stage::profile);
   // CPU: what the process holds beyond the allocator, measured over the
   // profiling here unless attach() measures from before the example forward.

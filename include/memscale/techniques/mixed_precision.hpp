@@ -9,6 +9,7 @@
 //   scaler.update();          // backs off after an overflow, grows after a clean run
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -149,23 +150,28 @@ class loss_scaler {
     if (!options_.enabled || unscaled_.count(&optimizer) != 0) return;
     unscaled_.insert(&optimizer);
     const double inverse = 1.0 / scale_;
-    std::vector<torch::Tensor> cuda_grads;
+    // CUDA gradients by device and type: ATen's fused check-and-unscale takes
+    // one device's tensors of one type (as torch.amp.GradScaler groups them).
+    std::vector<std::vector<torch::Tensor>> cuda_groups;
     for (auto& group : optimizer.param_groups())
       for (auto& p : group.params()) {
         if (!p.grad().defined()) continue;
         auto& g = p.mutable_grad();
         if (g.is_cuda()) {
-          cuda_grads.push_back(g);
+          auto same = std::find_if(cuda_groups.begin(), cuda_groups.end(), [&](const auto& gs) {
+            return gs.front().device() == g.device() && gs.front().scalar_type() == g.scalar_type();
+          });
+          if (same == cuda_groups.end()) same = cuda_groups.insert(cuda_groups.end(), std::vector<torch::Tensor>{});
+          same->push_back(g);
           continue;
         }
         g.mul_(inverse);
         if (!found_inf_ && !torch::isfinite(g).all().item<bool>()) found_inf_ = true;
       }
-    if (!cuda_grads.empty()) {
-      // One fused check-and-unscale per device (ATen's AMP kernel).
-      auto found = torch::zeros({1}, cuda_grads.front().options().dtype(torch::kFloat));
-      auto inv = torch::full({1}, inverse, cuda_grads.front().options().dtype(torch::kFloat));
-      at::_amp_foreach_non_finite_check_and_unscale_(cuda_grads, found, inv);
+    for (auto& grads : cuda_groups) {
+      auto found = torch::zeros({1}, grads.front().options().dtype(torch::kFloat));
+      auto inv = torch::full({1}, inverse, grads.front().options().dtype(torch::kFloat));
+      at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv);
       if (found.item<float>() != 0.0f) found_inf_ = true;
     }
   }
