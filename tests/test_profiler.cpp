@@ -342,6 +342,21 @@ gpt::MLP wide_mlp() {
   o.d_model = 128;
   return gpt::MLP(o);
 }
+
+/// Adds one to its input in place, then GELU: a slot that writes its input.
+struct InPlaceShiftImpl : torch::nn::Module {
+  torch::Tensor forward(torch::Tensor x) { return torch::gelu(x.add_(1.0)); }
+};
+TORCH_MODULE(InPlaceShift);
+
+/// Refuses any batch but 64 rows, as a model with a batch size written into it does.
+struct BatchOf64Impl : torch::nn::Module {
+  torch::Tensor forward(torch::Tensor x) {
+    TORCH_CHECK(x.size(0) == 64, "BatchOf64 takes 64 rows, got ", x.size(0));
+    return torch::gelu(x);
+  }
+};
+TORCH_MODULE(BatchOf64);
 }  // namespace
 
 TEST_CASE("a slot whose measuring would not fit the room a budget leaves is measured on parts of the batch",
@@ -387,6 +402,21 @@ TEST_CASE("a slot whose measuring would not fit the room a budget leaves is meas
   const auto roomy = profiled(whole_peak * 2, &roomy_peak);
   CHECK(roomy.caveats.empty());
   CHECK(roomy.slots[0].saved_bytes == whole.slots[0].saved_bytes);
+
+  // No room at all: a slot that writes its input leaves the chain's input as it
+  // was; one that fails on a part of the rows is measured whole, and says why.
+  const auto before = x.clone();
+  std::vector<torch::nn::AnyModule> odd{torch::nn::AnyModule(InPlaceShift()), torch::nn::AnyModule(BatchOf64())};
+  profile_options none{false, true, 1, true};
+  none.room_bytes = 0;
+  const auto tight = profile_chain("", odd, x, none);
+  CHECK(torch::equal(x, before));
+  REQUIRE(tight.supported);
+  REQUIRE(tight.caveats.size() == 2);
+  CHECK_THAT(tight.caveats[0], Catch::Contains("measured on 8, 16 and 24 of 64 rows"));
+  CHECK(tight.slots[0].mutates_input);
+  CHECK_THAT(tight.caveats[1], Catch::Contains("measured whole") && Catch::Contains("fails on a part of the rows") &&
+                                   Catch::Contains("BatchOf64 takes 64 rows, got 8"));
 }
 
 TEST_CASE("under a budget, planning measures within the room the budget leaves, and the plan still trains",

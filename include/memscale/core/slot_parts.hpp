@@ -1,24 +1,12 @@
-// memscale — profiler, measuring a slot within the room a budget leaves:
-// measure_slot runs a slot's forward and backward at the full batch, which
-// holds what the slot keeps for backward, its workspace and its gradients at
-// once. Under a budget that the plan meets only by checkpointing, that can be
-// more than the planned step will ever hold (the example GPT at batch 32: 102
-// MiB to measure a whole block, where its Aggressive step's allocator peak is
-// 78 MiB above the built model, optimizer state included),
-// so planning itself would break the budget, or run out of memory on a full
-// GPU. Where measuring the slot whole would not fit the room, it is measured
-// on the first eighth, quarter and three eighths of the batch's rows, and its
-// byte figures, where they grow linearly with the rows, are extrapolated to
-// the full batch (its times scaled from the largest part, as time_static_slot
-// scales a covered slot's). So measuring holds at most about three eighths of
-// what measuring it whole would. Its output, which the next slot is profiled
-// on, is computed without autograd (nothing saved), three eighths of the rows
-// at a time.
+// memscale — profiler, measuring a slot within the room a budget leaves: a
+// slot that measure_slot would measure at more than the room (its forward and
+// backward at the full batch, un-optimized) is measured on parts of the rows
+// and its figures extrapolated, so planning keeps to the budget it plans for.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -38,8 +26,16 @@ inline std::int64_t extrapolate_rows(std::int64_t at_r, std::int64_t at_3r, std:
 }
 
 /// measure_slot within `room` bytes above what lives when it starts (negative:
-/// no limit, the slot is measured whole). `note` says how it was measured where
-/// that was not whole, or why whole although over the room.
+/// no limit). Where measuring the slot whole would hold more (its first eighth
+/// of the rows, scaled linearly, says so), it is measured on 1/8, 2/8 and 3/8 of
+/// the rows, each as often as whole, and where its saved bytes and peaks lie on
+/// a line through them (below), its byte figures are extrapolated along the line through
+/// the outer two and its times scaled from the largest (as time_static_slot
+/// scales a covered slot's). The output the next slot is profiled on is computed
+/// without autograd, 3/8 of the rows at a time, from copies (an in-place slot
+/// leaves `input` as it was). Where the parts do not lie on a line, or a part
+/// fails other than for memory, the slot is measured whole. `note` says how it
+/// was measured where that was not whole, or why whole although over the room.
 inline measured_slot measure_slot_within(torch::nn::AnyModule& slot, const torch::Tensor& input, int passes,
                                          const memory_tracker::reporting_scope* reporting, bool products,
                                          saved_compaction compaction, std::int64_t room, std::string& note) {
@@ -47,60 +43,87 @@ inline measured_slot measure_slot_within(torch::nn::AnyModule& slot, const torch
   constexpr std::int64_t min_rows = 16;  // an eighth of fewer rows is too few to see a line through
   if (room < 0 || input.dim() == 0 || input.size(0) < min_rows) return whole();
   const auto n = input.size(0), r = n / 8;
-  const auto part = [&](std::int64_t rows, int k) {
-    return measure_slot(slot, input.narrow(0, 0, rows), k, reporting, products, compaction);
+  const auto part = [&](std::int64_t rows) {
+    return measure_slot(slot, input.narrow(0, 0, rows), passes, reporting, products, compaction);
   };
-  auto p1 = part(r, 1);
-  if (!p1.tensor_output || p1.bytes != byte_source::allocations || p1.output.dim() == 0 ||
-      p1.output.size(0) != r)
-    return whole();  // not measured by allocations, or rows are not its output's first dimension
-  // Linear from nothing: never less than what grows with the rows.
-  const auto scaled = static_cast<std::int64_t>(static_cast<double>(p1.peak_bytes) * static_cast<double>(n) /
-                                                static_cast<double>(r));
-  if (scaled <= room) return whole();
-  const auto mib = [](std::int64_t b) { return format_bytes(b); };
-  const auto p2 = part(2 * r, 1);
-  auto p3 = part(3 * r, passes);
-  // Linear in the rows: the three parts' saved bytes and peaks lie on a line
-  // (within 2%, or 64 KiB for small figures: allocator rounding).
-  const auto on_line = [&](std::int64_t a, std::int64_t b, std::int64_t c) {
-    return std::llabs(c - 2 * b + a) <= std::max<std::int64_t>(std::int64_t{64} << 10, c / 50);
+  const auto bytes = [](std::int64_t b) { return format_bytes(b); };
+  measured_slot p1, p2, p3;
+  std::int64_t scaled = 0;
+  bool parts = false;
+  try {
+    p1 = part(r);
+    // Measured by allocations, its output's first dimension the rows.
+    if (p1.tensor_output && p1.bytes == byte_source::allocations && p1.output.dim() > 0 && p1.output.size(0) == r) {
+      // Linear from nothing: never less than what grows with the rows.
+      scaled = static_cast<std::int64_t>(static_cast<double>(p1.peak_bytes) * static_cast<double>(n) /
+                                         static_cast<double>(r));
+      parts = scaled > room;
+    }
+    if (parts) {
+      p2 = part(2 * r);
+      p3 = part(3 * r);
+    }
+  } catch (const c10::Error& e) {
+    if (is_out_of_memory(e)) throw;
+    note = "measured whole (over the room of " + bytes(room) + " the budget leaves): it fails on a part of the "
+           "rows (" + e.what_without_backtrace() + ")";
+    parts = false;
+  }
+  if (!parts) return whole();
+  // Through (r, a), (2r, b), (3r, c), the line misses a curve's value at n rows
+  // by (c - 2b + a)(t - 1)(t - 3)/2, t = n / r: within 2% of the figure for the
+  // saved bytes (what a term in the rows' square, as attention over a first
+  // dimension that is the sequence, would show in). The peaks, whose workspace
+  // moves by some KiB with the allocator's and the libraries' choices, lie on
+  // a line within 2% of the largest part's.
+  const double t = static_cast<double>(n) / static_cast<double>(r);
+  const auto curve = [](std::int64_t a, std::int64_t b, std::int64_t c) {
+    return std::abs(static_cast<double>(c - 2 * b + a));
   };
-  if (!on_line(p1.cost.saved_bytes, p2.cost.saved_bytes, p3.cost.saved_bytes) ||
-      !on_line(p1.peak_bytes, p2.peak_bytes, p3.peak_bytes)) {
-    note = "measured whole (about " + mib(scaled) + ", over the room of " + mib(room) +
+  const bool saved_on_line =
+      curve(p1.cost.saved_bytes, p2.cost.saved_bytes, p3.cost.saved_bytes) * (t - 1.0) * (t - 3.0) / 2.0 <=
+      std::max(0.02 * static_cast<double>(extrapolate_rows(p1.cost.saved_bytes, p3.cost.saved_bytes, r, n)),
+               256.0 * 1024.0);
+  const bool peaks_on_line = curve(p1.peak_bytes, p2.peak_bytes, p3.peak_bytes) <=
+                             std::max(0.02 * static_cast<double>(p3.peak_bytes), 64.0 * 1024.0);
+  if (!saved_on_line || !peaks_on_line) {
+    note = "measured whole (about " + bytes(scaled) + ", over the room of " + bytes(room) +
            " the budget leaves): its bytes do not grow linearly with the rows";
     return whole();
   }
-  measured_slot out = p3;
+  measured_slot out = std::move(p3);
   auto& c = out.cost;
-  const auto line = [&](std::int64_t slot_cost::*field) {
-    c.*field = extrapolate_rows(p1.cost.*field, p3.cost.*field, r, n);
-  };
   for (auto field : {&slot_cost::saved_bytes, &slot_cost::workspace_bytes, &slot_cost::backward_workspace_bytes,
                      &slot_cost::replay_kept_bytes, &slot_cost::product_kept_bytes, &slot_cost::returned_product_bytes,
                      &slot_cost::compact_bytes, &slot_cost::compact_transient_bytes})
-    line(field);
+    c.*field = extrapolate_rows(p1.cost.*field, c.*field, r, n);
   c.compact_bytes = std::min(c.compact_bytes, c.saved_bytes);
   c.compact_transient_bytes = std::min(c.compact_transient_bytes, c.compact_bytes);
-  const double time_scale = static_cast<double>(n) / static_cast<double>(3 * r);
   for (auto field : {&slot_cost::forward_seconds, &slot_cost::backward_seconds, &slot_cost::replay_saved_seconds,
                      &slot_cost::product_saved_seconds, &slot_cost::compact_seconds})
-    c.*field *= time_scale;
-  {  // The output at the full batch, for the next slot: its rows a part at a
-     // time, nothing saved, no visible draw.
+    c.*field *= t / 3.0;
+  out.peak_bytes = extrapolate_rows(p1.peak_bytes, out.peak_bytes, r, n);
+  p1 = p2 = measured_slot{};
+  auto shape = out.output.sizes().vec();
+  shape[0] = n;
+  const auto options = out.output.options();
+  out.output = torch::Tensor();
+  {  // Nothing saved, no visible draw; the rows a part at a time, each from a copy.
     torch::NoGradGuard no_grad;
     rng_fork no_visible_draws({input.device()});
-    std::vector<torch::Tensor> rows;
-    for (std::int64_t at = 0; at < n; at += 3 * r)
-      rows.push_back(slot.any_forward(input.detach().narrow(0, at, std::min(3 * r, n - at))).get<torch::Tensor>());
-    out.output = torch::cat(rows);
+    auto output = torch::empty(shape, options);
+    for (std::int64_t at = 0; at < n; at += 3 * r) {
+      const auto rows = std::min(3 * r, n - at);
+      output.narrow(0, at, rows).copy_(
+          slot.any_forward(input.detach().narrow(0, at, rows).clone()).get<torch::Tensor>());
+    }
+    out.output = std::move(output);
   }
   c.input_bytes = static_cast<std::int64_t>(input.nbytes());
   c.output_bytes = static_cast<std::int64_t>(out.output.nbytes());
   note = "measured on " + std::to_string(r) + ", " + std::to_string(2 * r) + " and " + std::to_string(3 * r) +
          " of " + std::to_string(n) + " rows, its bytes extrapolated along their line and its times scaled: whole, "
-         "about " + mib(scaled) + " at once, over the room of " + mib(room) + " the budget leaves";
+         "about " + bytes(scaled) + " at once, over the room of " + bytes(room) + " the budget leaves";
   return out;
 }
 

@@ -19,6 +19,7 @@
 
 #if MEMSCALE_HAS_CUDA()
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 #endif
 
@@ -167,15 +168,11 @@ namespace detail {
 #if MEMSCALE_HAS_CUDA()
   if (!device.is_cuda()) return 0;
   const auto index = cuda_allocator_index(device);
-  int current = 0;
   std::size_t free_now = 0, total = 0;
-  if (cudaGetDevice(&current) != cudaSuccess) return 0;
-  // cudaMemGetInfo answers for the current device: `device`'s (whose context
-  // its tensors made), then the current one back.
-  if (current != index && cudaSetDevice(index) != cudaSuccess) return 0;
-  const bool read = cudaMemGetInfo(&free_now, &total) == cudaSuccess;
-  if (current != index) (void)cudaSetDevice(current);
-  if (!read) return 0;
+  {  // cudaMemGetInfo answers for the current device: `device` (whose tensors made its context) while it runs
+    const c10::cuda::CUDAGuard on_device(index);
+    if (cudaMemGetInfo(&free_now, &total) != cudaSuccess) return 0;
+  }
   const auto reserved =
       static_cast<std::int64_t>(c10::cuda::CUDACachingAllocator::getDeviceStats(index).reserved_bytes[0].current);
   return std::max<std::int64_t>(0, static_cast<std::int64_t>(total) - static_cast<std::int64_t>(free_now) - reserved);

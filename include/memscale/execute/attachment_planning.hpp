@@ -125,8 +125,9 @@ inline void attachment::choose_strategy(const std::vector<chain_profile>& profil
 /// The bytes profiling may hold for one slot under the budget
 /// (profile_options::room_bytes): the usable bytes, less the model's
 /// parameters, buffers and gradients on the device, the chains' inputs and the
-/// units' recorded inputs, and what lives outside the allocator (CPU: where
-/// measured; CUDA: the context and other processes' memory). -1 on a CPU
+/// units' recorded inputs (or what the allocator holds, where counted and more),
+/// and what lives outside it (CPU: where measured; CUDA: the context and other
+/// processes' memory). -1 on a CPU
 /// without memory_budget_gb: the host's memory is no budget to plan within.
 inline std::int64_t attachment::profiling_room(const std::vector<std::size_t>& which,
                                                const std::vector<torch::Tensor>& inputs, const Report& out) const {
@@ -152,6 +153,10 @@ inline std::int64_t attachment::profiling_room(const std::vector<std::size_t>& w
   for (auto c : which) {
     count(inputs[c]);
     for (const auto& t : chains_[c].unit_inputs) count(t);
+  }
+  try {  // the allocator's own count where one is kept: also optimizer state, a later plan's activations
+    held = std::max(held, memory_tracker::current_bytes(device));
+  } catch (const std::exception&) {
   }
   if (device.is_cpu())
     held += std::max<std::int64_t>(0, profile_outside_allocator_bytes());
