@@ -29,13 +29,14 @@ inline std::int64_t extrapolate_rows(std::int64_t at_r, std::int64_t at_3r, std:
 /// no limit). Where measuring the slot whole would hold more (its first eighth
 /// of the rows, scaled linearly, says so), it is measured on 1/8, 2/8 and 3/8 of
 /// the rows, each as often as whole, and where its saved bytes and peaks lie on
-/// a line through them (below), its byte figures are extrapolated along the line through
-/// the outer two and its times scaled from the largest (as time_static_slot
-/// scales a covered slot's). The output the next slot is profiled on is computed
-/// without autograd, 3/8 of the rows at a time, from copies (an in-place slot
-/// leaves `input` as it was). Where the parts do not lie on a line, or a part
-/// fails other than for memory, the slot is measured whole. `note` says how it
-/// was measured where that was not whole, or why whole although over the room.
+/// a line through them (below), its byte figures are extrapolated along the
+/// line through the outer two and its times scaled from the largest (as
+/// time_static_slot scales a covered slot's). The output the next slot is
+/// profiled on is computed without autograd, 3/8 of the rows at a time, from
+/// copies (an in-place slot leaves `input` as it was). Where the parts do not
+/// lie on a line, or a part fails other than for memory, the slot is measured
+/// whole. `note` says how it was measured where that was not whole, or why
+/// whole although over the room.
 inline measured_slot measure_slot_within(torch::nn::AnyModule& slot, const torch::Tensor& input, int passes,
                                          const memory_tracker::reporting_scope* reporting, bool products,
                                          saved_compaction compaction, std::int64_t room, std::string& note) {
@@ -46,7 +47,6 @@ inline measured_slot measure_slot_within(torch::nn::AnyModule& slot, const torch
   const auto part = [&](std::int64_t rows) {
     return measure_slot(slot, input.narrow(0, 0, rows), passes, reporting, products, compaction);
   };
-  const auto bytes = [](std::int64_t b) { return format_bytes(b); };
   measured_slot p1, p2, p3;
   std::int64_t scaled = 0;
   bool parts = false;
@@ -65,7 +65,7 @@ inline measured_slot measure_slot_within(torch::nn::AnyModule& slot, const torch
     }
   } catch (const c10::Error& e) {
     if (is_out_of_memory(e)) throw;
-    note = "measured whole (over the room of " + bytes(room) + " the budget leaves): it fails on a part of the "
+    note = "measured whole (over the room of " + format_bytes(room) + " the budget leaves): it fails on a part of the "
            "rows (" + e.what_without_backtrace() + ")";
     parts = false;
   }
@@ -87,7 +87,7 @@ inline measured_slot measure_slot_within(torch::nn::AnyModule& slot, const torch
   const bool peaks_on_line = curve(p1.peak_bytes, p2.peak_bytes, p3.peak_bytes) <=
                              std::max(0.02 * static_cast<double>(p3.peak_bytes), 64.0 * 1024.0);
   if (!saved_on_line || !peaks_on_line) {
-    note = "measured whole (about " + bytes(scaled) + ", over the room of " + bytes(room) +
+    note = "measured whole (about " + format_bytes(scaled) + ", over the room of " + format_bytes(room) +
            " the budget leaves): its bytes do not grow linearly with the rows";
     return whole();
   }
@@ -123,7 +123,7 @@ inline measured_slot measure_slot_within(torch::nn::AnyModule& slot, const torch
   c.output_bytes = static_cast<std::int64_t>(out.output.nbytes());
   note = "measured on " + std::to_string(r) + ", " + std::to_string(2 * r) + " and " + std::to_string(3 * r) +
          " of " + std::to_string(n) + " rows, its bytes extrapolated along their line and its times scaled: whole, "
-         "about " + bytes(scaled) + " at once, over the room of " + bytes(room) + " the budget leaves";
+         "about " + format_bytes(scaled) + " at once, over the room of " + format_bytes(room) + " the budget leaves";
   return out;
 }
 

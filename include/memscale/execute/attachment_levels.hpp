@@ -164,7 +164,8 @@ inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, co
 
   // The finer level replaces the coarser: its chains (the coarser ones were
   // never applied), its call sequence and notes, and its plan.
-  // What profiling the coarser units said (measured on parts of the batch) stays said.
+  // What profiling the coarser units said (their caveats: units measured on
+  // parts of the batch, bytes no allocation source saw) stays said.
   for (std::size_t i = head; i < profiles.size(); ++i)
     for (const auto& caveat : profiles[i].caveats)
       out.notes.push_back("call sites at " + depth_name(level_) + ", profiled before the finer level was taken: " +

@@ -127,8 +127,8 @@ inline void attachment::choose_strategy(const std::vector<chain_profile>& profil
 /// parameters, buffers and gradients on the device, the chains' inputs and the
 /// units' recorded inputs (or what the allocator holds, where counted and more),
 /// and what lives outside it (CPU: where measured; CUDA: the context and other
-/// processes' memory). -1 on a CPU
-/// without memory_budget_gb: the host's memory is no budget to plan within.
+/// processes' memory). -1 on a CPU without memory_budget_gb: the host's memory
+/// is no budget to plan within.
 inline std::int64_t attachment::profiling_room(const std::vector<std::size_t>& which,
                                                const std::vector<torch::Tensor>& inputs, const Report& out) const {
   const auto device = inputs[which.front()].device();
