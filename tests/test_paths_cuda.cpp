@@ -592,3 +592,63 @@ TEST_CASE("a tiled plan on a CUDA chain: loss and gradients within the tiling to
   CHECK(worst <= tolerance);
   CHECK(tiled_peak < plain_peak);
 }
+
+TEST_CASE("on CUDA, planning measures within the room a budget leaves: units measured on parts, the plan exact",
+          "[.cuda][profiling_room]") {
+  require_cuda();
+  warm_cublas();
+  deterministic_scope deterministic;
+  torch::manual_seed(4);
+  gpt::Options o;
+  o.d_model = 256;
+  o.dropout = 0.0;
+  torch::nn::Sequential model;
+  for (int i = 0; i < 4; ++i) model->push_back(gpt::MLP(o));
+  model->to(torch::kCUDA);
+  const auto x = torch::randn({512, 64, 256}, gpu);  // 32 MiB; an eighth of the rows is 64
+  const auto forward = [&] { return squared_mean(model->forward(x)); };
+  const auto plain = test::step(*model, forward);
+  struct planned {
+    std::int64_t allocated_peak = 0, reserved_peak = 0, outside = 0;
+    std::string report;
+  };
+  const auto plan_with = [&](memscale::Config config) {
+    planned p;
+    fresh_cache();
+    memory_tracker::peak_scope scope(gpu);
+    auto guard = memscale::optimize(model, x, test::quiet(config));
+    p.allocated_peak = scope.peak_growth();
+    std::tie(p.reserved_peak, p.outside) = reserved_peak_and_outside();
+    p.report = guard.report().str();
+    INFO(p.report);
+    const auto optimized = test::step(*model, forward);  // the plan trains, its arithmetic unchanged
+    CHECK(test::bit_equal(plain.first, optimized.first));
+    CHECK(test::bit_equal(plain.second, optimized.second));
+    return p;
+  };
+  const memscale::Config aggressive{.mode = OptimizationMode::Aggressive, .enable_offloading = false,
+                                    .force_optimize = true};
+  // Without a budget the room is the device's: on a GPU of tens of GiB each unit is measured whole.
+  const auto roomy = plan_with(aggressive);
+  CHECK_THAT(roomy.report, !Catch::Contains("rows, its bytes extrapolated"));
+  // A budget that leaves profiling room for about half of what measuring a unit whole held: the device's
+  // memory outside the allocator (the context), what the allocator holds now (parameters, gradients, the
+  // example), and half of planning's peak above that.
+  fresh_cache();
+  const auto held = memory_tracker::current_bytes(gpu);
+  const auto outside = reserved_peak_and_outside().second;
+  const auto budget = outside + held + roomy.allocated_peak / 2;
+  auto budgeted_config = aggressive;
+  budgeted_config.target_gpu_utilization = 1.0;
+  budgeted_config.memory_budget_gb = static_cast<double>(budget) / double(1 << 30);
+  const auto budgeted = plan_with(budgeted_config);
+  figure("profiling-room")("budget", budget)("held", held)("outside", outside)("roomy_allocated_peak",
+      roomy.allocated_peak)("roomy_reserved_peak", roomy.reserved_peak)("budgeted_allocated_peak",
+      budgeted.allocated_peak)("budgeted_reserved_peak", budgeted.reserved_peak)("budgeted_outside", budgeted.outside);
+  INFO(budgeted.report);
+  CHECK_THAT(budgeted.report, Catch::Contains("measured on 64, 128 and 192 of 512 rows"));
+  CHECK(budgeted.allocated_peak < roomy.allocated_peak * 3 / 4);
+  // What the device held while planning, as the budget counts it: the caching allocator's reserve and the
+  // memory outside it.
+  CHECK(budgeted.reserved_peak + budgeted.outside <= budget);
+}

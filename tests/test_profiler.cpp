@@ -357,6 +357,43 @@ struct BatchOf64Impl : torch::nn::Module {
   }
 };
 TORCH_MODULE(BatchOf64);
+
+/// Refuses any sequence but 256 positions, as a model with its context written into it does.
+struct SequenceOf256Impl : torch::nn::Module {
+  torch::Tensor forward(torch::Tensor x) {
+    TORCH_CHECK(x.size(1) == 256, "SequenceOf256 takes 256 positions, got ", x.size(1));
+    return torch::gelu(x);
+  }
+};
+TORCH_MODULE(SequenceOf256);
+
+/// `slots` profiled from `x` within `room` bytes (negative: no limit); `peak`: the tracker's peak growth meanwhile.
+memscale::chain_profile profile_in_room(std::vector<torch::nn::AnyModule>& slots, const torch::Tensor& x,
+                                        std::int64_t room, std::int64_t* peak) {
+  profile_options options{false, true, 1, true};
+  options.room_bytes = room;
+  memscale::memory_tracker::peak_scope scope;
+  auto p = profile_chain("", slots, x, options);
+  *peak = scope.peak_growth();
+  return p;
+}
+
+/// A slot measured on parts against the same slot measured whole: its shapes
+/// and flags equal, its bytes within 2% (the backward's extra within 10% or 256
+/// KiB: workspace), times measured.
+void check_parts_match_whole(const memscale::slot_cost& p, const memscale::slot_cost& w) {
+  CHECK(p.input_bytes == w.input_bytes);
+  CHECK(p.output_bytes == w.output_bytes);
+  CHECK(p.saves_input == w.saves_input);
+  CHECK(p.saves_output == w.saves_output);
+  CHECK(std::abs(p.saved_bytes - w.saved_bytes) <= w.saved_bytes / 50);
+  CHECK(std::abs(p.kept_bytes() - w.kept_bytes()) <= w.kept_bytes() / 50);
+  CHECK(std::abs(p.backward_extra_bytes() - w.backward_extra_bytes()) <=
+        std::max<std::int64_t>(w.backward_extra_bytes() / 10, 256 << 10));
+  CHECK(p.compact_bytes > 0);
+  CHECK(std::abs(p.compact_bytes - w.compact_bytes) <= w.compact_bytes / 50);
+  CHECK(p.forward_seconds > 0.0);
+}
 }  // namespace
 
 TEST_CASE("a slot whose measuring would not fit the room a budget leaves is measured on parts of the batch",
@@ -365,14 +402,7 @@ TEST_CASE("a slot whose measuring would not fit the room a budget leaves is meas
   torch::manual_seed(3);
   std::vector<torch::nn::AnyModule> slots{torch::nn::AnyModule(wide_mlp()), torch::nn::AnyModule(wide_mlp())};
   const auto x = torch::randn({64, 16, 128});  // 64 rows: an eighth is 8
-  const auto profiled = [&](std::int64_t room, std::int64_t* peak) {
-    profile_options options{false, true, 1, true};
-    options.room_bytes = room;
-    memscale::memory_tracker::peak_scope scope;
-    auto p = profile_chain("", slots, x, options);
-    *peak = scope.peak_growth();
-    return p;
-  };
+  const auto profiled = [&](std::int64_t room, std::int64_t* peak) { return profile_in_room(slots, x, room, peak); };
   std::int64_t whole_peak = 0, parts_peak = 0, roomy_peak = 0;
   const auto whole = profiled(-1, &whole_peak);
   REQUIRE(whole.caveats.empty());
@@ -384,19 +414,7 @@ TEST_CASE("a slot whose measuring would not fit the room a budget leaves is meas
   CHECK(parts_peak <= whole_peak / 2);
   for (std::size_t k = 0; k < 2; ++k) {
     INFO("slot " << k);
-    const auto& w = whole.slots[k];
-    const auto& p = parts.slots[k];
-    CHECK(p.input_bytes == w.input_bytes);
-    CHECK(p.output_bytes == w.output_bytes);
-    CHECK(p.saves_input == w.saves_input);
-    CHECK(p.saves_output == w.saves_output);
-    CHECK(std::abs(p.saved_bytes - w.saved_bytes) <= w.saved_bytes / 50);
-    CHECK(std::abs(p.kept_bytes() - w.kept_bytes()) <= w.kept_bytes() / 50);
-    CHECK(std::abs(p.backward_extra_bytes() - w.backward_extra_bytes()) <=
-          std::max<std::int64_t>(w.backward_extra_bytes() / 10, 256 << 10));
-    CHECK(p.compact_bytes > 0);
-    CHECK(std::abs(p.compact_bytes - w.compact_bytes) <= w.compact_bytes / 50);
-    CHECK(p.forward_seconds > 0.0);
+    check_parts_match_whole(parts.slots[k], whole.slots[k]);
   }
   // Room enough for the whole: measured whole, as without a budget.
   const auto roomy = profiled(whole_peak * 2, &roomy_peak);
@@ -451,5 +469,80 @@ TEST_CASE("under a budget, planning measures within the room the budget leaves, 
                                   budgeted);
   INFO(budgeted);
   CHECK_THAT(budgeted, Catch::Contains("measured on 8, 16 and 24 of 64 rows"));
+  CHECK(peak < free_peak * 3 / 4);
+}
+
+TEST_CASE("a few long sequences whose measuring would not fit the room are measured on parts of the sequence",
+          "[profiler]") {
+  memscale::memory_tracker::install();
+  torch::manual_seed(5);
+  gpt::Options o;
+  o.d_model = 64;
+  o.context = 256;
+  std::vector<torch::nn::AnyModule> slots{torch::nn::AnyModule(gpt::Attention(o))};
+  const auto x = torch::randn({4, 256, 64});  // 4 rows: too few to cut; the scores grow with 256 squared
+  const auto profiled = [&](std::int64_t room, std::int64_t* peak) { return profile_in_room(slots, x, room, peak); };
+  std::int64_t whole_peak = 0, parts_peak = 0;
+  const auto whole = profiled(-1, &whole_peak);
+  REQUIRE(whole.caveats.empty());
+  const auto parts = profiled(whole_peak / 2, &parts_peak);
+  INFO("whole " << whole_peak << " B, on parts " << parts_peak << " B");
+  REQUIRE(parts.caveats.size() == 1);
+  CHECK_THAT(parts.caveats[0], Catch::Contains("measured on 32, 64, 96 and 128 of 256 positions"));
+  CHECK(parts_peak <= whole_peak / 2);
+  check_parts_match_whole(parts.slots[0], whole.slots[0]);
+
+  // No room at all: a slot that refuses other sequence lengths is measured whole, and says why; the
+  // chain's input is left as it was.
+  const auto before = x.clone();
+  std::vector<torch::nn::AnyModule> odd{torch::nn::AnyModule(SequenceOf256())};
+  profile_options none{false, true, 1, true};
+  none.room_bytes = 0;
+  const auto tight = profile_chain("", odd, x, none);
+  CHECK(torch::equal(x, before));
+  REQUIRE(tight.supported);
+  REQUIRE(tight.caveats.size() == 1);
+  CHECK_THAT(tight.caveats[0], Catch::Contains("measured whole") && Catch::Contains("fails on a part of its sequence") &&
+                                   Catch::Contains("SequenceOf256 takes 256 positions, got 32"));
+}
+
+TEST_CASE("under a budget, a GPT of a few long sequences plans within the room, its units cut along the sequence",
+          "[profiler][api]") {
+  memscale::memory_tracker::install();
+  gpt::register_memscale_rule();  // its blocks' bytes from the rule; timing one whole would exceed the room
+  torch::manual_seed(6);
+  gpt::Options o;
+  o.d_model = 64;
+  o.context = 256;
+  o.layers = 2;
+  gpt::GPT model(o);
+  const auto tokens = torch::randint(o.vocab, {2, 256}, torch::kLong);
+  std::int64_t params = 0;
+  for (const auto& p : model->parameters()) params += static_cast<std::int64_t>(p.nbytes());
+  for (const auto& b : model->buffers()) params += static_cast<std::int64_t>(b.nbytes());
+  const auto forward = [&] { return model->forward(tokens).pow(2).mean(); };
+  const auto plain = test::step(*model, forward);
+  const auto planning_peak = [&](memscale::Config config, std::string& report) {
+    memscale::memory_tracker::peak_scope scope;
+    auto guard = memscale::optimize(model, tokens, test::quiet(config));
+    const auto peak = scope.peak_growth();
+    report = guard.report().str();
+    const auto optimized = test::step(*model, forward);  // the plan trains, bit for bit
+    CHECK(test::bit_equal(plain.first, optimized.first));
+    CHECK(test::bit_equal(plain.second, optimized.second));
+    return peak;
+  };
+  std::string unbudgeted, budgeted;
+  const auto free_peak = planning_peak({.mode = memscale::OptimizationMode::Aggressive}, unbudgeted);
+  CHECK_THAT(unbudgeted, !Catch::Contains("positions of its sequence"));
+  const auto budget = params + free_peak / 2;
+  const auto peak = planning_peak({.mode = memscale::OptimizationMode::Aggressive,
+                                   .enable_offloading = false,
+                                   .target_gpu_utilization = 1.0,
+                                   .memory_budget_gb = static_cast<double>(budget) / (1024.0 * 1024.0 * 1024.0)},
+                                  budgeted);
+  INFO(budgeted);
+  CHECK_THAT(budgeted, Catch::Contains("measured on 32, 64, 96 and 128 of 256 positions of its sequence"));
+  CHECK_THAT(budgeted, Catch::Contains("blocks.0 (TransformerBlock) timed by the compute rates: timing it on 1 rows"));
   CHECK(peak < free_peak * 3 / 4);
 }

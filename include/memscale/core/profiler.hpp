@@ -178,9 +178,11 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       auto cost = detail::static_cost(*estimate, current.bytes(), rates);
       std::string note = "static rule; times from measured compute rates";
       if (options.use_empirical && !detail::shape_only_dispatch()) {
+        std::string over_room;
         if (const auto timed = detail::time_static_slot(slot, current, current_tensor, device, *estimate, rates,
                                                         options.passes, reporting ? &*reporting : nullptr,
-                                                        options.products, options.compaction)) {
+                                                        options.products, options.compaction, options.room_bytes,
+                                                        &over_room)) {
           cost.forward_seconds = timed->forward_seconds;
           cost.backward_seconds = timed->backward_seconds;
           cost.replay_saved_seconds = timed->replay_saved_seconds;
@@ -196,6 +198,9 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
                      ? "static rule; times measured"
                      : "static rule; times measured on " + std::to_string(timed->rows) + " of " +
                            std::to_string(current.shape[0]) + " rows, scaled by its work";
+        } else if (!over_room.empty()) {
+          note += " (" + over_room + ")";
+          profile.caveats.push_back("slot " + profile.slot_names.back() + " timed by the compute rates: " + over_room);
         }
       }
       profile.slots.push_back(shape_facts(cost));

@@ -2,9 +2,9 @@
 // a synthetic input of its propagated shape, and what it keeps for backward
 // (through the saved-tensor hooks), its output, its workspace and its forward and
 // backward time are measured (measure_slot); a slot a rule covers gets its bytes
-// from the rule's estimate (static_cost), and its times measured the same way, or
-// from measured rates where the slot may not be run. core/profiler.hpp puts them
-// together.
+// from the rule's estimate (static_cost), and its times measured the same way
+// (core/slot_parts.hpp, time_static_slot), or from measured rates where the slot
+// may not be run. core/profiler.hpp puts them together.
 #pragma once
 
 #include <algorithm>
@@ -325,85 +325,6 @@ inline slot_cost static_cost(const layer_estimate& e, std::int64_t input_bytes, 
   cost.forward_seconds = seconds.forward;
   cost.backward_seconds = seconds.backward;
   return cost;
-}
-
-/// What timing a slot a static rule covers found (time_static_slot).
-struct static_slot_times {
-  double forward_seconds = 0.0;
-  double backward_seconds = 0.0;
-  double replay_saved_seconds = 0.0;
-  std::int64_t replay_kept_bytes = 0;
-  double product_saved_seconds = 0.0;
-  std::int64_t product_kept_bytes = 0;
-  std::int64_t returned_product_bytes = 0;
-  std::int64_t compact_bytes = 0;
-  double compact_seconds = 0.0;
-  std::int64_t compact_transient_bytes = 0;
-  bool mutates_input = false;
-  std::int64_t rows = 0;  ///< the first extent it ran at
-};
-
-/// Times a slot a static rule covers, the bytes being the rule's: forward and
-/// backward as measure_slot times them, on the input's first rows only where
-/// the input exceeds 1 MiB (an eighth of them, at least one), then scaled to
-/// the full input by the rule's work at both shapes (flops and bytes at the
-/// measured `rates`; quadratic where attention is). So timing costs about an
-/// eighth of a step's compute (times the passes) and allocates little. `input`
-/// is the real input, or undefined (a synthetic one of the shape is made).
-/// nullopt where the slot fails on that input or returns another shape than
-/// the rule says, and where the input it would run on still exceeds 32 MiB.
-inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& slot, const layer_input& in,
-                                                         const torch::Tensor& input, const c10::Device& device,
-                                                         const layer_estimate& full, const compute_rates& rates,
-                                                         int passes,
-                                                         const memory_tracker::reporting_scope* reporting,
-                                                         bool products = true, saved_compaction compaction = {}) {
-  constexpr std::int64_t small_input_bytes = std::int64_t{1} << 20;
-  constexpr std::int64_t large_part_bytes = std::int64_t{32} << 20;
-  layer_input part = in;
-  std::optional<layer_estimate> part_estimate;
-  if (!in.shape.empty() && in.shape[0] >= 2 && in.bytes() > small_input_bytes) {
-    part.shape[0] = std::max<std::int64_t>(1, in.shape[0] / 8);
-    part_estimate = estimate_layer(*slot.ptr(), part);
-  }
-  // An input that cannot be cut small (a batch of one long sequence): the
-  // caller keeps the rates' times rather than run it whole to time it.
-  if ((part_estimate ? part.bytes() : in.bytes()) > large_part_bytes) return std::nullopt;
-  double forward_scale = 1.0, backward_scale = 1.0;
-  if (part_estimate) {
-    // The rule's work at the full input over its work at the part.
-    const rate_model_seconds whole(full, in.bytes(), rates), cut(*part_estimate, part.bytes(), rates);
-    forward_scale = whole.forward / std::max(1e-30, cut.forward);
-    backward_scale = whole.backward / std::max(1e-30, cut.backward);
-  } else {
-    part = in;
-  }
-  const auto& expected_shape = part_estimate ? part_estimate->output_shape : full.output_shape;
-  try {
-    torch::Tensor x;
-    if (!input.defined())
-      x = synthetic_input(part, device);
-    else
-      x = part.shape.empty() || part.shape[0] == in.shape[0] ? input : input.narrow(0, 0, part.shape[0]);
-    auto timed = measure_slot(slot, x, passes, reporting, products, compaction);
-    if (!timed.tensor_output || timed.output.sizes().vec() != expected_shape) return std::nullopt;
-    // Masks have as many elements as the activations: they scale with the input's bytes.
-    const double bytes_scale = static_cast<double>(in.bytes()) / static_cast<double>(std::max<std::int64_t>(1, part.bytes()));
-    return static_slot_times{timed.cost.forward_seconds * forward_scale,
-                             timed.cost.backward_seconds * backward_scale,
-                             timed.cost.replay_saved_seconds * forward_scale,
-                             static_cast<std::int64_t>(static_cast<double>(timed.cost.replay_kept_bytes) * bytes_scale),
-                             timed.cost.product_saved_seconds * forward_scale,
-                             static_cast<std::int64_t>(static_cast<double>(timed.cost.product_kept_bytes) * bytes_scale),
-                             static_cast<std::int64_t>(static_cast<double>(timed.cost.returned_product_bytes) * bytes_scale),
-                             static_cast<std::int64_t>(static_cast<double>(timed.cost.compact_bytes) * bytes_scale),
-                             timed.cost.compact_seconds * forward_scale,
-                             static_cast<std::int64_t>(static_cast<double>(timed.cost.compact_transient_bytes) * bytes_scale),
-                             timed.cost.mutates_input,
-                             part.shape.empty() ? 0 : part.shape[0]};
-  } catch (const std::exception&) {
-    return std::nullopt;  // it cannot run on an input of that shape: the caller keeps the rates' times
-  }
 }
 
 }  // namespace memscale::detail
