@@ -164,6 +164,15 @@ inline void finish_from_parts(measured_slot& out, torch::nn::AnyModule& slot, co
   c.output_bytes = static_cast<std::int64_t>(out.output.nbytes());
 }
 
+/// Why a slot over the room is measured whole after all: a part of `what` (the
+/// rows, its sequence) failed with `e`. Rethrows an allocation failure.
+inline std::string part_failed_note(const std::exception& e, std::int64_t room, const char* what) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  if (error != nullptr && is_out_of_memory(*error)) throw;
+  return "measured whole (over the room of " + format_bytes(room) + " the budget leaves): it fails on a part of " +
+         what + " (" + (error != nullptr ? error->what_without_backtrace() : e.what()) + ")";
+}
+
 /// A byte figure measured at 2s, 3s and 4s positions, extrapolated to t·s
 /// along the parabola through them (never below the largest part's figure).
 inline std::int64_t extrapolate_parabola(std::int64_t at_2s, std::int64_t at_3s, std::int64_t at_4s, double t) {
@@ -189,11 +198,11 @@ inline double parabola_miss(std::int64_t a, std::int64_t b, std::int64_t c, std:
 /// extrapolated along the parabola through the last three parts where the first
 /// lies on it (a cubic term's miss carried to the whole, within 2% of the saved
 /// bytes; the peaks within 2% of the largest part's). The times are the largest
-/// part's, scaled as the saved bytes grow. The output the next slot is profiled
-/// on is computed without autograd half of the sequence at a time, from copies:
-/// its shape and type are the slot's; its values past the first half are what
-/// the slot makes of the second half alone (for a causal model, what the
-/// slot's own computation would give only in the first half).
+/// part's, scaled as the saved bytes grow and at least as the sequence. The
+/// output the next slot is profiled on is computed without autograd half of the
+/// sequence at a time, from copies: its shape and type are the slot's; its
+/// second half is what the slot makes of that half alone (for a causal model
+/// the first half is exact).
 inline measured_slot measure_slot_along_sequence(torch::nn::AnyModule& slot, const torch::Tensor& input, int passes,
                                                  const memory_tracker::reporting_scope* reporting, bool products,
                                                  saved_compaction compaction, std::int64_t room, std::string& note) {
@@ -204,24 +213,25 @@ inline measured_slot measure_slot_along_sequence(torch::nn::AnyModule& slot, con
     return measure_slot(slot, input.narrow(1, 0, positions), passes, reporting, products, compaction);
   };
   std::vector<measured_slot> p;
-  std::int64_t scaled = 0;
+  p.reserve(4);
+  bool parts = false;
   try {
     p.push_back(part(s));
     const auto& first = p.front();
-    // Measured by allocations, its output [rows, positions, ...] as its input's.
-    if (!first.tensor_output || first.bytes != byte_source::allocations || first.output.dim() < 2 ||
-        first.output.size(0) != input.size(0) || first.output.size(1) != s)
-      return whole();
-    // Quadratic from nothing: never less than what grows with the sequence or its square.
-    scaled = static_cast<std::int64_t>(static_cast<double>(first.peak_bytes) * t * t);
-    if (scaled <= room) return whole();
-    for (std::int64_t k = 2; k <= 4; ++k) p.push_back(part(k * s));
-  } catch (const c10::Error& e) {
-    if (is_out_of_memory(e)) throw;
-    note = "measured whole (over the room of " + format_bytes(room) + " the budget leaves): it fails on a part of "
-           "its sequence (" + e.what_without_backtrace() + ")";
-    return whole();
+    // Measured by allocations, its output [rows, positions, ...] as its input's;
+    // quadratic from nothing, never less than what grows with the sequence or its square.
+    parts = first.tensor_output && first.bytes == byte_source::allocations && first.output.dim() >= 2 &&
+            first.output.size(0) == input.size(0) && first.output.size(1) == s &&
+            static_cast<double>(first.peak_bytes) * t * t > static_cast<double>(room);
+    for (std::int64_t k = 2; parts && k <= 4; ++k) {
+      p.back().output = torch::Tensor();  // only the largest part's output is wanted (its shape)
+      p.push_back(part(k * s));
+    }
+  } catch (const std::exception& e) {
+    note = part_failed_note(e, room, "its sequence");
+    parts = false;
   }
+  if (!parts) return whole();
   const auto at = [&](auto field) {
     return std::array<std::int64_t, 4>{p[0].cost.*field, p[1].cost.*field, p[2].cost.*field, p[3].cost.*field};
   };
@@ -250,9 +260,10 @@ inline measured_slot measure_slot_along_sequence(torch::nn::AnyModule& slot, con
   c.compact_transient_bytes = std::min(c.compact_transient_bytes, c.compact_bytes);
   out.peak_bytes = peak;
   p.clear();
-  // Half of the sequence at a time.
-  finish_from_parts(out, slot, input, 1, 4 * s,
-                    saved[3] > 0 ? static_cast<double>(c.saved_bytes) / static_cast<double>(saved[3]) : t / 4.0);
+  // Half of the sequence at a time; the times at least linear in it.
+  finish_from_parts(out, slot, input, 1, (n + 1) / 2,
+                    std::max(t / 4.0, saved[3] > 0 ? static_cast<double>(c.saved_bytes) / static_cast<double>(saved[3])
+                                                   : 0.0));
   note = "measured on " + std::to_string(s) + ", " + std::to_string(2 * s) + ", " + std::to_string(3 * s) + " and " +
          std::to_string(4 * s) + " of " + std::to_string(n) + " positions of its sequence (" +
          std::to_string(input.size(0)) + " rows are too few to cut), its bytes extrapolated along their parabola "
@@ -305,10 +316,8 @@ inline measured_slot measure_slot_within(torch::nn::AnyModule& slot, const torch
       p2 = part(2 * r);
       p3 = part(3 * r);
     }
-  } catch (const c10::Error& e) {
-    if (is_out_of_memory(e)) throw;
-    note = "measured whole (over the room of " + format_bytes(room) + " the budget leaves): it fails on a part of the "
-           "rows (" + e.what_without_backtrace() + ")";
+  } catch (const std::exception& e) {
+    note = part_failed_note(e, room, "the rows");
     parts = false;
   }
   if (!parts) return whole();

@@ -123,7 +123,8 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
     // With a CPU budget and no verification step (which runs a whole step of
     // its own first), a training step at two rows lets the probe see what
     // backward and autograd make outside the allocator too, which the no-grad
-    // example forward and the profiling do not reach.
+    // example forward and the profiling do not reach (a few long sequences: an
+    // eighth of the sequence, run_native_warmup).
     if (outside && example != nullptr && config.memory_budget_gb && !config.verify_correctness)
       attached->run_native_warmup(*example);
     // verify_correctness: the unoptimized step first, on the model as it is.

@@ -134,23 +134,26 @@ inline void attachment::start_metrics_endpoint() noexcept {
 
 /// A training step at two rows, in a sandbox, for the outside-allocator probe.
 /// Where two rows are more than an eighth of the batch and the example is
-/// [rows, sequence] or [rows, sequence, features] (a few long sequences), the
-/// step takes an eighth of the sequence too, so that it stays within the room
-/// the budget leaves, as profiling does (core/slot_parts.hpp); a model that
-/// refuses the shorter sequence takes its two rows whole.
+/// [rows, sequence] of token ids or [rows, sequence, features] (a few long
+/// sequences), the step takes an eighth of the sequence too, so that it stays
+/// within the room the budget leaves, as profiling does (core/slot_parts.hpp);
+/// the libraries' buffers outside the allocator it sees are then those of the
+/// shorter sequence. A model that refuses it takes its two rows whole.
 inline void attachment::run_native_warmup(const torch::Tensor& example) {
   if (!whole_forward_) return;
   auto root = root_.lock();
   MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
   try {
     const auto rows = example.narrow(0, 0, std::min<std::int64_t>(2, example.size(0)));
-    if (rows.size(0) * 8 > example.size(0) && (example.dim() == 2 || example.dim() == 3) && example.size(1) >= 16) {
+    const bool sequence = (example.dim() == 2 && !example.is_floating_point()) || example.dim() == 3;
+    if (rows.size(0) * 8 > example.size(0) && sequence && example.size(1) >= 16) {
       try {
         verify::sandbox box(*root);
         (void)verification_step(box, rows.narrow(1, 0, example.size(1) / 8), /*as_before_wrap=*/true);
         return;
-      } catch (const c10::Error& e) {
-        if (memscale::detail::is_out_of_memory(e)) throw;
+      } catch (const std::exception& e) {
+        const auto* error = dynamic_cast<const c10::Error*>(&e);
+        if (error != nullptr && memscale::detail::is_out_of_memory(*error)) throw;
       }
     }
     verify::sandbox box(*root);
