@@ -78,10 +78,11 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
       part_estimate = estimate_layer(*slot.ptr(), part);
     }
     if (run_bytes() > room) {
+      const auto rows = in.shape.empty() ? 0 : in.shape[0];
       if (over_room != nullptr)
-        *over_room = "timing it on " + std::to_string(part_estimate ? part.shape[0] : in.shape.empty() ? 0 : in.shape[0]) +
-                     " rows would hold about " + format_bytes(run_bytes()) + ", over the room of " + format_bytes(room) +
-                     " the budget leaves";
+        *over_room = "timing it on " + std::to_string(part_estimate ? part.shape[0] : rows) + " of " +
+                     std::to_string(rows) + " rows would hold about " + format_bytes(run_bytes()) +
+                     ", over the room of " + format_bytes(room) + " the budget leaves";
       return std::nullopt;
     }
   }
@@ -107,17 +108,21 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
     auto timed = measure_slot(slot, x, passes, reporting, products, compaction);
     if (!timed.tensor_output || timed.output.sizes().vec() != expected_shape) return std::nullopt;
     // Masks have as many elements as the activations: they scale with the input's bytes.
-    const double bytes_scale = static_cast<double>(in.bytes()) / static_cast<double>(std::max<std::int64_t>(1, part.bytes()));
+    const double bytes_scale =
+        static_cast<double>(in.bytes()) / static_cast<double>(std::max<std::int64_t>(1, part.bytes()));
+    const auto scaled = [&](std::int64_t bytes) {
+      return static_cast<std::int64_t>(static_cast<double>(bytes) * bytes_scale);
+    };
     return static_slot_times{timed.cost.forward_seconds * forward_scale,
                              timed.cost.backward_seconds * backward_scale,
                              timed.cost.replay_saved_seconds * forward_scale,
-                             static_cast<std::int64_t>(static_cast<double>(timed.cost.replay_kept_bytes) * bytes_scale),
+                             scaled(timed.cost.replay_kept_bytes),
                              timed.cost.product_saved_seconds * forward_scale,
-                             static_cast<std::int64_t>(static_cast<double>(timed.cost.product_kept_bytes) * bytes_scale),
-                             static_cast<std::int64_t>(static_cast<double>(timed.cost.returned_product_bytes) * bytes_scale),
-                             static_cast<std::int64_t>(static_cast<double>(timed.cost.compact_bytes) * bytes_scale),
+                             scaled(timed.cost.product_kept_bytes),
+                             scaled(timed.cost.returned_product_bytes),
+                             scaled(timed.cost.compact_bytes),
                              timed.cost.compact_seconds * forward_scale,
-                             static_cast<std::int64_t>(static_cast<double>(timed.cost.compact_transient_bytes) * bytes_scale),
+                             scaled(timed.cost.compact_transient_bytes),
                              timed.cost.mutates_input,
                              part.shape.empty() ? 0 : part.shape[0]};
   } catch (const std::exception&) {
