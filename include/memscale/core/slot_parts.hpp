@@ -172,10 +172,9 @@ inline void finish_from_parts(measured_slot& out, torch::nn::AnyModule& slot, co
 /// Why a slot over the room is measured whole after all: a part of `what` (the
 /// rows, its sequence) failed with `e`. Rethrows an allocation failure.
 inline std::string part_failed_note(const std::exception& e, std::int64_t room, const char* what) {
-  const auto* error = dynamic_cast<const c10::Error*>(&e);
-  if (error != nullptr && is_out_of_memory(*error)) throw;
+  if (is_out_of_memory(e)) throw;
   return "measured whole (over the room of " + format_bytes(room) + " the budget leaves): it fails on a part of " +
-         what + " (" + (error != nullptr ? error->what_without_backtrace() : e.what()) + ")";
+         what + " (" + message_of(e) + ")";
 }
 
 /// A byte figure measured at 2s, 3s and 4s positions, extrapolated to t·s

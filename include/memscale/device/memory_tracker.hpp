@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -66,6 +67,11 @@ inline bool is_out_of_memory(const c10::Error& e) {
                            "_ALLOC_FAILED", "cudaErrorMemoryAllocation"})
     if (what.find(sign) != std::string::npos) return true;
   return false;
+}
+/// The same for any exception: only a c10::Error can be an allocation failure.
+inline bool is_out_of_memory(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return error != nullptr && is_out_of_memory(*error);
 }
 
 /// CUDA: the caching allocator's allocated bytes on `device` now; 0 elsewhere.

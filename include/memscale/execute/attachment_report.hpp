@@ -152,8 +152,7 @@ inline void attachment::run_native_warmup(const torch::Tensor& example) {
         (void)verification_step(box, rows.narrow(1, 0, example.size(1) / 8), /*as_before_wrap=*/true);
         return;
       } catch (const std::exception& e) {
-        const auto* error = dynamic_cast<const c10::Error*>(&e);
-        if (error != nullptr && memscale::detail::is_out_of_memory(*error)) throw;
+        if (memscale::detail::is_out_of_memory(e)) throw;
       }
     }
     verify::sandbox box(*root);
