@@ -107,6 +107,16 @@ double median(std::vector<T> v) {
                     : (static_cast<double>(v[n / 2 - 1]) + static_cast<double>(v[n / 2])) / 2.0;
 }
 
+/// The q-quantile of `v` (0 <= q <= 1), interpolated between order statistics; 0 when empty.
+inline double quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const double at = q * static_cast<double>(v.size() - 1);
+  const auto lo = static_cast<std::size_t>(at);
+  const auto hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (at - static_cast<double>(lo)) * (v[hi] - v[lo]);
+}
+
 /// A plain-text table: right-aligned columns except the first.
 class Table {
  public:

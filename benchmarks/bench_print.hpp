@@ -42,6 +42,25 @@ inline double loss_gap(const RowResult& a, const RowResult& b) {
   return worst;
 }
 
+/// Each round's step time over the baseline's in the same round: the rows take
+/// turns, so a slow stretch of the host falls on both terms of a pair.
+inline std::vector<double> paired_ratios(const RowResult& r, const RowResult& base) {
+  std::vector<double> out;
+  for (std::size_t i = 0; i < r.step_series.size() && i < base.step_series.size(); ++i)
+    if (base.step_series[i] > 0.0) out.push_back(r.step_series[i] / base.step_series[i]);
+  return out;
+}
+
+/// "median (lower quartile-upper quartile)" of the paired ratios; "-" for the baseline or without pairs.
+inline std::string paired_column(const RowResult& r, const RowResult& base) {
+  const auto pairs = paired_ratios(r, base);
+  if (&r == &base || pairs.empty()) return "-";
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(3) << quantile(pairs, 0.5) << "x (" << std::setprecision(2)
+     << quantile(pairs, 0.25) << "-" << quantile(pairs, 0.75) << ")";
+  return os.str();
+}
+
 /// The bit-exact column: yes/NO for rows that keep the arithmetic, else the loss gap.
 inline std::string exactness(const RowResult& r, const RowResult& base) {
   if (&r == &base) return "ref";
@@ -96,7 +115,7 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
   }
   os << "\n";
 
-  Table time({"time", "step", "vs base", "projected", "proj/meas", "proj vs base", "1st step+plan", "planning",
+  Table time({"time", "step", "vs base", "paired (IQR)", "projected", "proj/meas", "proj vs base", "1st step+plan", "planning",
               "recompute rule", "recompute DP-opt", "rule/DP", "DP peak", "bit-exact"});
   const double base_projected = projected_baseline_seconds(w);
   for (const auto& r : w.rows) {
@@ -117,7 +136,7 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
     }
     const double projected = &r == &base ? base_projected : projected_step_seconds(r);
     const bool has_projection = projected > 0.0 && base_projected > 0.0;
-    time.add({r.name, ms(r.step_seconds), ratio(r.step_seconds, base.step_seconds),
+    time.add({r.name, ms(r.step_seconds), ratio(r.step_seconds, base.step_seconds), paired_column(r, base),
               has_projection ? ms(projected) : "-", has_projection ? ratio(projected, r.step_seconds) : "-",
               has_projection ? ratio(projected, base_projected) : "-", ms(r.first_seconds),
               r.memscale ? ms(r.planning_seconds) : "-", rule, dp, gap, dp_peak,
@@ -149,8 +168,12 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
   }
   os << "peak growth / step: medians over " << steps
      << " measured steps per row (rows take turns of two steps, the second measured), after one warm-up and\n"
-        "one calibration step; planning excluded. 1st step+plan: the warm-up step (AdamW state created) plus, for\n"
-        "memscale rows, profiling + planning (also shown alone). total peak: what the row keeps between steps\n"
+        "one calibration step; planning excluded. vs base: the ratio of the two medians; paired (IQR): the median of\n"
+        "each round's step over the baseline's step in that round (the rows take turns, so a slow stretch of the host\n"
+        "falls on both), with its lower and upper quartiles. One process's rows share its heap and caches, so the\n"
+        "baseline's neighbours change its times too: read both columns.\n"
+        "1st step+plan: the warm-up step (AdamW state created) plus, for memscale rows, profiling + planning (also\n"
+        "shown alone). total peak: what the row keeps between steps\n"
         "(parameters, gradients, AdamW state) + peak growth. projected: the planner's projected step peak (static\n"
         "bytes + the chain; the baseline row shows the un-optimized projection). recompute: the planner's projected\n"
         "recompute per step, for the rule plan and for the least any one-level segmentation needs to reach the same\n"
@@ -171,7 +194,7 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
 inline void print_csv(const std::vector<Workload>& all, std::ostream& os) {
   os << std::defaultfloat << std::setprecision(6);
   os << "\nworkload,row,checkpointed_segments,peak_growth_bytes,growth_vs_baseline,first_step_bytes,"
-        "planning_bytes,total_peak_bytes,projected_peak_bytes,step_seconds,time_vs_baseline,projected_step_seconds,"
+        "planning_bytes,total_peak_bytes,projected_peak_bytes,step_seconds,time_vs_baseline,paired_time_vs_baseline,projected_step_seconds,"
         "first_step_seconds,"
         "planning_seconds,rule_recompute_seconds,dp_recompute_seconds,rule_chain_peak_bytes,dp_chain_peak_bytes,"
         "budget_gb,bit_exact\n";
@@ -183,7 +206,7 @@ inline void print_csv(const std::vector<Workload>& all, std::ostream& os) {
          << r.planning_growth << ',' << static_cast<std::int64_t>(r.total_peak) << ','
          << (r.report ? r.report->planned_peak_bytes() : &r == &base ? projected_baseline(w) : 0) << ','
          << r.step_seconds << ','
-         << r.step_seconds / base.step_seconds << ','
+         << r.step_seconds / base.step_seconds << ',' << quantile(paired_ratios(r, base), 0.5) << ','
          << (&r == &base ? projected_baseline_seconds(w) : projected_step_seconds(r)) << ',' << r.first_seconds << ',' << r.planning_seconds << ','
          << r.rule_recompute << ',' << (r.dp_feasible ? r.dp_recompute : -1.0) << ',' << r.rule_peak << ','
          << (r.dp_feasible ? r.dp_peak : -1) << ','

@@ -50,6 +50,7 @@ struct RowResult {
   std::int64_t planning_growth = 0; ///< optimize() alone
   // time, seconds
   double step_seconds = 0.0;
+  std::vector<double> step_series;  ///< every measured step, in round order (round k of every row pairs)
   double first_seconds = 0.0;  ///< warm-up step (+ planning for memscale rows)
   double planning_seconds = 0.0;
   std::vector<float> losses;
@@ -194,6 +195,7 @@ class Runner {
     row.growth = median(growth_);
     row.total_peak = static_cast<double>(resident) + row.growth;
     row.step_seconds = median(seconds_);
+    row.step_series = seconds_;
     if (!process_total_.empty()) {
       row.process_growth = median(process_growth_);
       row.process_total = median(process_total_);

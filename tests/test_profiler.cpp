@@ -547,4 +547,16 @@ TEST_CASE("under a budget, a GPT of a few long sequences plans within the room, 
   CHECK_THAT(budgeted,
              Catch::Contains("blocks.0 (TransformerBlock) timed by the compute rates: timing it on 1 of 2 rows"));
   CHECK(peak < free_peak * 3 / 4);
+  // The example forward runs the whole batch: with no room left at all it is over
+  // the room, and the Report says so; without a budget there is no room to be over.
+  const std::string uncut = "the example forward, which records what each unit receives, held ";
+  CHECK_THAT(unbudgeted, !Catch::Contains(uncut));
+  std::string no_room;
+  (void)planning_peak({.mode = memscale::OptimizationMode::Aggressive,
+                       .enable_offloading = false,
+                       .target_gpu_utilization = 1.0,
+                       .memory_budget_gb = static_cast<double>(params) / (1024.0 * 1024.0 * 1024.0)},
+                      no_room);
+  INFO(no_room);
+  CHECK_THAT(no_room, Catch::Contains(uncut) && Catch::Contains("is not cut to that room"));
 }

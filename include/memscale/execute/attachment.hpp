@@ -401,11 +401,11 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   std::size_t cursor_ = 0;
   bool diverged_ = false;
   std::uint64_t cursor_epoch_ = 0;
-  std::atomic<std::int64_t> diverged_forwards_{0};
-  std::atomic<std::int64_t> short_forwards_{0};
+  std::atomic<std::int64_t> diverged_forwards_{0}, short_forwards_{0};
   std::shared_ptr<offload::engine> engine_;  // guarded by mutex_
   std::unique_ptr<observability::metrics_endpoint> endpoint_;  // set by attach(), stopped by restore()
   outside_allocator_probe* outside_probe_ = nullptr;  // attach()'s, while it runs (outside_probe_binding)
+  std::int64_t example_forward_transient_ = -1;  ///< capture_inputs' peak above what it kept; -1 unseen
   mutable std::mutex mutex_;  // guards report_ and engine_
   std::mutex plan_mutex_;     // serializes lazy planning and restore
   Report report_;

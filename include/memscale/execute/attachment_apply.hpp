@@ -1,5 +1,6 @@
 // memscale — attachment, applying a plan (execute/attachment.hpp has the class):
-// plan_and_apply and plan_on_first_call (the planning probe's lazy path) run
+// capture_inputs runs the example forward once to learn what each chain
+// receives; plan_and_apply and plan_on_first_call (the planning probe's lazy path) run
 // commit_plan, which plans, builds every change in one transaction and commits
 // it; apply_units turns a chain's units into technique wrappers in Sequential
 // slots, call-site runners or a whole-model offload scope. Also the planning
@@ -8,7 +9,10 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,7 +24,10 @@
 #include <memscale/core/plan.hpp>
 #include <memscale/core/slots.hpp>
 #include <memscale/detail/assert.hpp>
+#include <memscale/detail/buffers.hpp>
 #include <memscale/detail/fault_injection.hpp>
+#include <memscale/detail/rng.hpp>
+#include <memscale/device/memory_tracker.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/execute/attachment.hpp>
 #include <memscale/execute/attachment_planning.hpp>
@@ -36,6 +43,63 @@
 #include <memscale/techniques/offload.hpp>
 
 namespace memscale::core {
+
+inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function<void()>& forward) {
+  detail::fault_point(detail::pipeline_stage::capture);
+  sites_ = sites_state::recording;  // memscale::forward calls of the example forward are recorded
+  std::vector<std::shared_ptr<InputCaptureImpl>> probes;
+  slot_transaction probes_in_place;  // always rolled back: capture changes nothing
+  for (auto& chain : chains_) {
+    probes.push_back(std::make_shared<InputCaptureImpl>(chain.originals.front()));
+    probes_in_place.replace(*chain.ref.sequential, 0, torch::nn::AnyModule(probes.back()));
+  }
+  {
+    auto root = root_.lock();
+    MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
+    torch::NoGradGuard no_grad;
+    detail::rng_fork no_visible_draws(detail::devices_of(root->parameters()));
+    detail::isolating_span draws_apart;
+    detail::buffer_restore keep_buffers(*root);
+    // What the forward holds above what it keeps (the inputs it records): it
+    // runs the whole batch, not cut to the room a budget leaves (plan() says so).
+    const auto devices = detail::devices_of(root->parameters());
+    const c10::Device device = devices.empty() ? c10::Device(c10::kCPU) : devices.front();
+    std::optional<memory_tracker::reporting_scope> reporting;
+    if (device.is_cpu() && !memory_tracker::installed()) reporting.emplace();
+    std::optional<memory_tracker::peak_scope> cpu_peak;
+    if (device.is_cpu() && (!reporting || reporting->active())) cpu_peak.emplace();
+    const auto cuda_before = device.is_cuda() ? memory_tracker::peak_bytes(device) : 0;  // its peak is not reset
+    try {
+      forward();
+    } catch (const c10::OutOfMemoryError&) {
+      throw;  // the example forward did not fit: not a model memscale cannot attach to
+    } catch (const c10::Error& e) {
+      throw UnsupportedModelError(
+          "memscale: running the example input through the model failed: " +
+          std::string(e.what_without_backtrace()) +
+          ". memscale needs each Sequential's first slot to take one Tensor; if the error is about the "
+          "number or type of arguments, that Sequential cannot be optimized");
+    }
+    if (cpu_peak) {
+      example_forward_transient_ = cpu_peak->peak() - memory_tracker::current_bytes();
+    } else if (device.is_cuda()) {
+      if (const auto peak = memory_tracker::peak_bytes(device); peak > cuda_before)  // else unseen: said nothing
+        example_forward_transient_ = peak - memory_tracker::current_bytes(device);
+    }
+  }
+  std::vector<torch::Tensor> inputs;
+  for (std::size_t c = 0; c < probes.size(); ++c) {
+    // A Sequential first reached inside a memscale::forward call is part of that unit.
+    if (probes[c]->inside_call_site()) {
+      chains_[c].planned = true;
+      chains_[c].inside_call_site = true;
+      inputs.emplace_back();
+      continue;
+    }
+    inputs.push_back(probes[c]->captured());
+  }
+  return inputs;
+}
 
 inline void attachment::plan_and_apply(std::vector<torch::Tensor> inputs) {
   const observability::own_work_scope planning;  // profiling's backwards are no training steps

@@ -1,6 +1,6 @@
 // memscale — attachment, profiling and planning (execute/attachment.hpp has the
-// class): capture_inputs runs the example forward once to learn what each chain
-// receives; plan() profiles the chains that have an input, measures the static
+// class): plan() profiles the chains that have an input (capture_inputs, in
+// attachment_apply.hpp, recorded what each receives), measures the static
 // bytes and what the process holds outside the allocator, runs the decision
 // engine (and the plan agreement) and merges the result into the Report.
 #pragma once
@@ -54,48 +54,6 @@ inline std::pair<std::int64_t, double> offload_room(const c10::Device& device, c
   if (!device.is_cuda()) return {disk, nominal_disk_bytes_per_second};
   const std::int64_t host = o.host_bytes.value_or(0);
   return {host + disk, host > 0 ? nominal_host_link_bytes_per_second : nominal_disk_bytes_per_second};
-}
-
-inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function<void()>& forward) {
-  detail::fault_point(detail::pipeline_stage::capture);
-  sites_ = sites_state::recording;  // memscale::forward calls of the example forward are recorded
-  std::vector<std::shared_ptr<InputCaptureImpl>> probes;
-  slot_transaction probes_in_place;  // always rolled back: capture changes nothing
-  for (auto& chain : chains_) {
-    probes.push_back(std::make_shared<InputCaptureImpl>(chain.originals.front()));
-    probes_in_place.replace(*chain.ref.sequential, 0, torch::nn::AnyModule(probes.back()));
-  }
-  {
-    auto root = root_.lock();
-    MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
-    torch::NoGradGuard no_grad;
-    detail::rng_fork no_visible_draws(detail::devices_of(root->parameters()));
-    detail::isolating_span draws_apart;
-    detail::buffer_restore keep_buffers(*root);
-    try {
-      forward();
-    } catch (const c10::OutOfMemoryError&) {
-      throw;  // the example forward did not fit: not a model memscale cannot attach to
-    } catch (const c10::Error& e) {
-      throw UnsupportedModelError(
-          "memscale: running the example input through the model failed: " +
-          std::string(e.what_without_backtrace()) +
-          ". memscale needs each Sequential's first slot to take one Tensor; if the error is about the "
-          "number or type of arguments, that Sequential cannot be optimized");
-    }
-  }
-  std::vector<torch::Tensor> inputs;
-  for (std::size_t c = 0; c < probes.size(); ++c) {
-    // A Sequential first reached inside a memscale::forward call is part of that unit.
-    if (probes[c]->inside_call_site()) {
-      chains_[c].planned = true;
-      chains_[c].inside_call_site = true;
-      inputs.emplace_back();
-      continue;
-    }
-    inputs.push_back(probes[c]->captured());
-  }
-  return inputs;
 }
 
 inline void attachment::choose_strategy(const std::vector<chain_profile>& profiles,
@@ -172,6 +130,13 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
   if (auto root = root_.lock()) training = root->is_training();
   auto options = profile_options_from(config_, training);
   options.room_bytes = profiling_room(which, inputs, out);
+  if (options.room_bytes >= 0 && example_forward_transient_ > options.room_bytes)
+    out.notes.push_back("the example forward, which records what each unit receives, held " +
+                        detail::format_bytes(example_forward_transient_) + " above what it kept, more than the " +
+                        detail::format_bytes(options.room_bytes) + " the budget leaves for profiling: it runs the "
+                        "whole example batch without autograd and is not cut to that room, so planning held more than "
+                        "the budget allows there; measuring the units keeps to it");
+  example_forward_transient_ = -1;  // said once
   detail::fault_point(detail::pipeline_stage::profile);
   // CPU: what the process holds beyond the allocator, measured over the
   // profiling here unless attach() measures from before the example forward.
