@@ -367,6 +367,14 @@ struct SequenceOf256Impl : torch::nn::Module {
 };
 TORCH_MODULE(SequenceOf256);
 
+/// Aggressive, checkpointing only, within `budget` bytes all usable.
+memscale::Config aggressive_within(std::int64_t budget) {
+  return {.mode = memscale::OptimizationMode::Aggressive,
+          .enable_offloading = false,
+          .target_gpu_utilization = 1.0,
+          .memory_budget_gb = static_cast<double>(budget) / (1024.0 * 1024.0 * 1024.0)};
+}
+
 /// `slots` profiled from `x` within `room` bytes (negative: no limit); `peak`: the tracker's peak growth meanwhile.
 memscale::chain_profile profile_in_room(std::vector<torch::nn::AnyModule>& slots, const torch::Tensor& x,
                                         std::int64_t room, std::int64_t* peak) {
@@ -462,14 +470,21 @@ TEST_CASE("under a budget, planning measures within the room the budget leaves, 
   // Room for about half of what measuring a slot whole held there (the four
   // slots' planning peaks are measuring one slot each).
   const auto budget = params + static_cast<std::int64_t>(x.nbytes()) + free_peak / 2;
-  const auto peak = planning_peak({.mode = memscale::OptimizationMode::Aggressive,
-                                   .enable_offloading = false,
-                                   .target_gpu_utilization = 1.0,
-                                   .memory_budget_gb = static_cast<double>(budget) / (1024.0 * 1024.0 * 1024.0)},
-                                  budgeted);
+  const auto peak = planning_peak(aggressive_within(budget), budgeted);
   INFO(budgeted);
   CHECK_THAT(budgeted, Catch::Contains("measured on 8, 16 and 24 of 64 rows"));
   CHECK(peak < free_peak * 3 / 4);
+  // What else the process holds (another model, a dataset) is no part of this
+  // plan's budget on a CPU, as it is no part of its target: with room for each
+  // slot whole beside what the plan counts, a tensor larger than the budget
+  // does not cut them.
+  const auto roomy = budget + 2 * free_peak + 3 * params + (std::int64_t{64} << 20);
+  const auto elsewhere = torch::ones({roomy / 4 + 1});
+  std::string beside;
+  (void)planning_peak(aggressive_within(roomy), beside);
+  INFO(beside);
+  CHECK(memscale::memory_tracker::current_bytes() > roomy);
+  CHECK_THAT(beside, !Catch::Contains("rows, its bytes extrapolated"));
 }
 
 TEST_CASE("a few long sequences whose measuring would not fit the room are measured on parts of the sequence",
@@ -537,11 +552,7 @@ TEST_CASE("under a budget, a GPT of a few long sequences plans within the room, 
   const auto free_peak = planning_peak({.mode = memscale::OptimizationMode::Aggressive}, unbudgeted);
   CHECK_THAT(unbudgeted, !Catch::Contains("positions of its sequence"));
   const auto budget = params + free_peak / 2;
-  const auto peak = planning_peak({.mode = memscale::OptimizationMode::Aggressive,
-                                   .enable_offloading = false,
-                                   .target_gpu_utilization = 1.0,
-                                   .memory_budget_gb = static_cast<double>(budget) / (1024.0 * 1024.0 * 1024.0)},
-                                  budgeted);
+  const auto peak = planning_peak(aggressive_within(budget), budgeted);
   INFO(budgeted);
   CHECK_THAT(budgeted, Catch::Contains("measured on 32, 64, 96 and 128 of 256 positions of its sequence"));
   CHECK_THAT(budgeted,
@@ -552,11 +563,7 @@ TEST_CASE("under a budget, a GPT of a few long sequences plans within the room, 
   const std::string uncut = "the example forward, which records what each unit receives, held ";
   CHECK_THAT(unbudgeted, !Catch::Contains(uncut));
   std::string no_room;
-  (void)planning_peak({.mode = memscale::OptimizationMode::Aggressive,
-                       .enable_offloading = false,
-                       .target_gpu_utilization = 1.0,
-                       .memory_budget_gb = static_cast<double>(params) / (1024.0 * 1024.0 * 1024.0)},
-                      no_room);
+  (void)planning_peak(aggressive_within(params), no_room);
   INFO(no_room);
   CHECK_THAT(no_room, Catch::Contains(uncut) && Catch::Contains("is not cut to that room"));
 }

@@ -80,13 +80,25 @@ inline void attachment::choose_strategy(const std::vector<chain_profile>& profil
     telemetry_.emit(telemetry::policy_decided(facts_, out.strategy));
 }
 
+/// The optimizer state the plan reserves for parameter `p`: AdamW keeps two
+/// moments of its size; AdamW8bit one byte each plus a float per block (small
+/// tensors stay 32-bit).
+inline std::int64_t optimizer_reserve_bytes(const Config& config, const torch::Tensor& p) {
+  return config.use_8bit_optimizer ? optim::optimizer_state_bytes(p.numel(), true)
+                                   : 2 * static_cast<std::int64_t>(p.nbytes());
+}
+
 /// The bytes profiling may hold for one slot under the budget
-/// (profile_options::room_bytes): the usable bytes, less the model's
-/// parameters, buffers and gradients on the device, the chains' inputs and the
-/// units' recorded inputs (or what the allocator holds, where counted and more),
-/// and what lives outside it (CPU: where measured; CUDA: the context and other
-/// processes' memory). -1 on a CPU without memory_budget_gb: the host's memory
-/// is no budget to plan within.
+/// (profile_options::room_bytes): the usable bytes, less what the plan counts
+/// against them (the model's parameters, buffers and gradients on the device,
+/// the optimizer state it reserves) and the chains' inputs and the units'
+/// recorded inputs, and what lives outside the allocator (CPU: where measured;
+/// CUDA: the context and other processes' memory). On CUDA, where the device's
+/// memory is what runs out, also whatever else the caching allocator holds
+/// where that is more (other models, a later lazy plan's activations); on a
+/// CPU the budget is the plan's, as its target is: another model in the
+/// process does not shrink it. -1 on a CPU without memory_budget_gb: the
+/// host's memory is no budget to plan within.
 inline std::int64_t attachment::profiling_room(const std::vector<std::size_t>& which,
                                                const std::vector<torch::Tensor>& inputs, const Report& out) const {
   const auto device = inputs[which.front()].device();
@@ -104,7 +116,10 @@ inline std::int64_t attachment::profiling_room(const std::vector<std::size_t>& w
   if (auto root = root_.lock()) {
     for (const auto& p : root->parameters()) {
       count(p);
+      if (p.device() != device || !p.requires_grad()) continue;
+      if (!p.grad().defined()) held += static_cast<std::int64_t>(p.nbytes());  // the plan reserves it
       count(p.grad());
+      held += optimizer_reserve_bytes(config_, p);
     }
     for (const auto& b : root->buffers()) count(b);
   }
@@ -112,14 +127,15 @@ inline std::int64_t attachment::profiling_room(const std::vector<std::size_t>& w
     count(inputs[c]);
     for (const auto& t : chains_[c].unit_inputs) count(t);
   }
-  try {  // the allocator's own count where one is kept: also optimizer state, a later plan's activations
-    held = std::max(held, memory_tracker::current_bytes(device));
-  } catch (const std::exception&) {
-  }
-  if (device.is_cpu())
+  if (device.is_cpu()) {
     held += std::max<std::int64_t>(0, profile_outside_allocator_bytes());
-  else
+  } else {
+    try {  // the caching allocator's own count
+      held = std::max(held, memory_tracker::current_bytes(device));
+    } catch (const std::exception&) {
+    }
     held += memscale::detail::memory_outside_caching_allocator(device);
+  }
   return std::max<std::int64_t>(0, usable - held);
 }
 
@@ -179,11 +195,7 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
         out.parameter_bytes += static_cast<std::int64_t>(p.nbytes());
         if (!p.requires_grad()) continue;
         out.gradient_bytes += static_cast<std::int64_t>(p.nbytes());
-        // AdamW keeps two moments of the parameter's size; AdamW8bit one byte each
-        // plus a float per block (small tensors stay 32-bit).
-        out.optimizer_reserve_bytes += config_.use_8bit_optimizer
-                                           ? optim::optimizer_state_bytes(p.numel(), true)
-                                           : 2 * static_cast<std::int64_t>(p.nbytes());
+        out.optimizer_reserve_bytes += optimizer_reserve_bytes(config_, p);
       }
       for (const auto& b : root->buffers())
         if (b.device() == device) out.buffer_bytes += static_cast<std::int64_t>(b.nbytes());
