@@ -377,8 +377,8 @@ memscale::Config aggressive_within(std::int64_t budget) {
 
 /// `slots` profiled from `x` within `room` bytes (negative: no limit); `peak`: the tracker's peak growth meanwhile.
 memscale::chain_profile profile_in_room(std::vector<torch::nn::AnyModule>& slots, const torch::Tensor& x,
-                                        std::int64_t room, std::int64_t* peak) {
-  profile_options options{false, true, 1, true};
+                                        std::int64_t room, std::int64_t* peak, bool use_static = false) {
+  profile_options options{use_static, true, 1, true};
   options.room_bytes = room;
   memscale::memory_tracker::peak_scope scope;
   auto p = profile_chain("", slots, x, options);
@@ -555,8 +555,7 @@ TEST_CASE("under a budget, a GPT of a few long sequences plans within the room, 
   const auto peak = planning_peak(aggressive_within(budget), budgeted);
   INFO(budgeted);
   CHECK_THAT(budgeted, Catch::Contains("measured on 32, 64, 96 and 128 of 256 positions of its sequence"));
-  CHECK_THAT(budgeted,
-             Catch::Contains("blocks.0 (TransformerBlock) timed by the compute rates: timing it on 1 of 2 rows"));
+  CHECK_THAT(budgeted, !Catch::Contains("timed by the compute rates"));  // on fewer rows and positions
   CHECK(peak < free_peak * 3 / 4);
   // The example forward runs the whole batch: with no room left at all it is over
   // the room, and the Report says so; without a budget there is no room to be over.
@@ -566,4 +565,38 @@ TEST_CASE("under a budget, a GPT of a few long sequences plans within the room, 
   (void)planning_peak(aggressive_within(params), no_room);
   INFO(no_room);
   CHECK_THAT(no_room, Catch::Contains(uncut) && Catch::Contains("is not cut to that room"));
+}
+
+TEST_CASE("a unit a static rule covers is timed within the room: on fewer rows, then on fewer positions",
+          "[profiler]") {
+  memscale::memory_tracker::install();
+  gpt::register_memscale_rule();
+  torch::manual_seed(7);
+  gpt::Options o;
+  o.d_model = 64;
+  o.context = 256;
+  o.layers = 1;
+  std::vector<torch::nn::AnyModule> slots{torch::nn::AnyModule(gpt::TransformerBlock(o))};
+  const auto x = torch::randn({2, 256, 64});
+  std::int64_t whole_peak = 0, peak = 0;
+  const auto whole = profile_in_room(slots, x, -1, &whole_peak, /*use_static=*/true);
+  REQUIRE(whole.sources.front() == memscale::profile_source::static_rule);
+  CHECK(whole.notes.front() == "static rule; times measured");
+  for (const std::int64_t room : {whole_peak / 3, whole_peak / 6}) {
+    const auto cut = profile_in_room(slots, x, room, &peak, /*use_static=*/true);
+    INFO("room " << room << ", whole " << whole_peak << ", peak " << peak << ": " << cut.notes.front());
+    CHECK_THAT(cut.notes.front(), Catch::StartsWith("static rule; times measured on 1 of 2 rows"));
+    CHECK(peak <= room);
+    CHECK(cut.slots.front().saved_bytes == whole.slots.front().saved_bytes);  // the rule's
+    CHECK(cut.slots.front().forward_seconds > 0.0);
+    CHECK(cut.slots.front().backward_seconds > 0.0);
+    CHECK(cut.caveats.empty());
+  }
+  const auto narrow = profile_in_room(slots, x, whole_peak / 6, &peak, /*use_static=*/true);
+  CHECK_THAT(narrow.notes.front(), Catch::EndsWith(" of 256 positions, scaled by its work"));
+  // No room at all: the rates' times, and the caveat names the smallest part it weighed.
+  const auto none = profile_in_room(slots, x, 0, &peak, /*use_static=*/true);
+  REQUIRE(none.caveats.size() == 1);
+  CHECK_THAT(none.caveats.front(),
+             Catch::Contains("timed by the compute rates: timing it on 1 of 2 rows and 32 of 256 positions"));
 }

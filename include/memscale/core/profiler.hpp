@@ -194,10 +194,14 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
           cost.compact_seconds = timed->compact_seconds;
           cost.compact_transient_bytes = std::min(timed->compact_transient_bytes, cost.compact_bytes);
           cost.mutates_input = timed->mutates_input;
-          note = timed->rows == (current.shape.empty() ? 0 : current.shape[0])
+          note = timed->rows == (current.shape.empty() ? 0 : current.shape[0]) && timed->positions == 0
                      ? "static rule; times measured"
                      : "static rule; times measured on " + std::to_string(timed->rows) + " of " +
-                           std::to_string(current.shape[0]) + " rows, scaled by its work";
+                           std::to_string(current.shape[0]) + " rows" +
+                           (timed->positions > 0 ? " and " + std::to_string(timed->positions) + " of " +
+                                                       std::to_string(current.shape[1]) + " positions"
+                                                 : std::string()) +
+                           ", scaled by its work";
         } else if (!over_room.empty()) {
           note += " (" + over_room + ")";
           profile.caveats.push_back("slot " + profile.slot_names.back() + " timed by the compute rates: " + over_room);

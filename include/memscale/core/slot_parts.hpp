@@ -35,7 +35,8 @@ struct static_slot_times {
   double compact_seconds = 0.0;
   std::int64_t compact_transient_bytes = 0;
   bool mutates_input = false;
-  std::int64_t rows = 0;  ///< the first extent it ran at
+  std::int64_t rows = 0;       ///< the first extent it ran at
+  std::int64_t positions = 0;  ///< the second, where it ran on fewer positions of a sequence (else 0)
 };
 
 /// Times a slot a static rule covers, the bytes being the rule's: forward and
@@ -49,8 +50,12 @@ struct static_slot_times {
 /// the rule says, and where the input it would run on still exceeds 32 MiB.
 /// Within `room` bytes (profile_options::room_bytes; negative: no limit): where
 /// the run would hold more by the rule's figures, it runs on an eighth of the
-/// rows, however small the input, and where that still holds more, not at all
-/// (nullopt, `over_room` saying why): the caller keeps the rates' times.
+/// rows, however small the input, then on half as many down to one row, then,
+/// for a sequence (`[rows, positions, features]`, or token ids `[rows,
+/// positions]`), on half as many positions down to an eighth of them; where
+/// even that holds more, not at all (nullopt, `over_room` saying why): the
+/// caller keeps the rates' times. A part cut along the sequence scales the
+/// bytes it measured (masks, compaction) as the rule's saved bytes grow.
 inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& slot, const layer_input& in,
                                                          const torch::Tensor& input, const c10::Device& device,
                                                          const layer_estimate& full, const compute_rates& rates,
@@ -72,17 +77,34 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
     const auto& e = part_estimate ? *part_estimate : full;
     return (part_estimate ? part : in).bytes() + e.workspace_bytes + 2 * (e.saved_bytes + e.output_bytes());
   };
-  if (room >= 0 && run_bytes() > room) {
-    if (!part_estimate && !in.shape.empty() && in.shape[0] >= 2) {
-      part.shape[0] = std::max<std::int64_t>(1, in.shape[0] / 8);
-      part_estimate = estimate_layer(*slot.ptr(), part);
-    }
+  bool along_sequence = false;
+  if (room >= 0 && run_bytes() > room && !in.shape.empty()) {
+    const auto take = [&](std::int64_t rows, std::int64_t positions) {  // false: the rule refuses that shape
+      layer_input candidate = in;
+      candidate.shape[0] = rows;
+      if (positions > 0) candidate.shape[1] = positions;
+      auto e = estimate_layer(*slot.ptr(), candidate);
+      if (!e) return false;
+      part = std::move(candidate);
+      part_estimate = std::move(e);
+      along_sequence = positions > 0;
+      return true;
+    };
+    for (auto rows = part_estimate ? part.shape[0] : in.shape[0]; run_bytes() > room && rows > 1;)
+      if (!take(rows = part_estimate ? rows / 2 : std::max<std::int64_t>(1, rows / 8), 0)) break;
+    const bool sequence = in.shape.size() == 3 || (in.shape.size() == 2 && !c10::isFloatingType(in.dtype));
+    if (sequence && (part_estimate ? part.shape[0] : in.shape[0]) == 1 && in.shape[1] >= 16)
+      for (auto positions = in.shape[1]; run_bytes() > room && positions / 2 >= in.shape[1] / 8;)
+        if (!take(1, positions /= 2)) break;
     if (run_bytes() > room) {
-      const auto rows = in.shape.empty() ? 0 : in.shape[0];
       if (over_room != nullptr)
-        *over_room = "timing it on " + std::to_string(part_estimate ? part.shape[0] : rows) + " of " +
-                     std::to_string(rows) + " rows would hold about " + format_bytes(run_bytes()) +
-                     ", over the room of " + format_bytes(room) + " the budget leaves";
+        *over_room = "timing it on " + std::to_string(part_estimate ? part.shape[0] : in.shape[0]) + " of " +
+                     std::to_string(in.shape[0]) + " rows" +
+                     (along_sequence ? " and " + std::to_string(part.shape[1]) + " of " + std::to_string(in.shape[1]) +
+                                           " positions"
+                                     : std::string()) +
+                     " would hold about " + format_bytes(run_bytes()) + ", over the room of " + format_bytes(room) +
+                     " the budget leaves";
       return std::nullopt;
     }
   }
@@ -105,11 +127,15 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
       x = synthetic_input(part, device);
     else
       x = part.shape.empty() || part.shape[0] == in.shape[0] ? input : input.narrow(0, 0, part.shape[0]);
+    if (along_sequence && x.defined() && x.size(1) != part.shape[1]) x = x.narrow(1, 0, part.shape[1]);
     auto timed = measure_slot(slot, x, passes, reporting, products, compaction);
     if (!timed.tensor_output || timed.output.sizes().vec() != expected_shape) return std::nullopt;
-    // Masks have as many elements as the activations: they scale with the input's bytes.
+    // Masks have as many elements as the activations: they scale with the input's
+    // bytes, or along a sequence (attention's scores) as the rule's saved bytes.
     const double bytes_scale =
-        static_cast<double>(in.bytes()) / static_cast<double>(std::max<std::int64_t>(1, part.bytes()));
+        along_sequence ? static_cast<double>(full.saved_bytes) /
+                             static_cast<double>(std::max<std::int64_t>(1, part_estimate->saved_bytes))
+                       : static_cast<double>(in.bytes()) / static_cast<double>(std::max<std::int64_t>(1, part.bytes()));
     const auto scaled = [&](std::int64_t bytes) {
       return static_cast<std::int64_t>(static_cast<double>(bytes) * bytes_scale);
     };
@@ -124,7 +150,8 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
                              timed.cost.compact_seconds * forward_scale,
                              scaled(timed.cost.compact_transient_bytes),
                              timed.cost.mutates_input,
-                             part.shape.empty() ? 0 : part.shape[0]};
+                             part.shape.empty() ? 0 : part.shape[0],
+                             along_sequence ? part.shape[1] : 0};
   } catch (const std::exception&) {
     return std::nullopt;  // it cannot run on an input of that shape: the caller keeps the rates' times
   }
