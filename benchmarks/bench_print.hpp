@@ -136,7 +136,8 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
     }
     const double projected = &r == &base ? base_projected : projected_step_seconds(r);
     const bool has_projection = projected > 0.0 && base_projected > 0.0;
-    time.add({r.name, ms(r.step_seconds), ratio(r.step_seconds, base.step_seconds), paired_column(r, base),
+    time.add({r.name, ms(r.step_seconds), ratio(r.step_seconds, base.step_seconds),
+              paired_column(r, base),
               has_projection ? ms(projected) : "-", has_projection ? ratio(projected, r.step_seconds) : "-",
               has_projection ? ratio(projected, base_projected) : "-", ms(r.first_seconds),
               r.memscale ? ms(r.planning_seconds) : "-", rule, dp, gap, dp_peak,
@@ -194,7 +195,8 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
 inline void print_csv(const std::vector<Workload>& all, std::ostream& os) {
   os << std::defaultfloat << std::setprecision(6);
   os << "\nworkload,row,checkpointed_segments,peak_growth_bytes,growth_vs_baseline,first_step_bytes,"
-        "planning_bytes,total_peak_bytes,projected_peak_bytes,step_seconds,time_vs_baseline,paired_time_vs_baseline,projected_step_seconds,"
+        "planning_bytes,total_peak_bytes,projected_peak_bytes,step_seconds,time_vs_baseline,"
+        "paired_time_vs_baseline,projected_step_seconds,"
         "first_step_seconds,"
         "planning_seconds,rule_recompute_seconds,dp_recompute_seconds,rule_chain_peak_bytes,dp_chain_peak_bytes,"
         "budget_gb,bit_exact\n";
@@ -206,7 +208,8 @@ inline void print_csv(const std::vector<Workload>& all, std::ostream& os) {
          << r.planning_growth << ',' << static_cast<std::int64_t>(r.total_peak) << ','
          << (r.report ? r.report->planned_peak_bytes() : &r == &base ? projected_baseline(w) : 0) << ','
          << r.step_seconds << ','
-         << r.step_seconds / base.step_seconds << ',' << quantile(paired_ratios(r, base), 0.5) << ','
+         << r.step_seconds / base.step_seconds << ','
+         << (paired_ratios(r, base).empty() ? -1.0 : quantile(paired_ratios(r, base), 0.5)) << ','
          << (&r == &base ? projected_baseline_seconds(w) : projected_step_seconds(r)) << ',' << r.first_seconds << ',' << r.planning_seconds << ','
          << r.rule_recompute << ',' << (r.dp_feasible ? r.dp_recompute : -1.0) << ',' << r.rule_peak << ','
          << (r.dp_feasible ? r.dp_peak : -1) << ','

@@ -22,6 +22,12 @@
 
 namespace memscale::detail {
 
+/// Profiling within a room cuts an input into eighths (of its rows, or of a
+/// sequence's positions), and only an extent of at least 16 (a line or a
+/// parabola through parts of fewer is too coarse to extrapolate along).
+inline constexpr std::int64_t parts_per_whole = 8;
+inline constexpr std::int64_t min_cut_extent = 16;
+
 /// What timing a slot a static rule covers found (time_static_slot).
 struct static_slot_times {
   double forward_seconds = 0.0;
@@ -68,7 +74,7 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
   layer_input part = in;
   std::optional<layer_estimate> part_estimate;
   if (!in.shape.empty() && in.shape[0] >= 2 && in.bytes() > small_input_bytes) {
-    part.shape[0] = std::max<std::int64_t>(1, in.shape[0] / 8);
+    part.shape[0] = std::max<std::int64_t>(1, in.shape[0] / parts_per_whole);
     part_estimate = estimate_layer(*slot.ptr(), part);
   }
   // What the run holds at most by the rule: its input, workspace, what it
@@ -84,17 +90,19 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
       candidate.shape[0] = rows;
       if (positions > 0) candidate.shape[1] = positions;
       auto e = estimate_layer(*slot.ptr(), candidate);
-      if (!e) return false;
+      // Positions only where the rule's output keeps them (a convolution's
+      // second dimension is its channels).
+      if (!e || (positions > 0 && (e->output_shape.size() < 2 || e->output_shape[1] != positions))) return false;
       part = std::move(candidate);
       part_estimate = std::move(e);
       along_sequence = positions > 0;
       return true;
     };
     for (auto rows = part_estimate ? part.shape[0] : in.shape[0]; run_bytes() > room && rows > 1;)
-      if (!take(rows = part_estimate ? rows / 2 : std::max<std::int64_t>(1, rows / 8), 0)) break;
+      if (!take(rows = part_estimate ? rows / 2 : std::max<std::int64_t>(1, rows / parts_per_whole), 0)) break;
     const bool sequence = in.shape.size() == 3 || (in.shape.size() == 2 && !c10::isFloatingType(in.dtype));
-    if (sequence && (part_estimate ? part.shape[0] : in.shape[0]) == 1 && in.shape[1] >= 16)
-      for (auto positions = in.shape[1]; run_bytes() > room && positions / 2 >= in.shape[1] / 8;)
+    if (sequence && (part_estimate ? part.shape[0] : in.shape[0]) == 1 && in.shape[1] >= min_cut_extent)
+      for (auto positions = in.shape[1]; run_bytes() > room && positions / 2 >= in.shape[1] / parts_per_whole;)
         if (!take(1, positions /= 2)) break;
     if (run_bytes() > room) {
       if (over_room != nullptr)
@@ -132,10 +140,12 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
     if (!timed.tensor_output || timed.output.sizes().vec() != expected_shape) return std::nullopt;
     // Masks have as many elements as the activations: they scale with the input's
     // bytes, or along a sequence (attention's scores) as the rule's saved bytes.
+    const double input_scale =
+        static_cast<double>(in.bytes()) / static_cast<double>(std::max<std::int64_t>(1, part.bytes()));
     const double bytes_scale =
-        along_sequence ? static_cast<double>(full.saved_bytes) /
-                             static_cast<double>(std::max<std::int64_t>(1, part_estimate->saved_bytes))
-                       : static_cast<double>(in.bytes()) / static_cast<double>(std::max<std::int64_t>(1, part.bytes()));
+        along_sequence ? std::max(input_scale, static_cast<double>(full.saved_bytes) /
+                                                   static_cast<double>(std::max<std::int64_t>(1, part_estimate->saved_bytes)))
+                       : input_scale;
     const auto scaled = [&](std::int64_t bytes) {
       return static_cast<std::int64_t>(static_cast<double>(bytes) * bytes_scale);
     };
@@ -238,7 +248,7 @@ inline measured_slot measure_slot_along_sequence(torch::nn::AnyModule& slot, con
                                                  const memory_tracker::reporting_scope* reporting, bool products,
                                                  saved_compaction compaction, std::int64_t room, std::string& note) {
   const auto whole = [&] { return measure_slot(slot, input, passes, reporting, products, compaction); };
-  const auto n = input.size(1), s = n / 8;
+  const auto n = input.size(1), s = n / parts_per_whole;
   const double t = static_cast<double>(n) / static_cast<double>(s);
   const auto part = [&](std::int64_t positions) {
     return measure_slot(slot, input.narrow(1, 0, positions), passes, reporting, products, compaction);
@@ -320,14 +330,13 @@ inline measured_slot measure_slot_within(torch::nn::AnyModule& slot, const torch
                                          const memory_tracker::reporting_scope* reporting, bool products,
                                          saved_compaction compaction, std::int64_t room, std::string& note) {
   const auto whole = [&] { return measure_slot(slot, input, passes, reporting, products, compaction); };
-  constexpr std::int64_t min_rows = 16;  // an eighth of fewer rows is too few to see a line through
   if (room < 0 || input.dim() == 0) return whole();
-  if (input.size(0) < min_rows) {
-    if (input.dim() == 3 && input.size(1) >= min_rows)
+  if (input.size(0) < min_cut_extent) {
+    if (input.dim() == 3 && input.size(1) >= min_cut_extent)
       return measure_slot_along_sequence(slot, input, passes, reporting, products, compaction, room, note);
     return whole();
   }
-  const auto n = input.size(0), r = n / 8;
+  const auto n = input.size(0), r = n / parts_per_whole;
   const auto part = [&](std::int64_t rows) {
     return measure_slot(slot, input.narrow(0, 0, rows), passes, reporting, products, compaction);
   };

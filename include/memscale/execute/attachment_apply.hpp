@@ -68,7 +68,16 @@ inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function
     if (device.is_cpu() && !memory_tracker::installed()) reporting.emplace();
     std::optional<memory_tracker::peak_scope> cpu_peak;
     if (device.is_cpu() && (!reporting || reporting->active())) cpu_peak.emplace();
-    const auto cuda_before = device.is_cuda() ? memory_tracker::peak_bytes(device) : 0;  // its peak is not reset
+    // CUDA: the device's peak is read, not reset (a caller's peak scope keeps its own); it
+    // says nothing where an earlier peak was higher, or where memscale's CUDA support is not built.
+    const auto device_peak = [&]() -> std::int64_t {
+      try {
+        return memory_tracker::peak_bytes(device);
+      } catch (const std::exception&) {
+        return -1;
+      }
+    };
+    const auto cuda_before = device.is_cuda() ? device_peak() : -1;
     try {
       forward();
     } catch (const c10::OutOfMemoryError&) {
@@ -82,8 +91,8 @@ inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function
     }
     if (cpu_peak) {
       example_forward_transient_ = cpu_peak->peak() - memory_tracker::current_bytes();
-    } else if (device.is_cuda()) {
-      if (const auto peak = memory_tracker::peak_bytes(device); peak > cuda_before)  // else unseen: said nothing
+    } else if (cuda_before >= 0) {
+      if (const auto peak = device_peak(); peak > cuda_before)
         example_forward_transient_ = peak - memory_tracker::current_bytes(device);
     }
   }
@@ -135,6 +144,7 @@ inline void attachment::plan_and_apply(std::vector<torch::Tensor> inputs) {
         ". Mark the blocks your forward loops over with `x = memscale::forward(*blocks[i], x);` (or keep them "
         "in a torch::nn::Sequential) to get checkpointing, tiling and per-unit offload");
   commit_plan(ready, inputs, /*probe_the_others=*/true);
+  example_forward_transient_ = -1;  // said by this plan or by none: a later lazy plan has no example forward
   if (captured && sites_.load() == sites_state::recording) sites_ = sites_state::off;  // no call sites
 }
 

@@ -127,6 +127,11 @@ inline std::int64_t attachment::profiling_room(const std::vector<std::size_t>& w
     count(inputs[c]);
     for (const auto& t : chains_[c].unit_inputs) count(t);
   }
+  if (out.planned) {  // a later (lazy) plan: the chains planned earlier keep their forward bytes meanwhile
+    for (std::size_t c = 0; c < out.chains.size(); ++c)
+      held += project_chain(out.chains[c].slots, out.plan.units[c]).forward_end;
+    held += out.outside_units_bytes;
+  }
   if (device.is_cpu()) {
     held += std::max<std::int64_t>(0, profile_outside_allocator_bytes());
   } else {
@@ -149,9 +154,9 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
   if (options.room_bytes >= 0 && example_forward_transient_ > options.room_bytes)
     out.notes.push_back("the example forward, which records what each unit receives, held " +
                         detail::format_bytes(example_forward_transient_) + " above what it kept, more than the " +
-                        detail::format_bytes(options.room_bytes) + " the budget leaves for profiling: it runs the "
-                        "whole example batch without autograd and is not cut to that room, so planning held more than "
-                        "the budget allows there; measuring the units keeps to it");
+                        detail::format_bytes(options.room_bytes) +
+                        " the budget leaves for profiling beside what training keeps: it runs the whole example "
+                        "batch without autograd and is not cut to that room (measuring the units keeps to it)");
   example_forward_transient_ = -1;  // said once
   detail::fault_point(detail::pipeline_stage::profile);
   // CPU: what the process holds beyond the allocator, measured over the

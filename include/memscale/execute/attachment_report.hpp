@@ -21,6 +21,7 @@
 
 #include <memscale/config.hpp>
 #include <memscale/core/plan.hpp>
+#include <memscale/core/slot_parts.hpp>
 #include <memscale/detail/assert.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/execute/attachment.hpp>
@@ -146,10 +147,12 @@ inline void attachment::run_native_warmup(const torch::Tensor& example) {
   try {
     const auto rows = example.narrow(0, 0, std::min<std::int64_t>(2, example.size(0)));
     const bool sequence = (example.dim() == 2 && !example.is_floating_point()) || example.dim() == 3;
-    if (rows.size(0) * 8 > example.size(0) && sequence && example.size(1) >= 16) {
+    using memscale::detail::parts_per_whole;  // as profiling cuts it (core/slot_parts.hpp)
+    if (rows.size(0) * parts_per_whole > example.size(0) && sequence &&
+        example.size(1) >= memscale::detail::min_cut_extent) {
       try {
         verify::sandbox box(*root);
-        (void)verification_step(box, rows.narrow(1, 0, example.size(1) / 8), /*as_before_wrap=*/true);
+        (void)verification_step(box, rows.narrow(1, 0, example.size(1) / parts_per_whole), /*as_before_wrap=*/true);
         return;
       } catch (const std::exception& e) {
         if (memscale::detail::is_out_of_memory(e)) throw;
