@@ -255,8 +255,8 @@ TEST_CASE("a slot a static rule covers is timed as it runs, or by the measured r
       memscale::detail::time_static_slot(wide_slots[0], in, big, big.device(), *full, rates, 1, &reporting);
   REQUIRE(ticked);
   CHECK(ticked->rows == 1024);
-  CHECK(ticked->forward_seconds == Approx(8.0));
-  CHECK(ticked->backward_seconds == Approx(8.0));
+  CHECK(ticked->cost.forward_seconds == Approx(8.0));
+  CHECK(ticked->cost.backward_seconds == Approx(8.0));
 }
 
 TEST_CASE("hardware detection reports the host, and GPUs only where CUDA is present", "[profiler]") {

@@ -99,6 +99,25 @@ inline profile_options profile_options_from(const Config& config, bool training)
           saved_compaction_of(config)};
 }
 
+/// `rule`'s cost (its bytes from a static rule) with what only running the
+/// slot tells: its times, the draws and products a recompute keeps, what
+/// compacting its saved tensors frees (at most what it saves) and costs, and
+/// whether it writes its input.
+inline slot_cost with_measured(slot_cost rule, const slot_cost& measured) {
+  rule.forward_seconds = measured.forward_seconds;
+  rule.backward_seconds = measured.backward_seconds;
+  rule.replay_saved_seconds = measured.replay_saved_seconds;
+  rule.replay_kept_bytes = measured.replay_kept_bytes;
+  rule.product_saved_seconds = measured.product_saved_seconds;
+  rule.product_kept_bytes = measured.product_kept_bytes;
+  rule.returned_product_bytes = measured.returned_product_bytes;
+  rule.compact_bytes = std::min(measured.compact_bytes, rule.saved_bytes);
+  rule.compact_seconds = measured.compact_seconds;
+  rule.compact_transient_bytes = std::min(measured.compact_transient_bytes, rule.compact_bytes);
+  rule.mutates_input = measured.mutates_input;
+  return rule;
+}
+
 /// Profiles the original `slots` of a chain for the given chain input. With
 /// `slot_inputs` (one per slot: what each call site received, which need not be
 /// the previous slot's output), each slot is profiled on its own input.
@@ -183,17 +202,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
                                                         options.passes, reporting ? &*reporting : nullptr,
                                                         options.products, options.compaction, options.room_bytes,
                                                         &over_room)) {
-          cost.forward_seconds = timed->forward_seconds;
-          cost.backward_seconds = timed->backward_seconds;
-          cost.replay_saved_seconds = timed->replay_saved_seconds;
-          cost.replay_kept_bytes = timed->replay_kept_bytes;
-          cost.product_saved_seconds = timed->product_saved_seconds;
-          cost.product_kept_bytes = timed->product_kept_bytes;
-          cost.returned_product_bytes = timed->returned_product_bytes;
-          cost.compact_bytes = std::min(timed->compact_bytes, cost.saved_bytes);
-          cost.compact_seconds = timed->compact_seconds;
-          cost.compact_transient_bytes = std::min(timed->compact_transient_bytes, cost.compact_bytes);
-          cost.mutates_input = timed->mutates_input;
+          cost = with_measured(std::move(cost), timed->cost);
           note = timed->rows == (current.shape.empty() ? 0 : current.shape[0]) && timed->positions == 0
                      ? "static rule; times measured"
                      : "static rule; times measured on " + std::to_string(timed->rows) + " of " +
@@ -247,18 +256,8 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       if (!parts_note.empty()) profile.caveats.push_back("slot " + profile.slot_names.back() + " " + parts_note);
     } else if (auto fallback = estimate_layer(*slot.ptr(), current)) {
       // Only reached with use_static_profiling off: its bytes beat unmeasured ones; the times are measured.
-      auto cost = detail::static_cost(*fallback, measured.cost.input_bytes, detail::compute_rates{});
-      cost.forward_seconds = measured.cost.forward_seconds;
-      cost.backward_seconds = measured.cost.backward_seconds;
-      cost.replay_saved_seconds = measured.cost.replay_saved_seconds;
-      cost.replay_kept_bytes = measured.cost.replay_kept_bytes;
-      cost.product_saved_seconds = measured.cost.product_saved_seconds;
-      cost.product_kept_bytes = measured.cost.product_kept_bytes;
-      cost.returned_product_bytes = measured.cost.returned_product_bytes;
-      cost.compact_bytes = std::min(measured.cost.compact_bytes, cost.saved_bytes);
-      cost.compact_seconds = measured.cost.compact_seconds;
-      cost.compact_transient_bytes = std::min(measured.cost.compact_transient_bytes, cost.compact_bytes);
-      cost.mutates_input = measured.cost.mutates_input;
+      const auto cost = with_measured(detail::static_cost(*fallback, measured.cost.input_bytes, detail::compute_rates{}),
+                                      measured.cost);
       profile.slots.push_back(shape_facts(cost));
       profile.sources.push_back(profile_source::static_rule);
       profile.notes.emplace_back("allocations not seen: static rule for bytes, measured times");

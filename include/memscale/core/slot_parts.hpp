@@ -28,19 +28,12 @@ namespace memscale::detail {
 inline constexpr std::int64_t parts_per_whole = 8;
 inline constexpr std::int64_t min_cut_extent = 16;
 
-/// What timing a slot a static rule covers found (time_static_slot).
+/// What timing a slot a static rule covers found (time_static_slot): the
+/// measured cost, its times and the bytes no rule gives (kept draws and
+/// products, compaction) scaled to the full input (its other bytes are the
+/// part's: the rule gives those), and the part it ran on.
 struct static_slot_times {
-  double forward_seconds = 0.0;
-  double backward_seconds = 0.0;
-  double replay_saved_seconds = 0.0;
-  std::int64_t replay_kept_bytes = 0;
-  double product_saved_seconds = 0.0;
-  std::int64_t product_kept_bytes = 0;
-  std::int64_t returned_product_bytes = 0;
-  std::int64_t compact_bytes = 0;
-  double compact_seconds = 0.0;
-  std::int64_t compact_transient_bytes = 0;
-  bool mutates_input = false;
+  slot_cost cost;
   std::int64_t rows = 0;       ///< the first extent it ran at
   std::int64_t positions = 0;  ///< the second, where it ran on fewer positions of a sequence (else 0)
 };
@@ -149,19 +142,18 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
     const auto scaled = [&](std::int64_t bytes) {
       return static_cast<std::int64_t>(static_cast<double>(bytes) * bytes_scale);
     };
-    return static_slot_times{timed.cost.forward_seconds * forward_scale,
-                             timed.cost.backward_seconds * backward_scale,
-                             timed.cost.replay_saved_seconds * forward_scale,
-                             scaled(timed.cost.replay_kept_bytes),
-                             timed.cost.product_saved_seconds * forward_scale,
-                             scaled(timed.cost.product_kept_bytes),
-                             scaled(timed.cost.returned_product_bytes),
-                             scaled(timed.cost.compact_bytes),
-                             timed.cost.compact_seconds * forward_scale,
-                             scaled(timed.cost.compact_transient_bytes),
-                             timed.cost.mutates_input,
-                             part.shape.empty() ? 0 : part.shape[0],
-                             along_sequence ? part.shape[1] : 0};
+    auto cost = timed.cost;
+    cost.forward_seconds *= forward_scale;
+    cost.backward_seconds *= backward_scale;
+    cost.replay_saved_seconds *= forward_scale;
+    cost.replay_kept_bytes = scaled(cost.replay_kept_bytes);
+    cost.product_saved_seconds *= forward_scale;
+    cost.product_kept_bytes = scaled(cost.product_kept_bytes);
+    cost.returned_product_bytes = scaled(cost.returned_product_bytes);
+    cost.compact_bytes = scaled(cost.compact_bytes);
+    cost.compact_seconds *= forward_scale;
+    cost.compact_transient_bytes = scaled(cost.compact_transient_bytes);
+    return static_slot_times{cost, part.shape.empty() ? 0 : part.shape[0], along_sequence ? part.shape[1] : 0};
   } catch (const std::exception&) {
     return std::nullopt;  // it cannot run on an input of that shape: the caller keeps the rates' times
   }

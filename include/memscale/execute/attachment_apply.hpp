@@ -57,12 +57,12 @@ inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function
     auto root = root_.lock();
     MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
     torch::NoGradGuard no_grad;
-    detail::rng_fork no_visible_draws(detail::devices_of(root->parameters()));
+    const auto devices = detail::devices_of(root->parameters());
+    detail::rng_fork no_visible_draws(devices);
     detail::isolating_span draws_apart;
     detail::buffer_restore keep_buffers(*root);
     // What the forward holds above what it keeps (the inputs it records): it
     // runs the whole batch, not cut to the room a budget leaves (plan() says so).
-    const auto devices = detail::devices_of(root->parameters());
     const c10::Device device = devices.empty() ? c10::Device(c10::kCPU) : devices.front();
     std::optional<memory_tracker::reporting_scope> reporting;
     if (device.is_cpu() && !memory_tracker::installed()) reporting.emplace();

@@ -88,6 +88,15 @@ inline std::int64_t optimizer_reserve_bytes(const Config& config, const torch::T
                                    : 2 * static_cast<std::int64_t>(p.nbytes());
 }
 
+/// What the chains `out` planned so far keep from their forwards while a later
+/// chain runs (Report::earlier_chains_bytes).
+inline std::int64_t earlier_chains_forward_bytes(const Report& out) {
+  std::int64_t bytes = 0;
+  for (std::size_t c = 0; c < out.chains.size(); ++c)
+    bytes += project_chain(out.chains[c].slots, out.plan.units[c]).forward_end;
+  return bytes;
+}
+
 /// The bytes profiling may hold for one slot under the budget
 /// (profile_options::room_bytes): the usable bytes, less what the plan counts
 /// against them (the model's parameters, buffers and gradients on the device,
@@ -127,11 +136,8 @@ inline std::int64_t attachment::profiling_room(const std::vector<std::size_t>& w
     count(inputs[c]);
     for (const auto& t : chains_[c].unit_inputs) count(t);
   }
-  if (out.planned) {  // a later (lazy) plan: the chains planned earlier keep their forward bytes meanwhile
-    for (std::size_t c = 0; c < out.chains.size(); ++c)
-      held += project_chain(out.chains[c].slots, out.plan.units[c]).forward_end;
-    held += out.outside_units_bytes;
-  }
+  if (out.planned)  // a later (lazy) plan: the chains planned earlier keep their forward bytes meanwhile
+    held += earlier_chains_forward_bytes(out) + out.outside_units_bytes;
   if (device.is_cpu()) {
     held += std::max<std::int64_t>(0, profile_outside_allocator_bytes());
   } else {
@@ -206,10 +212,7 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
         if (b.device() == device) out.buffer_bytes += static_cast<std::int64_t>(b.nbytes());
     }
   } else {
-    // Chains planned earlier keep their forward bytes while this one runs.
-    out.earlier_chains_bytes = 0;
-    for (std::size_t c = 0; c < out.chains.size(); ++c)
-      out.earlier_chains_bytes += project_chain(out.chains[c].slots, out.plan.units[c]).forward_end;
+    out.earlier_chains_bytes = earlier_chains_forward_bytes(out);
   }
 
   std::vector<std::vector<slot_cost>> costs;
