@@ -301,6 +301,32 @@ TEST_CASE("rows that end in +0 are kept without their tails and written back bit
     const std::int64_t rows = 3 * 5 * 67, kept_causal = rows / 67 * (67 * 68 / 2);
     CHECK(z.lengths.numel() == rows);
     CHECK(z.lengths.sum().item<std::int64_t>() == kept_causal - 11 + 61);
+    // Dropout's product of it computed from the tails and the bits is the plain
+    // product, byte for byte: rows of 67 (starting anywhere in a byte of bits)
+    // and of 128 (on a byte: eight at a time); a negative mask value, whose
+    // product with a dropped +0 is -0.
+    for (const double value : {1.0 / 0.9, -2.0}) {
+      const auto mask_of = [&](const torch::Tensor& like) {  // +0 or value, as Dropout's noise
+        const auto keep = torch::bernoulli(torch::full(like.sizes(), 0.9)) > 0;
+        return torch::zeros(like.sizes(), dtype).masked_fill(keep, value);
+      };
+      const auto noise = mask_of(t);
+      const auto product = memscale::detail::multiply_tails_by_bits(z, memscale::detail::pack_mask(noise));
+      if (dtype == at::kBFloat16) {
+        CHECK_FALSE(product.defined());  // multiply_by_bits on the unpacked tensor then
+        continue;
+      }
+      REQUIRE(product.defined());
+      CHECK(same_bytes(product, t * noise));
+      auto wide = torch::zeros({2, 3, 128, 128}, dtype);
+      wide.narrow(-1, 0, 61).copy_(torch::randn({2, 3, 128, 61}));
+      wide[1][2][7].fill_(0.5);
+      const auto wide_noise = mask_of(wide);
+      zero_tails w;
+      REQUIRE(pack_zero_tails(wide, w));
+      CHECK(same_bytes(memscale::detail::multiply_tails_by_bits(w, memscale::detail::pack_mask(wide_noise)),
+                       wide * wide_noise));
+    }
   }
   zero_tails z;
   CHECK_FALSE(pack_zero_tails(torch::randn({64, 300}), z));  // nothing to drop: kept as it is, cheaply

@@ -82,12 +82,17 @@ struct sse2_bits {
   /// out = x * (bit ? value : +0), element by element (a float multiplication each).
   static void multiply(const float* x, const std::uint8_t* packed, float* out, std::int64_t begin, std::int64_t end,
                        std::uint32_t value) {
+    multiply_run(x + 8 * begin, packed + begin, out + 8 * begin, end - begin, value);
+  }
+  /// The same for `bytes` runs of eight: x[8k..8k+7] and out[8k..8k+7] with packed[k].
+  static void multiply_run(const float* x, const std::uint8_t* packed, float* out, std::int64_t bytes,
+                           std::uint32_t value) {
     const __m128 v = _mm_castsi128_ps(_mm_set1_epi32(static_cast<int>(value)));
-    for (std::int64_t i = begin; i < end; ++i) {
+    for (std::int64_t k = 0; k < bytes; ++k) {
       __m128i lo, hi;
-      lanes(packed[i], lo, hi);
-      _mm_storeu_ps(out + 8 * i, _mm_mul_ps(_mm_loadu_ps(x + 8 * i), _mm_and_ps(_mm_castsi128_ps(lo), v)));
-      _mm_storeu_ps(out + 8 * i + 4, _mm_mul_ps(_mm_loadu_ps(x + 8 * i + 4), _mm_and_ps(_mm_castsi128_ps(hi), v)));
+      lanes(packed[k], lo, hi);
+      _mm_storeu_ps(out + 8 * k, _mm_mul_ps(_mm_loadu_ps(x + 8 * k), _mm_and_ps(_mm_castsi128_ps(lo), v)));
+      _mm_storeu_ps(out + 8 * k + 4, _mm_mul_ps(_mm_loadu_ps(x + 8 * k + 4), _mm_and_ps(_mm_castsi128_ps(hi), v)));
     }
   }
 };

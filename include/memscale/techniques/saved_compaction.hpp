@@ -84,7 +84,9 @@ inline at::Tensor product_with_mask(const saved_entry& e) {
     const auto& plain = other.stored.plain;
     if (plain.defined() && plain._version() != e.input_versions[static_cast<std::size_t>(1 - k)])
       return {};  // unpack_entry says
-    auto out = multiply_by_bits(other.tails.defined() ? unpack_zero_tails(other.tails) : plain, mask.stored);
+    auto out = other.tails.defined() ? multiply_tails_by_bits(other.tails, mask.stored) : at::Tensor();
+    if (!out.defined())
+      out = multiply_by_bits(other.tails.defined() ? unpack_zero_tails(other.tails) : plain, mask.stored);
     if (out.defined() && out.strides().vec() == e.recipe->strides) return out;
     return {};
   }

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -79,6 +80,12 @@ bool pack_zero_tails(const at::Tensor& t, zero_tails& out, double min_fraction =
     for (std::int64_t r = begin; r < end; ++r) {
       const auto* p = data + r * row;
       std::int64_t n = row;
+      while (n >= 8) {  // eight at a time while all eight are +0, then one at a time
+        U any = 0;
+        for (std::int64_t k = 1; k <= 8; ++k) any |= p[n - k];
+        if (any != 0) break;
+        n -= 8;
+      }
       while (n > 0 && p[n - 1] == U(0)) --n;
       len[r] = n;
     }
@@ -125,6 +132,62 @@ inline at::Tensor unpack_zero_tails(const zero_tails& p) {
     }
   });
   return t;
+}
+
+/// x * mask with x kept as zero_tails and the mask as bits, without writing x
+/// back first (Dropout's product of causal attention's softmax output, which
+/// backward asks for): multiply_by_bits(unpack_zero_tails(z), m), byte for
+/// byte, in one pass and one tensor. A row's dropped tail is +0 times its bits.
+template <class T, class U>
+at::Tensor multiply_tails_by_bits(const zero_tails& z, const packed_mask& m) {
+  auto out = at::empty(z.sizes, at::TensorOptions().dtype(z.dtype));
+  const auto row = out.size(-1);
+  const auto rows = out.numel() / row;
+  const auto* len = z.lengths.data_ptr<std::int64_t>();
+  const auto start = row_starts(len, rows);
+  const auto* kept = static_cast<const T*>(z.kept.data_ptr());
+  const auto* bits = m.bits.data_ptr<std::uint8_t>();
+  auto* o = out.data_ptr<T>();
+  T value;
+  const auto pattern = static_cast<U>(m.value);
+  std::memcpy(&value, &pattern, sizeof(T));
+  const auto set = [bits](std::int64_t i) { return ((static_cast<unsigned>(bits[i >> 3]) >> (i & 7)) & 1U) != 0; };
+  const T tail_set = T(0) * value, tail_clear = T(0) * T(0);  // +0 times the mask, as the plain product makes it
+  U tail_set_bits;
+  std::memcpy(&tail_set_bits, &tail_set, sizeof(T));
+  const bool tails_zero = tail_set_bits == 0;  // +0 either way: a memset (value finite and positive, as Dropout's)
+  at::parallel_for(0, rows, 256, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) {
+      const auto base = r * row, n = len[r];
+      const T* x = kept + start[static_cast<std::size_t>(r)];
+      T* y = o + base;
+      std::int64_t j = 0;
+#if defined(__SSE2__)
+      if constexpr (std::is_same_v<T, float>) {
+        if (base % 8 == 0) {  // the row starts on a byte of the bits: eight at a time
+          sse2_bits::multiply_run(x, bits + base / 8, y, n / 8, pattern);
+          j = n / 8 * 8;
+        }
+      }
+#endif
+      for (; j < n; ++j) y[j] = x[j] * (set(base + j) ? value : T(0));
+      if (tails_zero) {
+        std::memset(y + n, 0, static_cast<std::size_t>(row - n) * sizeof(T));
+      } else {
+        for (j = n; j < row; ++j) y[j] = set(base + j) ? tail_set : tail_clear;
+      }
+    }
+  });
+  return out;
+}
+
+/// Undefined where the operands are not a float or double tensor kept as tails
+/// and a mask of its sizes and type (multiply_by_bits on the unpacked tensor then).
+inline at::Tensor multiply_tails_by_bits(const zero_tails& z, const packed_mask& m) {
+  if (!z.defined() || !m.bits.defined() || z.sizes != m.sizes || z.dtype != m.dtype) return {};
+  if (m.dtype == at::kFloat) return multiply_tails_by_bits<float, std::uint32_t>(z, m);
+  if (m.dtype == at::kDouble) return multiply_tails_by_bits<double, std::uint64_t>(z, m);
+  return {};
 }
 
 }  // namespace memscale::detail
