@@ -94,6 +94,34 @@ TEST_CASE("a model without a Sequential, wrapped without an example, waits for i
   CHECK_FALSE(memscale::is_optimized(model));
 }
 
+TEST_CASE("an undefined or ill-shaped example input gets an error that says what to pass", "[api]") {
+  auto seq = test::flat_chain(1);
+  const auto slots = test::slot_identity(*seq);
+  const auto undefined = [](auto& model) {
+    try {
+      (void)memscale::wrap(model, torch::Tensor(), test::quiet());
+    } catch (const memscale::Error& e) {  // not LibTorch's "tensor does not have a device"
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK_THAT(undefined(seq), Catch::Contains("the example input is an undefined tensor"));
+  CHECK(test::slot_identity(*seq) == slots);
+  CHECK_FALSE(memscale::is_optimized(seq));
+  NoSequential model;
+  CHECK_THAT(undefined(model), Catch::Contains("the example input is an undefined tensor"));
+  // A model with no Sequential: the message speaks of the input, not of a Sequential's first slot.
+  const auto before = model->lin->weight.clone();
+  try {
+    (void)memscale::wrap(model, torch::randn({2, 5}), test::quiet());
+    FAIL("a 5-wide input into a Linear(4, 4) ran");
+  } catch (const memscale::UnsupportedModelError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("pass the batch the forward takes") && !Catch::Contains("Sequential"));
+  }
+  CHECK(torch::equal(model->lin->weight, before));
+  CHECK_FALSE(memscale::is_optimized(model));
+}
+
 TEST_CASE("wrap twice is refused, detach of a plain model is a no-op", "[api][executor]") {
   auto seq = test::flat_chain(2);
   auto x = torch::randn({4, 64});
@@ -481,7 +509,14 @@ TEST_CASE("a budget checkpointing cannot meet is reported, and the plan still do
   const auto report = guard.report();
   CHECK(report.checkpointed_segments() > 0);
   CHECK(report.planned_peak_bytes() < report.baseline_peak_bytes());
-  CHECK_THAT(report.str(), Catch::Contains("cannot meet this budget"));
+  // Over the usable bytes, whatever the rule that ended the plan: said, with what would fit.
+  CHECK_THAT(report.str(), Catch::Contains(memscale::core::unreachable_budget_note));
+  CHECK_THAT(report.str(), Catch::Contains("(Aggressive plans for the least memory)"));
+  guard.release();
+  cfg.mode = OptimizationMode::Aggressive;
+  const auto aggressive = memscale::optimize(seq, x, cfg).report().str();
+  CHECK_THAT(aggressive, Catch::Contains(memscale::core::unreachable_budget_note));
+  CHECK_THAT(aggressive, !Catch::Contains("Aggressive plans"));
 }
 
 namespace {

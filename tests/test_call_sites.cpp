@@ -634,12 +634,48 @@ TEST_CASE("a model with no unit boundaries gets whole-forward offload, bit-exact
     CHECK(report.offloaded_units() == 1);
     CHECK(has_note(report, "no unit boundaries"));
     CHECK(has_note(report, "memscale::forward(*blocks[i], x)"));
+    CHECK(has_note(report, "those of any other model trained on it too"));  // the scope is the thread's
+    CHECK_THAT(report.str(), Catch::Contains("no unit boundaries to recompute between"));
     CHECK(same_runs(expected, train(model, x, 2)));
     written = guard.offload_stats().value().bytes_written;
     CHECK(written > 0);
   }
   CHECK(memscale::offload::detail::hook_stack().empty());  // the scope closed with the guard
   CHECK(same_runs(train(reference, x, 1), train(model, x, 1)));
+}
+
+namespace {
+struct MaskedBlockImpl : torch::nn::Module {
+  MaskedBlockImpl() { lin = register_module("lin", torch::nn::Linear(64, 64)); }
+  torch::Tensor forward(torch::Tensor x, torch::Tensor mask) { return torch::gelu(lin(x)) * mask; }
+  torch::nn::Linear lin{nullptr};
+};
+TORCH_MODULE(MaskedBlock);
+struct MaskedNetImpl : torch::nn::Module {
+  MaskedNetImpl() {
+    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("b" + std::to_string(i), MaskedBlock()));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    const auto mask = torch::ones_like(x);
+    for (auto& b : blocks) x = memscale::forward(b, x, mask);
+    return x;
+  }
+  std::vector<MaskedBlock> blocks;
+};
+TORCH_MODULE(MaskedNet);
+}  // namespace
+
+TEST_CASE("calls that take more than one Tensor are no units, and the Report says that, not that none is made",
+          "[call_sites][whole_model]") {
+  torch::manual_seed(3);
+  MaskedNet model;
+  const auto x = torch::randn({16, 32, 64});
+  auto guard = memscale::optimize(model, x, test::quiet({.mode = OptimizationMode::Aggressive}));
+  const auto report = guard.report();
+  INFO(report.str());
+  CHECK(has_note(report, "3 memscale::forward call(s) per forward at depth 0, 0 of them planned as units"));
+  CHECK(has_note(report, "none of its memscale::forward calls is a unit"));
+  CHECK_FALSE(has_note(report, "its forward makes no memscale::forward call"));
 }
 
 TEST_CASE("a model with no unit boundaries and offload excluded is refused, naming what is missing",

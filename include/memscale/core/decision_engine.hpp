@@ -63,7 +63,7 @@ namespace memscale::core {
   if (!in.checkpointing_allowed) {
     whole_chain_decisions(rule_id::checkpointing_disabled);
     plan.overall = rule_id::checkpointing_disabled;
-    if (in.whole_model_group_bytes > 0)
+    if (in.whole_model_held_bytes > 0)
       assign_whole_model_offload(chains, in, plan);
     else
       assign_offload(chains, supported, in, plan);

@@ -163,4 +163,41 @@ inline compaction_choice choose_saved_compaction(std::vector<std::vector<slot_co
   return choice;
 }
 
+/// How the Report's note begins where the plan's projected peak exceeds the usable bytes.
+inline constexpr const char* unreachable_budget_note = "the budget is out of reach";
+
+/// The note on a plan whose projected peak stays above its target: over the
+/// usable bytes (the budget itself is not met) whatever the rule that ended
+/// it; within them, where checkpointing (and tiling) stopped short of
+/// Balanced's or Conservative's target. Empty elsewhere.
+inline std::string target_note(const engine_plan& decided, std::int64_t usable, OptimizationMode mode) {
+  const auto peak = detail::format_bytes(decided.planned_peak);
+  if (decided.planned_peak > usable)
+    return std::string(unreachable_budget_note) + ": the projected peak " + peak + " exceeds the " +
+           detail::format_bytes(usable) + " usable (the budget times target_gpu_utilization), and it is the lowest "
+           "peak the " + std::string(to_string(mode)) + " rules found with the techniques enabled: the step may run "
+           "out of memory, or on a CPU hold more than the budget" +
+           (mode == OptimizationMode::Aggressive ? "" : " (Aggressive plans for the least memory)") +
+           "; a smaller batch, more techniques or a larger budget would fit";
+  const bool tiled = decided.overall == rule_id::tile_segment;
+  if ((decided.overall != rule_id::checkpoint_segment && !tiled) || decided.planned_peak <= decided.target_bytes ||
+      mode == OptimizationMode::Aggressive)
+    return {};
+  return "the projected peak " + peak + " stays above the target " + detail::format_bytes(decided.target_bytes) +
+         ", within the " + detail::format_bytes(usable) + " usable: " +
+         (tiled ? "checkpointing and tiling" : "checkpointing") +
+         " alone cannot reach the target; this is the lowest peak the rules found";
+}
+
+/// The checkpointed units of `plan` one of whose slots keeps its matrix products.
+inline int units_keeping_products(const std::vector<std::vector<slot_cost>>& costs, const engine_plan& plan) {
+  int n = 0;
+  for (std::size_t c = 0; c < plan.units.size() && c < costs.size(); ++c)
+    for (const auto& u : plan.units[c])
+      if (u.checkpointed && std::any_of(costs[c].begin() + u.first, costs[c].begin() + u.last + 1,
+                                        [](const slot_cost& s) { return s.keeps_products; }))
+        ++n;
+  return n;
+}
+
 }  // namespace memscale::core

@@ -256,8 +256,9 @@ constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains,
 
 /// Offload of a model with no unit boundaries: one unit, the whole forward,
 /// whose saved tensors go to the tiers as they are saved and come back in
-/// backward a prefetch group at a time, so the step keeps about two groups of
-/// them (the one in use and the one fetched ahead) instead of all.
+/// backward as it needs them, so the step keeps at most
+/// engine_input::whole_model_held_bytes of them (the groups in use and fetched
+/// ahead) instead of all.
 constexpr void assign_whole_model_offload(const std::vector<std::vector<slot_cost>>& chains,
                                           const engine_input& in, engine_plan& plan) {
   if (!in.offload_allowed || plan.planned_peak <= plan.target_bytes || chains.size() != 1 || chains[0].size() != 1)
@@ -265,7 +266,7 @@ constexpr void assign_whole_model_offload(const std::vector<std::vector<slot_cos
   const auto& s = chains[0][0];
   const auto moved = s.saved_bytes;
   if (moved <= in.offload_min_bytes) return;
-  const auto held = std::min(moved, 2 * in.whole_model_group_bytes);
+  const auto held = std::min(moved, in.whole_model_held_bytes);
   const auto peak = plan.planned_peak - (moved - held);
   const double transfer = 2.0 * static_cast<double>(moved) / in.offload_bytes_per_second;
   const double compute = s.forward_seconds + s.backward_seconds;

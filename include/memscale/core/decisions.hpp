@@ -97,9 +97,11 @@ struct engine_input {
   /// whole); -1 elsewhere. The optimal-schedule phase (R11) considers such runs
   /// beside single units; the greedy expansion does not. Empty: no groups.
   std::vector<std::vector<int>> segment_groups{};
-  /// One chain of one slot that is the whole model (no unit boundaries): its
-  /// saved tensors stream to the tiers in prefetch groups of about this many bytes.
-  std::int64_t whole_model_group_bytes = 0;
+  /// One chain of one slot that is the whole model (no unit boundaries): of
+  /// its saved tensors, which stream to the tiers, backward holds at most this
+  /// many bytes at once (a prefetch group in use and the groups fetched ahead
+  /// of it; read one by one as backward needs them, without async offload). 0: not a whole model.
+  std::int64_t whole_model_held_bytes = 0;
   /// > 0: the target, whatever the mode's policy would set. Planning one model
   /// at two unit levels (execute/attachment_levels.hpp) aims both at the
   /// coarser level's target, so that their recompute compares.

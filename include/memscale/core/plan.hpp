@@ -215,7 +215,10 @@ struct Report {
            << core::policy_for(mode).act_at_pressure << " (" << mode << "); force_optimize is off";
         break;
       case core::rule_id::checkpointing_disabled:
-        os << "checkpointing excluded by Config::enable_checkpointing or the Strategy";
+        if (chain.slot_names.size() == 1 && chain.slot_names.front().find("memscale::WholeModel") != std::string::npos)
+          os << "no unit boundaries to recompute between (no Sequential, no memscale::forward call): offload only";
+        else
+          os << "checkpointing excluded by Config::enable_checkpointing or the Strategy";
         break;
       case core::rule_id::unsupported_chain: os << chain.unsupported_reason; break;
       case core::rule_id::tile_segment:

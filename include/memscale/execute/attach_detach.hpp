@@ -86,6 +86,10 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
     throw ConfigError("telemetry_endpoint", std::string(observability::http_unavailable_reason) +
                                                 "; use telemetry_file, or rebuild memscale with cpp-httplib");
   if (!root) throw UnsupportedModelError("memscale: the model is empty (a null module holder)");
+  if (example != nullptr && !example->defined())
+    throw Error("memscale: the example input is an undefined tensor (a default-constructed torch::Tensor); pass "
+                "a batch the model's forward takes, as in training, or wrap(model, config) / optimize(model, "
+                "config) without one to plan at the first training forward");
   if (config.verify_correctness && example == nullptr)
     throw ConfigError("verify_correctness",
                       "needs an example input to run one step with and without the plan: use wrap(model, "

@@ -337,9 +337,16 @@ inline void attachment::add_whole_model_chain() {
   MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
   chain.originals.push_back(torch::nn::AnyModule(std::make_shared<WholeModelImpl>(root, whole_forward_)));
   chains_.push_back(std::move(chain));
+  // Calls recorded but none a unit (each takes more than one Tensor, or returns other than one): said apart.
+  const bool calls = std::any_of(pending_notes_.begin(), pending_notes_.end(),
+                                 [](const std::string& n) { return n.rfind("call sites: ", 0) == 0; });
   pending_notes_.push_back(
-      "no unit boundaries: the model has no torch::nn::Sequential and its forward makes no memscale::forward "
-      "call, so checkpointing and tiling cannot apply. Write `x = memscale::forward(*blocks[i], x);` where "
+      std::string("no unit boundaries: the model has no torch::nn::Sequential and ") +
+      (calls ? "none of its memscale::forward calls is a unit (a unit's call takes one Tensor and returns one; "
+               "one with more arguments, an attention mask, runs directly: a module that holds the rest and "
+               "takes the Tensor alone makes it one)"
+             : "its forward makes no memscale::forward call") +
+      ", so checkpointing and tiling cannot apply. Write `x = memscale::forward(*blocks[i], x);` where "
       "your forward calls its blocks to get them. What needs no boundaries applies: offload of every tensor "
       "autograd saves on the thread that called wrap/optimize while the model is wrapped (the forward and "
       "the loss), the 8-bit optimizer (memscale::make_optimizer), and mixed precision through "

@@ -234,7 +234,8 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
   for (auto c : which) in.segment_limit.push_back(chains_[c].source == chain_source::sequential ? 0 : 1);
   if (chains_[which.front()].source == chain_source::whole_model) {  // the only chain then
     in.checkpointing_allowed = in.tiling_allowed = false;
-    in.whole_model_group_bytes = whole_group_bytes;
+    const int ahead = config_.async_offload ? config_.async_config.value_or(AsyncOffloadConfig{}).prefetch_depth : 0;
+    in.whole_model_held_bytes = (1 + ahead) * whole_group_bytes;
   }
   // On CUDA this also finds out whether memscale's engine can run the
   // process's CUDA backwards at all (and hands them back to LibTorch's if not).
@@ -270,6 +271,11 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
   if (saved_compaction_of(config_).any()) {
     masks = choose_saved_compaction(costs, supported, in, decided);
     if (!masks.note.empty()) out.notes.push_back(masks.note);
+    if (masks.changed && selective.changed)  // its note told of the plan before compacting
+      std::replace(out.notes.begin(), out.notes.end(), selective.note,
+                   selective.note + "; the plan taken keeps saved tensors compact (below), with " +
+                       std::to_string(units_keeping_products(costs, decided)) +
+                       " checkpointed unit(s) keeping their products");
   }
   if (agree_) {  // data parallel: every rank applies rank 0's plan; say where this rank's own differed
     const auto own = decided.units;
@@ -392,12 +398,12 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
                       detail::format_bytes(decided.target_bytes) + ")";
     if (std::find(out.notes.begin(), out.notes.end(), note) == out.notes.end()) out.notes.push_back(note);
   }
-  if ((decided.overall == rule_id::checkpoint_segment || decided.overall == rule_id::tile_segment) &&
-      decided.planned_peak > decided.target_bytes && config_.mode != OptimizationMode::Aggressive)
-    out.notes.push_back("the projected peak " + detail::format_bytes(decided.planned_peak) +
-                        " stays above the target " + detail::format_bytes(decided.target_bytes) + ": " +
-                        (decided.overall == rule_id::tile_segment ? "checkpointing and tiling" : "checkpointing") +
-                        " alone cannot meet this budget; this is the lowest peak the rules found");
+  if (const auto note = target_note(decided, in.usable_bytes, config_.mode); !note.empty()) out.notes.push_back(note);
+  if (in.whole_model_held_bytes > 0 && !decided.units.empty() && !decided.units[0].empty() &&
+      decided.units[0][0].offloaded)
+    out.notes.emplace_back("whole-model offload: while the guard lives, every tensor autograd saves on this thread "
+                           "goes to the tiers, those of any other model trained on it too; calling this model's "
+                           "layers through memscale::forward confines the plan to them (and allows checkpointing)");
   return decided.units;
 }
 
