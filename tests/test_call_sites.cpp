@@ -676,6 +676,7 @@ TEST_CASE("calls that take more than one Tensor are no units, and the Report say
   CHECK(has_note(report, "3 memscale::forward call(s) per forward at depth 0, 0 of them planned as units"));
   CHECK(has_note(report, "none of its memscale::forward calls is a unit"));
   CHECK_FALSE(has_note(report, "its forward makes no memscale::forward call"));
+  CHECK_THAT(report.str(), Catch::Contains("no memscale::forward call that is a unit"));
 }
 
 TEST_CASE("a model with no unit boundaries and offload excluded is refused, naming what is missing",

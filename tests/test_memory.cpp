@@ -631,6 +631,7 @@ TEST_CASE("a CPU budget holds for the process from its first step: the plan rese
   auto with = run_fresh_budget(budget, true);
   if (with.at("planned") > with.at("usable")) {
     INFO("budget " << budget << " B, usable " << with.at("usable") << " B, planned " << with.at("planned") << " B");
+    CHECK(TORCH_VERSION_MAJOR >= 2);  // 1.13's plan reaches it: a plan that no longer does is a regression
     CHECK(with.at("out_of_reach") == 1);
     budget = static_cast<std::int64_t>(0.9 * static_cast<double>(baseline_total));
     with = run_fresh_budget(budget, true);

@@ -174,7 +174,8 @@ inline std::string target_note(const engine_plan& decided, std::int64_t usable, 
   const auto peak = detail::format_bytes(decided.planned_peak);
   if (decided.planned_peak > usable)
     return std::string(unreachable_budget_note) + ": the projected peak " + peak + " exceeds the " +
-           detail::format_bytes(usable) + " usable (the budget times target_gpu_utilization), and it is the lowest "
+           detail::format_bytes(usable) + " usable (the budget, or the device's memory, times target_gpu_utilization), "
+           "and it is the lowest "
            "peak the " + std::string(to_string(mode)) + " rules found with the techniques enabled: the step may run "
            "out of memory, or on a CPU hold more than the budget" +
            (mode == OptimizationMode::Aggressive ? "" : " (Aggressive plans for the least memory)") +
@@ -189,14 +190,13 @@ inline std::string target_note(const engine_plan& decided, std::int64_t usable, 
          " alone cannot reach the target; this is the lowest peak the rules found";
 }
 
-/// The checkpointed units of `plan` one of whose slots keeps its matrix products.
+/// The checkpointed units of `plan` that keep their matrix products as applied
+/// (untiled, flagged at their first slot: attachment_apply reads that one).
 inline int units_keeping_products(const std::vector<std::vector<slot_cost>>& costs, const engine_plan& plan) {
   int n = 0;
   for (std::size_t c = 0; c < plan.units.size() && c < costs.size(); ++c)
     for (const auto& u : plan.units[c])
-      if (u.checkpointed && std::any_of(costs[c].begin() + u.first, costs[c].begin() + u.last + 1,
-                                        [](const slot_cost& s) { return s.keeps_products; }))
-        ++n;
+      if (u.checkpointed && u.tiles <= 1 && costs[c][static_cast<std::size_t>(u.first)].keeps_products) ++n;
   return n;
 }
 

@@ -98,9 +98,10 @@ struct engine_input {
   /// beside single units; the greedy expansion does not. Empty: no groups.
   std::vector<std::vector<int>> segment_groups{};
   /// One chain of one slot that is the whole model (no unit boundaries): of
-  /// its saved tensors, which stream to the tiers, backward holds at most this
-  /// many bytes at once (a prefetch group in use and the groups fetched ahead
-  /// of it; read one by one as backward needs them, without async offload). 0: not a whole model.
+  /// its saved tensors, which stream to the tiers, the step holds about this
+  /// many bytes at once (a prefetch group; with async offload, the groups
+  /// fetched ahead and the writes in flight too). A backward node whose saved
+  /// tensors exceed a group holds them all: low there. 0: not a whole model.
   std::int64_t whole_model_held_bytes = 0;
   /// > 0: the target, whatever the mode's policy would set. Planning one model
   /// at two unit levels (execute/attachment_levels.hpp) aims both at the

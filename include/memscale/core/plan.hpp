@@ -216,7 +216,8 @@ struct Report {
         break;
       case core::rule_id::checkpointing_disabled:
         if (chain.slot_names.size() == 1 && chain.slot_names.front().find("memscale::WholeModel") != std::string::npos)
-          os << "no unit boundaries to recompute between (no Sequential, no memscale::forward call): offload only";
+          os << "no unit boundaries to recompute between (no Sequential, no memscale::forward call that is a unit): "
+              "offload only";
         else
           os << "checkpointing excluded by Config::enable_checkpointing or the Strategy";
         break;

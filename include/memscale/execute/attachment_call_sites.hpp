@@ -190,7 +190,7 @@ inline std::vector<std::size_t> attachment::add_call_chains(bool lazy) {
   outer_level_ = -1;
   const auto finer_depth = two_calls_below(level_);
   auto coarse = build_call_level(eligible, level_, lazy);
-  if (level_ > per_depth.begin()->first && !coarse.notes.empty())
+  if (!per_depth.empty() && level_ > per_depth.begin()->first && !coarse.notes.empty())
     coarse.notes.front() += "; the outermost depth has a single call, so the plan goes one level finer";
   finer_.reset();
   coarse_ids_.clear();

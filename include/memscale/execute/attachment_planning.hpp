@@ -234,8 +234,11 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
   for (auto c : which) in.segment_limit.push_back(chains_[c].source == chain_source::sequential ? 0 : 1);
   if (chains_[which.front()].source == chain_source::whole_model) {  // the only chain then
     in.checkpointing_allowed = in.tiling_allowed = false;
-    const int ahead = config_.async_offload ? config_.async_config.value_or(AsyncOffloadConfig{}).prefetch_depth : 0;
-    in.whole_model_held_bytes = (1 + ahead) * whole_group_bytes;
+    // Backward reads each tensor as it needs it (async: the groups fetched ahead too), and async
+    // writes keep what waits for the tier alive (up to max_inflight_bytes, at the forward's end).
+    const auto o = offload::options_from(config_);
+    in.whole_model_held_bytes =
+        std::max((1 + (o.async ? o.prefetch_depth : 0)) * whole_group_bytes, o.async ? o.max_inflight_bytes : 0);
   }
   // On CUDA this also finds out whether memscale's engine can run the
   // process's CUDA backwards at all (and hands them back to LibTorch's if not).

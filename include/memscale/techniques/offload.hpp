@@ -110,7 +110,8 @@ struct offload_pack {
     // flush batched tensors at: each goes on its own, and groups end by size.
     auto packed = pack_for_offload(t, at::Tensor(), group_bytes <= 0 ? engine->store_or_defer(t) : engine->store(t));
     fault_point(pipeline_stage::offload_write);  // the stored tensor goes with `packed`
-    if (group_bytes > 0 && in_group->fetch_add(static_cast<std::int64_t>(t.nbytes())) >= group_bytes) {
+    const auto n = static_cast<std::int64_t>(t.nbytes());
+    if (group_bytes > 0 && in_group->fetch_add(n) + n >= group_bytes) {  // this tensor fills the group
       in_group->store(0);
       engine->begin_group();
     }
