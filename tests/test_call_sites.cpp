@@ -651,24 +651,27 @@ struct MaskedBlockImpl : torch::nn::Module {
   torch::nn::Linear lin{nullptr};
 };
 TORCH_MODULE(MaskedBlock);
-struct MaskedNetImpl : torch::nn::Module {
-  MaskedNetImpl() {
-    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("b" + std::to_string(i), MaskedBlock()));
+/// Three blocks, each called through memscale::forward with the input and a mask.
+template <class Block>
+struct MaskedLoopImpl : torch::nn::Module {
+  MaskedLoopImpl() {
+    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("b" + std::to_string(i), Block()));
   }
   torch::Tensor forward(torch::Tensor x) {
     const auto mask = torch::ones_like(x);
     for (auto& b : blocks) x = memscale::forward(b, x, mask);
     return x;
   }
-  std::vector<MaskedBlock> blocks;
+  std::vector<Block> blocks;
 };
-TORCH_MODULE(MaskedNet);
+template <class Block>
+using MaskedLoop = torch::nn::ModuleHolder<MaskedLoopImpl<Block>>;
 }  // namespace
 
 TEST_CASE("calls that take more than one Tensor are no units, and the Report says that, not that none is made",
           "[call_sites][whole_model]") {
   torch::manual_seed(3);
-  MaskedNet model;
+  MaskedLoop<MaskedBlock> model;
   const auto x = torch::randn({16, 32, 64});
   auto guard = memscale::optimize(model, x, test::quiet({.mode = OptimizationMode::Aggressive}));
   const auto report = guard.report();
@@ -677,6 +680,40 @@ TEST_CASE("calls that take more than one Tensor are no units, and the Report say
   CHECK(has_note(report, "none of its memscale::forward calls is a unit"));
   CHECK_FALSE(has_note(report, "its forward makes no memscale::forward call"));
   CHECK_THAT(report.str(), Catch::Contains("no memscale::forward call that is a unit"));
+}
+
+namespace {
+/// Outer calls that take a mask (no units), each making single-Tensor calls inside (units).
+struct MaskedOuterImpl : torch::nn::Module {
+  MaskedOuterImpl() {
+    first = register_module("first", torch::nn::Linear(64, 64));
+    second = register_module("second", torch::nn::Linear(64, 64));
+  }
+  torch::Tensor forward(torch::Tensor x, torch::Tensor mask) {
+    x = memscale::forward(first, x);
+    return memscale::forward(second, torch::gelu(x)) * mask;
+  }
+  torch::nn::Linear first{nullptr}, second{nullptr};
+};
+TORCH_MODULE(MaskedOuter);
+}  // namespace
+
+TEST_CASE("outer calls that are no units leave the plan to the units inside them", "[call_sites]") {
+  auto [reference, model] = twins<MaskedLoop<MaskedOuter>>(6);
+  const auto x = torch::randn({16, 32, 64});
+  const auto expected = train(reference, x, 2);
+  {
+    auto guard = memscale::optimize(model, x, test::quiet({.mode = OptimizationMode::Aggressive}));
+    const auto report = guard.report();
+    INFO(report.str());
+    CHECK(has_note(report, "6 memscale::forward call(s) per forward at depth 1, 6 of them planned as units"));
+    CHECK_FALSE(has_note(report, "no unit boundaries"));  // not whole-model offload
+    REQUIRE(report.chains.size() == 1);
+    CHECK(report.chains[0].path.find("memscale::forward call sites") == 0);
+    CHECK(report.checkpointed_segments() + report.offloaded_units() > 0);
+    CHECK(same_runs(expected, train(model, x, 2)));
+  }
+  CHECK_FALSE(memscale::is_optimized(model));
 }
 
 TEST_CASE("a model with no unit boundaries and offload excluded is refused, naming what is missing",

@@ -178,8 +178,13 @@ inline std::vector<std::size_t> attachment::add_call_chains(bool lazy) {
   }
   // The outermost depth with at least two calls (else the outermost), and the
   // next depth below it with at least two calls, which plan() weighs against it.
+  // Counted: calls that can be units (an outer call taking a mask is none, its inner calls may be), or
+  // every call where none can (the notes then say why).
   std::map<int, int> per_depth;
-  for (const auto* r : eligible) ++per_depth[r->depth];
+  for (const auto* r : eligible)
+    if (!r->slot.is_empty()) ++per_depth[r->depth];
+  if (per_depth.empty())
+    for (const auto* r : eligible) ++per_depth[r->depth];
   const auto two_calls_below = [&](int above) -> std::optional<int> {
     for (const auto& [d, n] : per_depth)
       if (d > above && n >= 2) return d;
