@@ -174,10 +174,11 @@ inline std::string target_note(const engine_plan& decided, std::int64_t usable, 
   const auto peak = detail::format_bytes(decided.planned_peak);
   if (decided.planned_peak > usable)
     return std::string(unreachable_budget_note) + ": the projected peak " + peak + " exceeds the " +
-           detail::format_bytes(usable) + " usable (the budget, or the device's memory, times target_gpu_utilization), "
-           "and it is the lowest "
-           "peak the " + std::string(to_string(mode)) + " rules found with the techniques enabled: the step may run "
-           "out of memory, or on a CPU hold more than the budget" +
+           detail::format_bytes(usable) +
+           " usable (the budget, or the device's memory, times target_gpu_utilization), and it is the lowest peak "
+           "the " + std::string(to_string(mode)) +
+           " rules found with the techniques enabled: the step may run out of memory, or on a CPU hold more than "
+           "the budget" +
            (mode == OptimizationMode::Aggressive ? "" : " (Aggressive plans for the least memory)") +
            "; a smaller batch, more techniques or a larger budget would fit";
   const bool tiled = decided.overall == rule_id::tile_segment;

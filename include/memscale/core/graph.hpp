@@ -97,6 +97,24 @@ struct slot_cost {
   }
 };
 
+/// Scales what running a slot measured beyond its rule's bytes: its times (the
+/// forward's and what its recompute skips or its compaction costs by `forward`,
+/// the backward's by `backward`) and the bytes of the draws and products a
+/// recompute keeps and of compacting its saved tensors, through `bytes`.
+template <class Bytes>
+void scale_measured(slot_cost& s, double forward, double backward, Bytes&& bytes) {
+  s.forward_seconds *= forward;
+  s.backward_seconds *= backward;
+  s.replay_saved_seconds *= forward;
+  s.replay_kept_bytes = bytes(s.replay_kept_bytes);
+  s.product_saved_seconds *= forward;
+  s.product_kept_bytes = bytes(s.product_kept_bytes);
+  s.returned_product_bytes = bytes(s.returned_product_bytes);
+  s.compact_bytes = bytes(s.compact_bytes);
+  s.compact_seconds *= forward;
+  s.compact_transient_bytes = bytes(s.compact_transient_bytes);
+}
+
 /// Where a slot's costs came from: a per-type rule, or measurement.
 enum class profile_source : std::uint8_t { static_rule, empirical };
 

@@ -17,6 +17,7 @@
 
 #include <torch/torch.h>
 
+#include <memscale/core/graph.hpp>
 #include <memscale/core/slot_measurement.hpp>
 #include <memscale/device/hardware.hpp>
 
@@ -143,16 +144,7 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
       return static_cast<std::int64_t>(static_cast<double>(bytes) * bytes_scale);
     };
     auto cost = timed.cost;
-    cost.forward_seconds *= forward_scale;
-    cost.backward_seconds *= backward_scale;
-    cost.replay_saved_seconds *= forward_scale;
-    cost.replay_kept_bytes = scaled(cost.replay_kept_bytes);
-    cost.product_saved_seconds *= forward_scale;
-    cost.product_kept_bytes = scaled(cost.product_kept_bytes);
-    cost.returned_product_bytes = scaled(cost.returned_product_bytes);
-    cost.compact_bytes = scaled(cost.compact_bytes);
-    cost.compact_seconds *= forward_scale;
-    cost.compact_transient_bytes = scaled(cost.compact_transient_bytes);
+    scale_measured(cost, forward_scale, backward_scale, scaled);
     return static_slot_times{cost, part.shape.empty() ? 0 : part.shape[0], along_sequence ? part.shape[1] : 0};
   } catch (const std::exception&) {
     return std::nullopt;  // it cannot run on an input of that shape: the caller keeps the rates' times

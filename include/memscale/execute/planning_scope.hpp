@@ -115,16 +115,7 @@ inline void scale_profile(chain_profile& profile, double scale) {
     slot.saved_bytes = times(slot.saved_bytes);
     slot.workspace_bytes = times(slot.workspace_bytes);
     slot.backward_workspace_bytes = times(slot.backward_workspace_bytes);
-    slot.forward_seconds *= scale;
-    slot.backward_seconds *= scale;
-    slot.replay_saved_seconds *= scale;
-    slot.replay_kept_bytes = times(slot.replay_kept_bytes);
-    slot.product_saved_seconds *= scale;
-    slot.product_kept_bytes = times(slot.product_kept_bytes);
-    slot.returned_product_bytes = times(slot.returned_product_bytes);
-    slot.compact_bytes = times(slot.compact_bytes);
-    slot.compact_seconds *= scale;
-    slot.compact_transient_bytes = times(slot.compact_transient_bytes);
+    scale_measured(slot, scale, scale, times);
     if (slot.input_extents[0] > 0) slot.input_extents[0] = std::max<std::int64_t>(1, times(slot.input_extents[0]));
   }
   if (!profile.input_shape.empty()) profile.input_shape[0] = std::max<std::int64_t>(1, times(profile.input_shape[0]));
