@@ -33,8 +33,10 @@ namespace memscale::predictor::detail {
 /// malloc would mmap and munmap each block above its mmap threshold (128 KiB
 /// once memscale::fix_malloc_mmap_threshold() fixed it), which measured 45% of a
 /// shape-only step of the example GPT. Nothing writes these blocks (in-place
-/// operators are skipped), so their pages never become resident; any a real
-/// operator writes are given back (MADV_DONTNEED) when the arena starts over,
+/// operators are skipped), so their pages do not become resident (a read maps
+/// the kernel's zero page; not on every kernel, some give each page read a page
+/// of its own); any a real operator writes or reads are given back
+/// (MADV_DONTNEED) when the arena starts over,
 /// which it does at the end of a span once no block is live, so that no block
 /// ever aliases a live one. Allocations and frees are reported as LibTorch's CPU
 /// allocator reports them (timelines and reporting scopes see them) and counted
@@ -52,6 +54,11 @@ class shape_only_arena final : public c10::Allocator {
         if (base == MAP_FAILED) continue;
 #if defined(MADV_DONTDUMP)
         (void)::madvise(base, bytes, MADV_DONTDUMP);  // no terabyte of zeros in a core file
+#endif
+#if defined(MADV_NOHUGEPAGE)
+        // Under transparent huge pages ("always"), a real operator's one touched
+        // byte would make 2 MiB resident.
+        (void)::madvise(base, bytes, MADV_NOHUGEPAGE);
 #endif
         return new shape_only_arena(static_cast<char*>(base), bytes);  // never destroyed: blocks may outlive anything
       }

@@ -31,7 +31,8 @@
 // the code, threads and buffers the step's kernels need are made, as a real
 // step at that batch makes them, at a fraction of its cost where operators
 // repeat (a model's blocks), and once per process. Outputs made shape-only are
-// never written, so their pages are not resident: the process's resident peak
+// never written, so their pages are not resident (shape_only_arena.hpp says
+// where a read holds them): the process's resident peak
 // over the span is not the real step's (what stays resident after it is: the
 // code read in, the kernels' threads and buffers).
 #pragma once
