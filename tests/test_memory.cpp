@@ -441,6 +441,13 @@ std::int64_t train_peak(Model& model, Loss&& loss, std::int64_t origin, int step
   return peak;
 }
 
+/// How many of the Report's notes say the budget is out of reach.
+std::int64_t out_of_reach_notes(const memscale::Report& report) {
+  return std::count_if(report.notes.begin(), report.notes.end(), [](const std::string& n) {
+    return n.rfind(memscale::core::unreachable_budget_note, 0) == 0;
+  });
+}
+
 /// Trains the baseline, then memscale under a budget of `fraction` of the
 /// baseline's total peak. The budget must bind (pressure above 1) and leave
 /// room for a plan: the plan's projected peak fits it, so the measured checks
@@ -483,9 +490,7 @@ void check_balanced_budget(MakeModel&& make_model, MakeLoss&& make_loss, const t
   // held outside the allocator (28 MiB of the flat chain's 76 on a 6.18 kernel,
   // 2026-11-28): the budget may then be one no plan meets, which the Report says.
   if (test::under_address_sanitizer && report.planned_peak_bytes() > budget) {
-    CHECK(std::any_of(report.notes.begin(), report.notes.end(), [](const std::string& n) {
-      return n.rfind(memscale::core::unreachable_budget_note, 0) == 0;
-    }));
+    CHECK(out_of_reach_notes(report) >= 1);
     return;
   }
   REQUIRE(report.planned_peak_bytes() <= budget);  // a budget the plan can meet, as projected
@@ -606,11 +611,7 @@ TEST_CASE(fresh_budget_case, "[.][fresh]") {
   std::cout << "RESULT process=" << process.peak_growth() << " allocator=" << allocator
             << " outside=" << report.outside_allocator_bytes << " planned=" << report.planned_peak_bytes()
             << " usable=" << report.usable_bytes << " before=" << before
-            << " segments=" << report.checkpointed_segments() << " out_of_reach="
-            << std::count_if(report.notes.begin(), report.notes.end(),
-                             [](const std::string& n) {
-                               return n.rfind(memscale::core::unreachable_budget_note, 0) == 0;
-                             })
+            << " segments=" << report.checkpointed_segments() << " out_of_reach=" << out_of_reach_notes(report)
             << " pressure_x100="
             << static_cast<std::int64_t>(report.plan.pressure * 100) << "\n"
             << report << std::endl;

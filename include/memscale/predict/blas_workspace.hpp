@@ -118,6 +118,19 @@ class product_recorder {
   return out;
 }
 
+#if defined(__linux__)
+/// `bytes` of fresh anonymous pages, advised off transparent huge pages (which
+/// map no zero page: a read would allocate one); null where mmap fails.
+[[nodiscard]] inline void* fresh_pages(std::size_t bytes) {
+  void* pages = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (pages == MAP_FAILED) return nullptr;
+#if defined(MADV_NOHUGEPAGE)
+  (void)::madvise(pages, bytes, MADV_NOHUGEPAGE);
+#endif
+  return pages;
+}
+#endif
+
 /// Whether reading fresh anonymous pages leaves the process holding nothing,
 /// the kernel mapping its shared zero page for each. Not on every Linux: seen
 /// (2026-11-28) on a 6.18 kernel in a virtual machine that gave each page read
@@ -126,11 +139,8 @@ class product_recorder {
 #if defined(__linux__)
   static const bool free_reads = [] {
     constexpr std::size_t bytes = std::size_t{4} << 20;
-    void* pages = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (pages == MAP_FAILED) return false;
-#if defined(MADV_NOHUGEPAGE)
-    (void)::madvise(pages, bytes, MADV_NOHUGEPAGE);
-#endif
+    void* pages = fresh_pages(bytes);
+    if (pages == nullptr) return false;
     const auto before = memscale::detail::read_process_memory();
     const volatile unsigned char* bytes_read = static_cast<const unsigned char*>(pages);
     unsigned sum = 0;
@@ -156,12 +166,7 @@ class product_recorder {
 #if defined(__linux__)
   if (zero_page_reads_are_free()) {
     const auto bytes = static_cast<std::size_t>(elements) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
-    void* pages = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (pages != MAP_FAILED) {
-#if defined(MADV_NOHUGEPAGE)
-      // Where transparent huge pages map no zero page, a read would allocate one.
-      (void)::madvise(pages, bytes, MADV_NOHUGEPAGE);
-#endif
+    if (void* pages = fresh_pages(bytes)) {
       return torch::from_blob(
           pages, {elements}, [bytes](void* p) { ::munmap(p, bytes); }, options);
     }
