@@ -18,7 +18,9 @@
 # Device time is short: only the test files with CUDA cases are compiled, and
 # each step has a time limit. MEMSCALE_GPU_CPU_SUITE=1 compiles every test file
 # and runs the whole CPU suite on LibTorch 2.x too (minutes more).
-# Logs go to $OUT (or ./gpu-out). Exit status: the first failing step's.
+#   - autotune's CPU cases on the wheel's LibTorch (a backtrace where they fail).
+# Logs go to $OUT (or ./gpu-out), packed into logs.tgz at the end (MEMSCALE_GPU_PACK_LOGS=0: left as they
+# are). Exit status: the first failing step's.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-$PWD/gpu-out}
@@ -39,7 +41,7 @@ prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)') || exi
 { nvidia-smi; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } \
   >"$out/device.txt" 2>&1
 cpu_suite=${MEMSCALE_GPU_CPU_SUITE:-0}
-tests_regex='/test_(optim8bit|[a-z_]*_cuda)\.cpp$'
+tests_regex='/test_(optim8bit|autotune|[a-z_]*_cuda)\.cpp$'
 [[ $cpu_suite == 1 ]] && tests_regex=''
 # The GPU image's own spdlog (1.12) does not compile against its fmt (12): the vendored one is used.
 step configure 120 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
@@ -58,7 +60,19 @@ step cuda_tests "${MEMSCALE_GPU_TESTS_LIMIT:-240}" env MEMSCALE_GPU_OUT="$out" \
 step bench_predict "${MEMSCALE_GPU_PREDICT_LIMIT:-240}" ./build-gpu/benchmarks/memscale_bench_predict --device cuda
 step bench_gpu "${MEMSCALE_GPU_BENCH_LIMIT:-180}" ./build-gpu/benchmarks/memscale_bench_gpu \
   --steps "${MEMSCALE_GPU_STEPS:-5}"
+# autotune's CPU cases on LibTorch 2.x's wheel: the first run (2026-11-28) crashed (SIGSEGV) while training
+# with the winner under the tracker's hard limit (test_autotune.cpp); where it fails, a backtrace with cuda-gdb
+# (the image has no gdb; cuda-gdb debugs host code too).
+if ! step cpu_autotune 120 ./build-gpu/tests/memscale_tests "[autotune]"; then
+  step cpu_autotune_backtrace 180 cuda-gdb -q -batch -ex run -ex bt -ex 'thread apply all bt 8' \
+    --args ./build-gpu/tests/memscale_tests "[autotune]"
+fi
 if [[ $cpu_suite == 1 ]]; then
   step cpu_suite 900 ./build-gpu/tests/memscale_tests
+fi
+# At most 8 files come back from the device tool: the logs in one archive beside the summary, the device and
+# the calibration study.
+if [[ ${MEMSCALE_GPU_PACK_LOGS:-1} == 1 ]]; then
+  (cd "$out" && tar czf logs.tgz ./*.log && rm -f ./*.log)
 fi
 exit "$status"

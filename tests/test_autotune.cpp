@@ -183,6 +183,76 @@ TEST_CASE("autotune survives an out-of-memory in the middle of a trial and leave
   CHECK(!memory_tracker::hard_limit());
 }
 
+TEST_CASE("a GPU trial's host parking seeds the shadow with a copy of the state and puts every optimizer "
+          "type's state back bit-identical, stepping on alike",
+          "[autotune]") {
+  // On CUDA, autotune moves the caller's optimizer state to the host for each trial through each state's own
+  // serialize(), and gives the trial's shadow optimizer a copy of it (trial.hpp's host_parking). Here on the
+  // CPU the state is reloaded as copies on the host: the same round trip, minus the device.
+  using namespace torch::optim;
+  const int kind = GENERATE(range(0, 6));
+  const auto make = [kind](const std::vector<torch::Tensor>& ps) -> std::unique_ptr<Optimizer> {
+    switch (kind) {
+      case 0: return std::make_unique<SGD>(ps, SGDOptions(0.1).momentum(0.9));
+      case 1: return std::make_unique<Adam>(ps, AdamOptions(1e-3));
+      case 2: return std::make_unique<AdamW>(ps, AdamWOptions(1e-3).amsgrad(true));
+      case 3: return std::make_unique<Adagrad>(ps, AdagradOptions(1e-2));
+      case 4: return std::make_unique<RMSprop>(ps, RMSpropOptions(1e-3).momentum(0.9).centered(true));
+      default: return std::make_unique<memscale::optim::AdamW8bit>(ps, memscale::optim::AdamW8bitOptions(1e-3));
+    }
+  };
+  INFO("optimizer kind " << kind);
+  torch::manual_seed(6);
+  auto parked_model = test::flat_chain(2, 64, 256, 0.0);
+  torch::manual_seed(6);
+  auto twin_model = test::flat_chain(2, 64, 256, 0.0);
+  auto parked = make(parked_model->parameters());
+  auto twin = make(twin_model->parameters());
+  const auto x = torch::randn({32, 64});
+  const auto steps = [&](int n) {
+    for (int s = 0; s < n; ++s) {
+      parked->zero_grad(), twin->zero_grad();
+      mean_square(parked_model->forward(x)).backward();
+      mean_square(twin_model->forward(x)).backward();
+      parked->step(), twin->step();
+    }
+  };
+  steps(1);
+  const auto state = test::optimizer_state(*parked);
+  REQUIRE(!state.empty());
+  const auto one_state_tensor = [&]() -> torch::Tensor {  // the first parameter's, for the built-in types
+    auto* s = parked->state().begin()->second.get();
+    if (auto* a = dynamic_cast<AdamWParamState*>(s)) return a->exp_avg();
+    if (auto* a = dynamic_cast<AdamParamState*>(s)) return a->exp_avg();
+    if (auto* a = dynamic_cast<SGDParamState*>(s)) return a->momentum_buffer();
+    if (auto* a = dynamic_cast<AdagradParamState*>(s)) return a->sum();
+    if (auto* a = dynamic_cast<RMSpropParamState*>(s)) return a->square_avg();
+    return {};
+  };
+  const auto before = one_state_tensor();
+  {
+    memscale::core::verify::sandbox box(*parked_model);
+    const memscale::autotuning::detail::host_parking parking(box, *parked, true);
+    if (before.defined()) CHECK(one_state_tensor().data_ptr() != before.data_ptr());  // reloaded on the host
+    CHECK(test::bit_equal(test::optimizer_state(*parked), state));
+    // The shadow starts from a copy and steps it, leaving the caller's state alone.
+    memscale::autotuning::detail::parameter_snapshot parameters(parked_model->parameters());  // back at the end
+    auto shadow = memscale::autotuning::detail::shadow_optimizer(*parked, false);  // Adagrad's has state already
+    parking.seed(*shadow);
+    CHECK(test::bit_equal(test::optimizer_state(*shadow), state));
+    shadow->zero_grad();
+    mean_square(parked_model->forward(x)).backward();
+    shadow->step();
+    shadow->zero_grad();
+    CHECK_FALSE(test::bit_equal(test::optimizer_state(*shadow), state));
+    CHECK(test::bit_equal(test::optimizer_state(*parked), state));
+  }
+  CHECK(test::bit_equal(test::optimizer_state(*parked), state));
+  steps(2);
+  CHECK(test::bit_equal(parked_model->parameters(), twin_model->parameters()));
+  CHECK(test::bit_equal(test::optimizer_state(*parked), test::optimizer_state(*twin)));
+}
+
 TEST_CASE("autotune's cache: a second call returns at once, a changed key re-tunes, a corrupt file is ignored",
           "[autotune][cache]") {
   memory_tracker::install();

@@ -27,7 +27,6 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -187,16 +186,13 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
   context.warmup_steps = options.warmup_steps;
   context.timed_steps = options.timed_steps;
   // CUDA: a trial measures what the device holds at its peak, less what only the
-  // trials hold (trial_context::trial_only_bytes).
+  // trials hold (trial_context::trial_only_bytes; the caller's gradients and
+  // optimizer state wait on the host meanwhile: host_parking).
   if (device.is_cuda()) {
-    context.trial_only_bytes = predictor::held_state_bytes(optimizer, device);
-    std::set<const void*> seen;  // a tied parameter's gradient once
     const auto add = [&](const torch::Tensor& t) {
-      if (t.defined() && t.device() == device && seen.insert(t.unsafeGetTensorImpl()).second)
-        context.trial_only_bytes += static_cast<std::int64_t>(t.nbytes());
+      if (t.defined() && t.device() == device) context.trial_only_bytes += static_cast<std::int64_t>(t.nbytes());
     };
-    for (const auto& p : parameters) add(p.grad());  // set aside by the sandbox below
-    for (const auto& b : root->buffers()) add(b);      // its copies
+    for (const auto& b : root->buffers()) add(b);  // the sandbox's copies
     add(example_input);
     context.example = example_input;
   }
@@ -313,9 +309,12 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
                   best_so_far(), options.time_budget_seconds - elapsed());
     ++run_count;
     if (!signature.empty()) plans.emplace(std::make_pair(t.batch_size, signature), i);
-    run_trial(t, x, context, [&model](const Config& config, const torch::Tensor& input) {
-      return OptimizationGuard(memscale::detail::root_of(model), memscale::detail::attach<S>(model, config, &input));
-    });
+    {
+      const host_parking parked(box, optimizer, device.is_cuda());
+      run_trial(t, x, context, parked, [&model](const Config& config, const torch::Tensor& input) {
+        return OptimizationGuard(memscale::detail::root_of(model), memscale::detail::attach<S>(model, config, &input));
+      });
+    }
     box.reset();
     snapshot.restore();
   }

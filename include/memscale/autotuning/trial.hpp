@@ -17,6 +17,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -28,6 +29,7 @@
 #include <memscale/device/hardware.hpp>
 #include <memscale/device/memory_tracker.hpp>
 #include <memscale/core/profiler.hpp>
+#include <memscale/execute/verify.hpp>
 #include <memscale/predict/optimizer_state.hpp>
 #include <memscale/predict/predict.hpp>
 #include <memscale/techniques/optim8bit.hpp>
@@ -107,6 +109,81 @@ class parameter_snapshot {
   std::vector<torch::Tensor> saved_;
 };
 
+/// For a GPU trial: what the caller's model and optimizer hold on the device
+/// that training with the winner would not, moved to the host for the trial
+/// and put back bit-identical when this ends (an exception too): the gradients
+/// the sandbox set aside (training's first zero_grad() drops them) and the
+/// optimizer's state, each state through its own serialize() to bytes, then
+/// loaded onto the host. seed() gives the shadow optimizer a copy of that state
+/// on the device, as training has it before its step. `park` false: nothing
+/// moves.
+class host_parking {
+ public:
+  host_parking(core::verify::sandbox& box, const torch::optim::Optimizer& optimizer, bool park) : box_(box) {
+    if (!park) return;
+    try {
+      box_.park_gradients_on_host();
+      for (const auto& item : optimizer.state()) {
+        if (!item.second) continue;
+        torch::serialize::OutputArchive out;
+        item.second->serialize(out);
+        std::ostringstream bytes;
+        out.save_to(bytes);
+        states_.push_back({item.first, item.second.get(), bytes.str()});
+        load(*item.second, states_.back().bytes, torch::kCPU);
+      }
+    } catch (...) {
+      put_back();
+      throw;
+    }
+  }
+  host_parking(const host_parking&) = delete;
+  host_parking& operator=(const host_parking&) = delete;
+  ~host_parking() {
+    try {
+      put_back();
+    } catch (...) {  // never throw from a destructor
+    }
+  }
+
+  /// Gives `shadow` (the caller's type over the same parameters) a copy of the
+  /// parked state on the devices it came from, in place of any it made itself
+  /// (Adagrad's, at construction), before the trial's first step, as training
+  /// holds its state then. A shadow that made its state
+  /// in its first step put it in blocks that step had just freed, and on an H200
+  /// the trial then measured 90 MB less than training with the winner held
+  /// (1.84 GB; benchmarks/RESULTS.md).
+  void seed(torch::optim::Optimizer& shadow) const {
+    for (const auto& p : states_) {
+      auto copy = p.state->clone();  // its type; every tensor that the bytes hold replaced below
+      load(*copy, p.bytes, c10::nullopt);
+      shadow.state()[p.key] = std::move(copy);
+    }
+  }
+
+ private:
+  using state_map = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
+  struct parked {
+    state_map::key_type key;
+    torch::optim::OptimizerParamState* state;
+    std::string bytes;  ///< as serialized on its devices
+  };
+  static void load(torch::optim::OptimizerParamState& state, const std::string& bytes,
+                   c10::optional<c10::Device> device) {
+    torch::serialize::InputArchive in;
+    std::istringstream stream(bytes);
+    in.load_from(stream, device);  // no device: the ones it was saved on
+    state.serialize(in);
+  }
+  void put_back() {
+    for (; !states_.empty(); states_.pop_back()) load(*states_.back().state, states_.back().bytes, c10::nullopt);
+    box_.unpark_gradients();
+  }
+
+  core::verify::sandbox& box_;
+  std::vector<parked> states_;
+};
+
 /// Shows "trial k of n, best ..., time left" on one terminal line.
 class progress_line {
  public:
@@ -183,9 +260,10 @@ struct trial_context {
   c10::Device device = c10::kCPU;
   std::int64_t static_bytes = 0;  ///< parameters and buffers, live before any trial
   /// CUDA: what lives on the device through the trials that training with the
-  /// winner would not hold: the gradients and buffers the sandbox keeps aside,
-  /// the caller's optimizer state beside the shadow's, and the example input
-  /// (the data pipeline's, which predict() does not count either).
+  /// winner would not hold: the buffers the sandbox keeps aside and the example
+  /// input (the data pipeline's, which predict() does not count either). The
+  /// gradients it set aside and the optimizer's state wait on the host meanwhile
+  /// (host_parking).
   std::int64_t trial_only_bytes = 0;
   torch::Tensor example{};  ///< CUDA: the example input (a trial at another batch makes its own input beside it)
   std::int64_t budget_bytes = 0;
@@ -193,15 +271,18 @@ struct trial_context {
   int timed_steps = 2;
 };
 
-/// Runs trial `t` (already sized) with `attach_guard` making the guard; fills in
-/// the measurements and the outcome. The caller restores the model afterwards.
+/// Runs trial `t` (already sized) with `attach_guard` making the guard, its
+/// shadow optimizer seeded from `parked`; fills in the measurements and the
+/// outcome. The caller restores the model afterwards.
 template <class AttachGuard>
-void run_trial(TuneTrial& t, const torch::Tensor& x, const trial_context& c, AttachGuard&& attach_guard) {
+void run_trial(TuneTrial& t, const torch::Tensor& x, const trial_context& c, const host_parking& parked,
+               AttachGuard&& attach_guard) {
   try {
     const bool as_eight_bit =
         t.config.use_8bit_optimizer && dynamic_cast<const optim::AdamW8bit*>(c.optimizer) == nullptr;
     auto shadow = shadow_optimizer(*c.optimizer, as_eight_bit);
     memscale::detail::release_cached_device_memory(c.device);  // CUDA: no earlier trial's reserve reused
+    if (!as_eight_bit) parked.seed(*shadow);  // CUDA: the caller's state, as training starts with it
     // The budget as a hard limit (never looser than one the caller set).
     std::optional<memory_tracker::hard_limit_scope> hard;
     if (c.device.is_cpu() && memory_tracker::installed()) {

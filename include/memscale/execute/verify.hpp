@@ -59,6 +59,7 @@ class sandbox {
   ~sandbox() {
     try {
       reset();
+      unpark_gradients();
       for (std::size_t i = 0; i < parameters_.size(); ++i) parameters_[i].mutable_grad() = saved_gradients_[i];
     } catch (...) {  // never throw from a destructor
     }
@@ -94,6 +95,28 @@ class sandbox {
     return out;
   }
 
+  /// The gradients set aside, copied to the host (their device memory freed
+  /// where nothing else holds them) until unpark_gradients() or the destructor
+  /// puts them back on their devices, bit-identical. For a GPU trial: a
+  /// training step does not hold them (its zero_grad() drops them).
+  void park_gradients_on_host() {
+    parked_from_.resize(saved_gradients_.size());
+    for (std::size_t i = 0; i < saved_gradients_.size(); ++i) {
+      auto& g = saved_gradients_[i];
+      if (!g.defined() || g.is_cpu() || parked_from_[i]) continue;
+      const auto device = g.device();
+      g = g.to(at::kCPU);
+      parked_from_[i] = device;
+    }
+  }
+  void unpark_gradients() {
+    for (std::size_t i = 0; i < parked_from_.size(); ++i)
+      if (parked_from_[i]) {
+        saved_gradients_[i] = saved_gradients_[i].to(*parked_from_[i]);
+        parked_from_[i].reset();
+      }
+  }
+
   [[nodiscard]] const std::vector<std::string>& parameter_names() const noexcept { return parameter_names_; }
   [[nodiscard]] const std::vector<std::string>& buffer_names() const noexcept { return buffer_names_; }
 
@@ -103,6 +126,7 @@ class sandbox {
   std::vector<std::string> buffer_names_;
   std::vector<at::Tensor> buffers_;
   std::vector<at::Tensor> saved_gradients_;
+  std::vector<std::optional<c10::Device>> parked_from_;  ///< where a gradient parked on the host came from
   detail::buffer_restore buffers_restore_;
   detail::rng_state rng_;
 };
