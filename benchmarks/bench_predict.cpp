@@ -170,7 +170,7 @@ int child_predict(const Case& k) {
   const auto weights = k.device.is_cpu() ? used.parameter_bytes + used.buffer_bytes : i64{0};
   std::cout << "RESULT growth=" << total - weights << " allocator=" << used.allocator_bytes() - weights
             << " outside=" << used.outside_allocator_bytes << " seconds=" << p.seconds << " again=" << again
-            << " calib=" << p.calibration_batches.front() << "," << p.calibration_batches.back() << "\n";
+            << " calib=" << p.fitted_batches.first << "," << p.fitted_batches.second << "\n";
   return 0;
 }
 
@@ -358,7 +358,7 @@ int main(int argc, char** argv) {
               << std::setw(13) << "alloc pred" << std::setw(12) << "alloc meas" << std::setw(9) << "error"
               << std::setw(11) << "predict s" << std::setw(9) << "2nd s" << std::setw(9) << "step s"
               << std::setw(10) << "pred/step"
-              << std::setw(8) << "calib" << std::setw(13) << "1st+plan"
+              << std::setw(12) << "calib" << std::setw(13) << "1st+plan"
               << (cuda ? "     out pred   out meas" : "") << "\n";
     double worst = 0.0;
     int failed = 0;
@@ -385,7 +385,7 @@ int main(int argc, char** argv) {
                 << std::showpos << std::setw(8) << aerr << "%" << std::noshowpos << std::setprecision(3)
                 << std::setw(11) << ps << std::setw(9) << std::stod(p.at("again")) << std::setw(9) << ss
                 << std::setprecision(2) << std::setw(10) << ps / ss
-                << std::setw(8) << p.at("calib") << std::setprecision(1) << std::setw(9)
+                << std::setw(12) << p.at("calib") << std::setprecision(1) << std::setw(9)
                 << std::stod(m.at("first")) / MiB << " MiB";
       if (cuda)
         std::cout << std::setw(9) << std::stod(p.at("outside")) / MiB << " MiB" << std::setw(7)

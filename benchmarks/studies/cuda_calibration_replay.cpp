@@ -118,7 +118,16 @@ int analyze(const std::string& path) {
           std::cout << " (recorded " << at_full->peak() / MiB << ", its events differ: " << at_full->live.size()
                     << ")";
         }
-        std::cout << ", replayed reserve " << replayed(fit, full, model) / MiB << " MiB\n";
+        std::cout << ", replayed reserve " << replayed(fit, full, model) / MiB << " MiB";
+        // The pair's check in predict (calibration.hpp, fit_near_target): the recorded batches between them.
+        for (const auto& [b, t] : runs)
+          if (b > b1 && b < b2 && memscale::predictor::aligned(t, t2)) {
+            double worst = 0.0;
+            for (std::size_t e = 0; e < t.live.size(); ++e)
+              worst = std::max(worst, std::abs(fit.value(e, b) - static_cast<double>(t.live[e])));
+            std::cout << "; at " << b << " off by " << worst / MiB << " MiB of " << t.peak() / MiB;
+          }
+        std::cout << "\n";
       }
   }
   return 0;

@@ -137,8 +137,12 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
 /// with buffers of their own, cuBLAS and cuDNN choose algorithms (and
 /// workspaces) by shape. Extrapolated from batches 2 to 5, an MLP's step on an
 /// H200 was predicted 11-20% short of its allocations at batches 4096 to 65536,
-/// a ResNet's 18-38% over (benchmarks/RESULTS.md). Tries batches (H/2, H), then
-/// (3H/4, H), for H = T/2; where a step at H runs out of memory, H = T/4, T/8,
+/// a ResNet's 18-38% over (benchmarks/RESULTS.md). Runs batches H, H/2 and 3H/4,
+/// for H = T/2, and fits (H/2, H) where those align and the pair gives the step
+/// at 3H/4 (each event within 1% of its peak), else (3H/4, H): an operator's
+/// sizes can change slope between batches with the same allocations (a deep
+/// CNN's on an H200: (32, 64) was 31 MiB off at 48 and 120 MiB at 128, 14% of
+/// the step; (48, 64) 4 MiB at 128). Where a step at H runs out of memory, H = T/4, T/8,
 /// ... down to 2 * smallest_near_batch (the cache emptied before each step, so
 /// that each step's reserve is its own). Where neither pair aligns, the larger
 /// pair as a whole (whole_step), with `note` saying so. Nothing where no H ran
@@ -187,13 +191,17 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
     const auto top = run(high);
     if (!top) continue;
     const auto low = run(high / 2);
-    if (low && aligned(*low, *top)) {
-      note = said("");
-      return timeline_fit(*low, high / 2, *top, high);
-    }
     const auto mid_batch = 3 * high / 4;
     const auto mid = run(mid_batch);
-    if (mid && aligned(*mid, *top)) {
+    const bool mid_aligned = mid && aligned(*mid, *top);
+    if (low && aligned(*low, *top)) {
+      timeline_fit wide(*low, high / 2, *top, high);
+      if (!mid_aligned || wide.gives(*mid, mid_batch, 0.01)) {
+        note = said("");
+        return wide;
+      }
+    }
+    if (mid_aligned) {
       note = said("");
       return timeline_fit(*mid, mid_batch, *top, high);
     }

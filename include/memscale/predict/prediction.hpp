@@ -86,6 +86,8 @@ struct Prediction {
   Report plan;               ///< the plan `config` applies at the full batch
   bool plan_applies = false;  ///< false: the plan changes nothing, peak == baseline
   std::vector<std::int64_t> calibration_batches;  ///< the batches the step ran at
+  /// The two of them whose timelines the extrapolation fits (without the plan).
+  std::pair<std::int64_t, std::int64_t> fitted_batches{0, 0};
   /// The calibration steps ran shape-only (outputs allocated, nothing computed;
   /// LibTorch 1.x on CPU), not for real: see `notes` for why not when false.
   bool shape_only = false;

@@ -174,6 +174,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   const auto base_real_why = detail::fit_shape_only_or_real(c, detail::calibration::execution::census, base_fit,
                                                             out.calibration_batches, misaligned, allocator_growth);
   const bool base_shape_only = base_real_why.empty();
+  out.fitted_batches = {base_fit.first_batch(), base_fit.second_batch()};
   out.shape_only = base_shape_only;
   if (!base_shape_only) out.notes.push_back("calibration ran for real: " + base_real_why);
   if (base_shape_only) {
@@ -384,9 +385,9 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   method << (out.shape_only ? " shape-only (every operator's outputs allocated as the real step allocates them, "
                               "nothing computed; without the plan each operator's first call ran for real)"
                             : " for real")
-         << " with every allocation on " << out.device << " recorded; two aligned timelines extrapolated event by "
-         << "event to batch " << out.batch_size << "; the optimizer's state from its type and options, its step's "
-         << "temporaries measured on a shadow copy; gradients "
+         << " with every allocation on " << out.device << " recorded; those at " << out.fitted_batches.first << " and "
+         << out.fitted_batches.second << " extrapolated to batch " << out.batch_size << "; the optimizer's state from "
+         << "its type and options, its step's temporaries measured on a shadow copy; gradients "
          << (kept ? "kept between steps (LibTorch 1.13's zero_grad() zeroes them)"
                   : "freed between steps (LibTorch 2.x's zero_grad() sets them to None)")
          << "; the plan made as wrap() makes it at batch " << out.batch_size << " (profiled at batch "

@@ -66,6 +66,14 @@ class timeline_fit {
 
   [[nodiscard]] std::int64_t first_batch() const noexcept { return b1_; }
   [[nodiscard]] std::int64_t second_batch() const noexcept { return b2_; }
+  /// Whether the fit gives timeline `t` (aligned with its own) at `batch`: each
+  /// event within `tolerance` times t's peak.
+  [[nodiscard]] bool gives(const timeline& t, std::int64_t batch, double tolerance) const {
+    const double most = tolerance * static_cast<double>(t.peak());
+    for (std::size_t e = 0; e < t.live.size() && e < t1_.live.size(); ++e)
+      if (std::abs(value(e, batch) - static_cast<double>(t.live[e])) > most) return false;
+    return t.live.size() == t1_.live.size();
+  }
 
   [[nodiscard]] double value(std::size_t event, std::int64_t batch) const {
     const double v1 = static_cast<double>(t1_.live[event]);
