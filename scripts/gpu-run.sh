@@ -19,18 +19,21 @@
 # each step has a time limit. MEMSCALE_GPU_CPU_SUITE=1 compiles every test file
 # and runs the whole CPU suite on LibTorch 2.x too (minutes more).
 #   - autotune's CPU cases on the wheel's LibTorch (a backtrace where they fail).
-# Logs go to $OUT (or ./gpu-out), packed into logs.tgz at the end (MEMSCALE_GPU_PACK_LOGS=0: left as they
-# are). Exit status: the first failing step's.
+# Output goes to $OUT (or ./gpu-out): summary.txt, device.txt, steps.log (every step's output) and the
+# calibration study. Exit status: the first failing step's.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 status=0
-step() {  # step NAME LIMIT_S COMMAND...: runs it, logs to $out/NAME.log, remembers a failure
+# Every step's output goes to one file, $out/steps.log, as it runs: the device tool returns at most 8 files,
+# and what a step wrote before a time limit stopped the call comes back too.
+step() {  # step NAME LIMIT_S COMMAND...: runs it, its output appended to $out/steps.log, remembers a failure
   local name=$1 limit=$2
   shift 2
   local start=$SECONDS
-  timeout --signal=INT --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+  printf '\n=== %s (limit %ss): %s\n' "$name" "$limit" "$*" >>"$out/steps.log"
+  timeout --signal=INT --kill-after=10 "$limit" "$@" >>"$out/steps.log" 2>&1
   local rc=$?
   printf '%-22s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - start))" | tee -a "$out/summary.txt"
   if ((rc != 0 && status == 0)); then status=$rc; fi
@@ -63,16 +66,11 @@ step bench_gpu "${MEMSCALE_GPU_BENCH_LIMIT:-180}" ./build-gpu/benchmarks/memscal
 # autotune's CPU cases on LibTorch 2.x's wheel: the first run (2026-11-28) crashed (SIGSEGV) while training
 # with the winner under the tracker's hard limit (test_autotune.cpp); where it fails, a backtrace with cuda-gdb
 # (the image has no gdb; cuda-gdb debugs host code too).
-if ! step cpu_autotune 120 ./build-gpu/tests/memscale_tests "[autotune]"; then
-  step cpu_autotune_backtrace 180 cuda-gdb -q -batch -ex run -ex bt -ex 'thread apply all bt 8' \
-    --args ./build-gpu/tests/memscale_tests "[autotune]"
+if ! step cpu_autotune 90 ./build-gpu/tests/memscale_tests "[autotune]"; then
+  step cpu_autotune_backtrace 120 cuda-gdb -q -batch -ex run -ex bt -ex 'thread apply all bt 8' \
+    --args ./build-gpu/tests/memscale_tests "autotune's winner fits a budget the baseline does not*"
 fi
 if [[ $cpu_suite == 1 ]]; then
   step cpu_suite 900 ./build-gpu/tests/memscale_tests
-fi
-# At most 8 files come back from the device tool: the logs in one archive beside the summary, the device and
-# the calibration study.
-if [[ ${MEMSCALE_GPU_PACK_LOGS:-1} == 1 ]]; then
-  (cd "$out" && tar czf logs.tgz ./*.log && rm -f ./*.log)
 fi
 exit "$status"

@@ -232,7 +232,7 @@ TEST_CASE("a GPU trial's host parking seeds the shadow with a copy of the state 
   const auto before = one_state_tensor();
   {
     memscale::core::verify::sandbox box(*parked_model);
-    const memscale::autotuning::detail::host_parking parking(box, *parked, true);
+    const memscale::autotuning::detail::host_parking parking(box, *parked, c10::Device(torch::kCPU));
     if (before.defined()) CHECK(one_state_tensor().data_ptr() != before.data_ptr());  // reloaded on the host
     CHECK(test::bit_equal(test::optimizer_state(*parked), state));
     // The shadow starts from a copy and steps it, leaving the caller's state alone.

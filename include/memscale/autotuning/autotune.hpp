@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -189,8 +190,10 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
   // trials hold (trial_context::trial_only_bytes; the caller's gradients and
   // optimizer state wait on the host meanwhile: host_parking).
   if (device.is_cuda()) {
+    std::set<const void*> seen;  // a buffer shared by two modules once
     const auto add = [&](const torch::Tensor& t) {
-      if (t.defined() && t.device() == device) context.trial_only_bytes += static_cast<std::int64_t>(t.nbytes());
+      if (t.defined() && t.device() == device && seen.insert(t.unsafeGetTensorImpl()).second)
+        context.trial_only_bytes += static_cast<std::int64_t>(t.nbytes());
     };
     for (const auto& b : root->buffers()) add(b);  // the sandbox's copies
     add(example_input);
@@ -310,7 +313,7 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
     ++run_count;
     if (!signature.empty()) plans.emplace(std::make_pair(t.batch_size, signature), i);
     {
-      const host_parking parked(box, optimizer, device.is_cuda());
+      const host_parking parked(box, optimizer, device.is_cuda() ? std::optional(device) : std::nullopt);
       run_trial(t, x, context, parked, [&model](const Config& config, const torch::Tensor& input) {
         return OptimizationGuard(memscale::detail::root_of(model), memscale::detail::attach<S>(model, config, &input));
       });

@@ -113,24 +113,23 @@ class parameter_snapshot {
 /// that training with the winner would not, moved to the host for the trial
 /// and put back bit-identical when this ends (an exception too): the gradients
 /// the sandbox set aside (training's first zero_grad() drops them) and the
-/// optimizer's state, each state through its own serialize() to bytes, then
-/// loaded onto the host. seed() gives the shadow optimizer a copy of that state
-/// on the device, as training has it before its step. `park` false: nothing
-/// moves.
+/// optimizer's state, each state through its own serialize(), loaded onto the
+/// host and back onto `device` (one state's bytes at a time: the host holds the
+/// state once, beside one parameter's serialized state). seed() gives the
+/// shadow optimizer a copy on the device, as training has its state before its
+/// step. `device` empty: nothing moves.
 class host_parking {
  public:
-  host_parking(core::verify::sandbox& box, const torch::optim::Optimizer& optimizer, bool park) : box_(box) {
-    if (!park) return;
+  host_parking(core::verify::sandbox& box, const torch::optim::Optimizer& optimizer,
+               std::optional<c10::Device> device)
+      : box_(box), device_(device) {
+    if (!device_) return;
     try {
       box_.park_gradients_on_host();
       for (const auto& item : optimizer.state()) {
         if (!item.second) continue;
-        torch::serialize::OutputArchive out;
-        item.second->serialize(out);
-        std::ostringstream bytes;
-        out.save_to(bytes);
-        states_.push_back({item.first, item.second.get(), bytes.str()});
-        load(*item.second, states_.back().bytes, torch::kCPU);
+        states_.push_back({item.first, item.second.get()});
+        load(*item.second, bytes_of(*item.second), torch::kCPU);
       }
     } catch (...) {
       put_back();
@@ -147,16 +146,15 @@ class host_parking {
   }
 
   /// Gives `shadow` (the caller's type over the same parameters) a copy of the
-  /// parked state on the devices it came from, in place of any it made itself
-  /// (Adagrad's, at construction), before the trial's first step, as training
-  /// holds its state then. A shadow that made its state
-  /// in its first step put it in blocks that step had just freed, and on an H200
-  /// the trial then measured 90 MB less than training with the winner held
-  /// (1.84 GB; benchmarks/RESULTS.md).
+  /// parked state on the device, in place of any it made itself (Adagrad's, at
+  /// construction), before the trial's first step, as training holds its state
+  /// then. A shadow that made its state in its first step put it in blocks that
+  /// step had just freed, and on an H200 the trial then measured 90 MB less than
+  /// training with the winner held (1.84 GB; benchmarks/RESULTS.md).
   void seed(torch::optim::Optimizer& shadow) const {
     for (const auto& p : states_) {
-      auto copy = p.state->clone();  // its type; every tensor that the bytes hold replaced below
-      load(*copy, p.bytes, c10::nullopt);
+      auto copy = p.state->clone();  // its type; every tensor the bytes hold replaced below
+      load(*copy, bytes_of(*p.state), *device_);
       shadow.state()[p.key] = std::move(copy);
     }
   }
@@ -166,21 +164,27 @@ class host_parking {
   struct parked {
     state_map::key_type key;
     torch::optim::OptimizerParamState* state;
-    std::string bytes;  ///< as serialized on its devices
   };
-  static void load(torch::optim::OptimizerParamState& state, const std::string& bytes,
-                   c10::optional<c10::Device> device) {
+  static std::string bytes_of(const torch::optim::OptimizerParamState& state) {
+    torch::serialize::OutputArchive out;
+    state.serialize(out);
+    std::ostringstream bytes;
+    out.save_to(bytes);
+    return bytes.str();
+  }
+  static void load(torch::optim::OptimizerParamState& state, const std::string& bytes, c10::Device device) {
     torch::serialize::InputArchive in;
     std::istringstream stream(bytes);
-    in.load_from(stream, device);  // no device: the ones it was saved on
+    in.load_from(stream, device);
     state.serialize(in);
   }
   void put_back() {
-    for (; !states_.empty(); states_.pop_back()) load(*states_.back().state, states_.back().bytes, c10::nullopt);
+    for (; !states_.empty(); states_.pop_back()) load(*states_.back().state, bytes_of(*states_.back().state), *device_);
     box_.unpark_gradients();
   }
 
   core::verify::sandbox& box_;
+  std::optional<c10::Device> device_;
   std::vector<parked> states_;
 };
 
