@@ -248,6 +248,13 @@ TEST_CASE("a GPU trial's host parking seeds the shadow with a copy of the state 
     CHECK(test::bit_equal(test::optimizer_state(*parked), state));
   }
   CHECK(test::bit_equal(test::optimizer_state(*parked), state));
+  {  // parking for another device: the state of these parameters, which live on the CPU, stays where it is
+    const auto now = one_state_tensor();
+    memscale::core::verify::sandbox box(*parked_model);
+    const memscale::autotuning::detail::host_parking parking(box, *parked, c10::Device(torch::kCUDA, 0));
+    if (now.defined()) CHECK(one_state_tensor().data_ptr() == now.data_ptr());
+    CHECK(test::bit_equal(test::optimizer_state(*parked), state));
+  }
   steps(2);
   CHECK(test::bit_equal(parked_model->parameters(), twin_model->parameters()));
   CHECK(test::bit_equal(test::optimizer_state(*parked), test::optimizer_state(*twin)));

@@ -312,11 +312,18 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
                   best_so_far(), options.time_budget_seconds - elapsed());
     ++run_count;
     if (!signature.empty()) plans.emplace(std::make_pair(t.batch_size, signature), i);
-    {
-      const host_parking parked(box, optimizer, device.is_cuda() ? std::optional(device) : std::nullopt);
-      run_trial(t, x, context, parked, [&model](const Config& config, const torch::Tensor& input) {
+    std::optional<host_parking> parked;
+    try {  // a host without room for the state fails this trial, not the search
+      parked.emplace(box, optimizer, device.is_cuda() ? std::optional(device) : std::nullopt);
+    } catch (...) {
+      record_exception(t);
+    }
+    if (parked) {
+      run_trial(t, x, context, *parked, [&model](const Config& config, const torch::Tensor& input) {
         return OptimizationGuard(memscale::detail::root_of(model), memscale::detail::attach<S>(model, config, &input));
       });
+      parked->put_back();  // throws where the caller's state could not go back on the device
+      parked.reset();
     }
     box.reset();
     snapshot.restore();

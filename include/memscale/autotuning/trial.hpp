@@ -15,9 +15,9 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -29,6 +29,7 @@
 #include <memscale/device/hardware.hpp>
 #include <memscale/device/memory_tracker.hpp>
 #include <memscale/core/profiler.hpp>
+#include <memscale/errors.hpp>
 #include <memscale/execute/verify.hpp>
 #include <memscale/predict/optimizer_state.hpp>
 #include <memscale/predict/predict.hpp>
@@ -110,14 +111,15 @@ class parameter_snapshot {
 };
 
 /// For a GPU trial: what the caller's model and optimizer hold on the device
-/// that training with the winner would not, moved to the host for the trial
-/// and put back bit-identical when this ends (an exception too): the gradients
-/// the sandbox set aside (training's first zero_grad() drops them) and the
-/// optimizer's state, each state through its own serialize(), loaded onto the
-/// host and back onto `device` (one state's bytes at a time: the host holds the
-/// state once, beside one parameter's serialized state). seed() gives the
-/// shadow optimizer a copy on the device, as training has its state before its
-/// step. `device` empty: nothing moves.
+/// that training with the winner would not, moved to the host for the trial:
+/// the gradients the sandbox set aside (a training step on LibTorch 2.x drops
+/// them at zero_grad(); on 1.13 its own take their place) and the optimizer's
+/// state of the parameters on `device`, each state through its own serialize()
+/// in turn. put_back() returns them bit-identical (new tensors: references the
+/// caller kept to the old ones see them no more), and says if it could not; the
+/// destructor tries where put_back() was not reached. seed() gives the shadow
+/// optimizer a copy on the device, as training has its state before its step.
+/// `device` empty: nothing moves.
 class host_parking {
  public:
   host_parking(core::verify::sandbox& box, const torch::optim::Optimizer& optimizer,
@@ -126,13 +128,20 @@ class host_parking {
     if (!device_) return;
     try {
       box_.park_gradients_on_host();
+      std::set<optim::state_key_type> on_device;  // state lives with its parameter
+      for (const auto& group : optimizer.param_groups())
+        for (const auto& p : group.params())
+          if (p.defined() && p.device() == *device_) on_device.insert(optim::state_key(p));
       for (const auto& item : optimizer.state()) {
-        if (!item.second) continue;
+        if (!item.second || on_device.count(item.first) == 0) continue;
         states_.push_back({item.first, item.second.get()});
         load(*item.second, bytes_of(*item.second), torch::kCPU);
       }
     } catch (...) {
-      put_back();
+      try {
+        put_back();
+      } catch (...) {  // the first error is the one to report
+      }
       throw;
     }
   }
@@ -143,6 +152,32 @@ class host_parking {
       put_back();
     } catch (...) {  // never throw from a destructor
     }
+  }
+
+  /// Every parked state and gradient back on the device (each one tried); throws
+  /// memscale::Error naming what stayed on the host.
+  void put_back() {
+    std::string failed;
+    for (auto& p : states_) {
+      try {
+        load(*p.state, bytes_of(*p.state), *device_);
+      } catch (const std::exception& e) {
+        if (failed.empty()) failed = e.what();
+        continue;
+      }
+      p.state = nullptr;
+    }
+    const auto left = std::count_if(states_.begin(), states_.end(), [](const parked& p) { return p.state; });
+    states_.clear();
+    try {
+      box_.unpark_gradients();
+    } catch (const std::exception& e) {
+      if (failed.empty()) failed = e.what();
+    }
+    if (!failed.empty())
+      throw Error("memscale::autotune(): the optimizer's state (" + std::to_string(left) +
+                  " parameter(s)) or the gradients set aside could not be put back on " + device_->str() +
+                  " after a trial and are on the host: " + failed);
   }
 
   /// Gives `shadow` (the caller's type over the same parameters) a copy of the
@@ -160,10 +195,9 @@ class host_parking {
   }
 
  private:
-  using state_map = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
   struct parked {
-    state_map::key_type key;
-    torch::optim::OptimizerParamState* state;
+    optim::state_key_type key;
+    torch::optim::OptimizerParamState* state;  ///< null once put back
   };
   static std::string bytes_of(const torch::optim::OptimizerParamState& state) {
     torch::serialize::OutputArchive out;
@@ -174,13 +208,8 @@ class host_parking {
   }
   static void load(torch::optim::OptimizerParamState& state, const std::string& bytes, c10::Device device) {
     torch::serialize::InputArchive in;
-    std::istringstream stream(bytes);
-    in.load_from(stream, device);
+    in.load_from(bytes.data(), bytes.size(), device);
     state.serialize(in);
-  }
-  void put_back() {
-    for (; !states_.empty(); states_.pop_back()) load(*states_.back().state, bytes_of(*states_.back().state), *device_);
-    box_.unpark_gradients();
   }
 
   core::verify::sandbox& box_;
@@ -285,8 +314,9 @@ void run_trial(TuneTrial& t, const torch::Tensor& x, const trial_context& c, con
     const bool as_eight_bit =
         t.config.use_8bit_optimizer && dynamic_cast<const optim::AdamW8bit*>(c.optimizer) == nullptr;
     auto shadow = shadow_optimizer(*c.optimizer, as_eight_bit);
-    memscale::detail::release_cached_device_memory(c.device);  // CUDA: no earlier trial's reserve reused
     if (!as_eight_bit) parked.seed(*shadow);  // CUDA: the caller's state, as training starts with it
+    // CUDA: no earlier trial's reserve reused, nor what seed() freed (the state Adagrad's constructor made).
+    memscale::detail::release_cached_device_memory(c.device);
     // The budget as a hard limit (never looser than one the caller set).
     std::optional<memory_tracker::hard_limit_scope> hard;
     if (c.device.is_cpu() && memory_tracker::installed()) {

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <iomanip>
 #include <limits>
@@ -58,8 +59,13 @@ class sandbox {
   sandbox& operator=(const sandbox&) = delete;
   ~sandbox() {
     try {
-      reset();
       unpark_gradients();
+    } catch (...) {  // one it could not move back is dropped: a host gradient would fail the next backward
+      for (std::size_t i = 0; i < parked_from_.size(); ++i)
+        if (parked_from_[i]) saved_gradients_[i] = at::Tensor();
+    }
+    try {
+      reset();
       for (std::size_t i = 0; i < parameters_.size(); ++i) parameters_[i].mutable_grad() = saved_gradients_[i];
     } catch (...) {  // never throw from a destructor
     }
@@ -109,12 +115,19 @@ class sandbox {
       parked_from_[i] = device;
     }
   }
-  void unpark_gradients() {
+  void unpark_gradients() {  // each one tried; the first failure rethrown
+    std::exception_ptr first;
     for (std::size_t i = 0; i < parked_from_.size(); ++i)
       if (parked_from_[i]) {
-        saved_gradients_[i] = saved_gradients_[i].to(*parked_from_[i]);
+        try {
+          saved_gradients_[i] = saved_gradients_[i].to(*parked_from_[i]);
+        } catch (...) {
+          if (!first) first = std::current_exception();
+          continue;
+        }
         parked_from_[i].reset();
       }
+    if (first) std::rethrow_exception(first);
   }
 
   [[nodiscard]] const std::vector<std::string>& parameter_names() const noexcept { return parameter_names_; }
