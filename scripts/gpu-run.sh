@@ -14,11 +14,11 @@
 #   - the OOM predictor against measured steps on the GPU (memscale_bench_predict
 #     --device cuda: peak reserved bytes plus the context),
 #   - the GPU benchmark (bandwidth; GPT baseline / checkpoint / + offload; the
-#     fused 8-bit AdamW step against LibTorch's AdamW).
+#     fused 8-bit AdamW step against LibTorch's AdamW),
+#   - autotune's CPU cases on the wheel's LibTorch (a backtrace where they fail).
 # Device time is short: only the test files with CUDA cases are compiled, and
 # each step has a time limit. MEMSCALE_GPU_CPU_SUITE=1 compiles every test file
 # and runs the whole CPU suite on LibTorch 2.x too (minutes more).
-#   - autotune's CPU cases on the wheel's LibTorch (a backtrace where they fail).
 # Output goes to $OUT (or ./gpu-out): summary.txt, device.txt, steps.log (every step's output) and the
 # calibration study. Exit status: the first failing step's.
 set -uo pipefail

@@ -109,11 +109,8 @@ int analyze(const std::string& path) {
         const timeline_fit fit(t1, b1, t2, b2);
         std::cout << "peak at " << full << " " << fit.peak(full) / MiB << " MiB";
         if (at_full != nullptr && memscale::predictor::aligned(t2, *at_full)) {
-          double worst = 0.0;
-          for (std::size_t e = 0; e < at_full->live.size(); ++e)
-            worst = std::max(worst, std::abs(fit.value(e, full) - static_cast<double>(at_full->live[e])));
-          std::cout << " (recorded " << at_full->peak() / MiB << ", largest event difference " << worst / MiB
-                    << " MiB)";
+          std::cout << " (recorded " << at_full->peak() / MiB << ", largest event difference "
+                    << fit.largest_difference(*at_full, full) / MiB << " MiB)";
         } else if (at_full != nullptr) {
           std::cout << " (recorded " << at_full->peak() / MiB << ", its events differ: " << at_full->live.size()
                     << ")";
@@ -121,12 +118,9 @@ int analyze(const std::string& path) {
         std::cout << ", replayed reserve " << replayed(fit, full, model) / MiB << " MiB";
         // The pair's check in predict (calibration.hpp, fit_near_target): the recorded batches between them.
         for (const auto& [b, t] : runs)
-          if (b > b1 && b < b2 && memscale::predictor::aligned(t, t2)) {
-            double worst = 0.0;
-            for (std::size_t e = 0; e < t.live.size(); ++e)
-              worst = std::max(worst, std::abs(fit.value(e, b) - static_cast<double>(t.live[e])));
-            std::cout << "; at " << b << " off by " << worst / MiB << " MiB of " << t.peak() / MiB;
-          }
+          if (b > b1 && b < b2 && memscale::predictor::aligned(t, t2))
+            std::cout << "; at " << b << " off by " << fit.largest_difference(t, b) / MiB << " MiB of "
+                      << t.peak() / MiB;
         std::cout << "\n";
       }
   }

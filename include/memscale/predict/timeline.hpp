@@ -66,13 +66,19 @@ class timeline_fit {
 
   [[nodiscard]] std::int64_t first_batch() const noexcept { return b1_; }
   [[nodiscard]] std::int64_t second_batch() const noexcept { return b2_; }
+  /// The largest difference of live bytes, event by event, between the fit at
+  /// `batch` and timeline `t` recorded there (aligned with the fit's own).
+  [[nodiscard]] double largest_difference(const timeline& t, std::int64_t batch) const {
+    double worst = 0.0;
+    for (std::size_t e = 0; e < t.live.size() && e < t1_.live.size(); ++e)
+      worst = std::max(worst, std::abs(value(e, batch) - static_cast<double>(t.live[e])));
+    return worst;
+  }
   /// Whether the fit gives timeline `t` (aligned with its own) at `batch`: each
   /// event within `tolerance` times t's peak.
   [[nodiscard]] bool gives(const timeline& t, std::int64_t batch, double tolerance) const {
-    const double most = tolerance * static_cast<double>(t.peak());
-    for (std::size_t e = 0; e < t.live.size() && e < t1_.live.size(); ++e)
-      if (std::abs(value(e, batch) - static_cast<double>(t.live[e])) > most) return false;
-    return t.live.size() == t1_.live.size();
+    return t.live.size() == t1_.live.size() &&
+           largest_difference(t, batch) <= tolerance * static_cast<double>(t.peak());
   }
 
   [[nodiscard]] double value(std::size_t event, std::int64_t batch) const {
