@@ -602,3 +602,110 @@ TEST_CASE("a unit a static rule covers is timed within the room: on fewer rows, 
   CHECK_THAT(none.caveats.front(),
              Catch::Contains("timed by the compute rates: timing it on 1 of 2 rows and 32 of 256 positions"));
 }
+
+namespace {
+
+/// A block no static rule covers (measured): out(gelu(fc(x))).
+class TwinBlockImpl : public torch::nn::Module {
+ public:
+  TwinBlockImpl(std::int64_t width, std::int64_t hidden)
+      : fc(register_module("fc", torch::nn::Linear(width, hidden))),
+        out(register_module("out", torch::nn::Linear(hidden, width))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return out(torch::gelu(fc(x))); }
+  torch::nn::Linear fc, out;
+};
+TORCH_MODULE(TwinBlock);
+
+}  // namespace
+
+TEST_CASE("twin slots get the median of their figures; a slot of another shape or mode keeps its own",
+          "[profiler]") {
+  // Figures set by hand, as noise would leave them: one twin timed slow, one
+  // whose product's saving read 0, one that measured more saved bytes.
+  std::vector<torch::nn::AnyModule> slots;
+  for (int k = 0; k < 4; ++k) slots.emplace_back(TwinBlock(16, 64));
+  slots.emplace_back(TwinBlock(16, 32));  // other parameter shapes
+  slots.emplace_back(TwinBlock(16, 64));
+  slots.back().ptr()->eval();  // another mode
+  memscale::chain_profile profile;
+  const std::vector<double> forward{0.004, 0.001, 0.002, 0.009, 0.003, 0.005};
+  const std::vector<double> product{0.001, 0.0, 0.0012, 0.0011, 0.002, 0.002};
+  const std::vector<std::int64_t> saved{100, 100, 900, 100, 50, 100};
+  for (std::size_t k = 0; k < slots.size(); ++k) {
+    memscale::slot_cost s;
+    s.input_bytes = s.output_bytes = 16 * 4 * 8;
+    s.forward_seconds = forward[k];
+    s.backward_seconds = 2 * forward[k];
+    s.product_saved_seconds = product[k];
+    s.saved_bytes = saved[k];
+    profile.slots.push_back(s);
+    profile.sources.push_back(memscale::profile_source::empirical);
+    profile.notes.emplace_back("no static rule: measured");
+  }
+  memscale::detail::pool_twins(profile, slots);
+  for (std::size_t k = 0; k < 4; ++k) {
+    INFO("slot " << k);
+    CHECK(profile.slots[k].forward_seconds == 0.002);  // the lower median of 1, 2, 4 and 9 ms
+    CHECK(profile.slots[k].backward_seconds == 0.004);
+    CHECK(profile.slots[k].product_saved_seconds == 0.001);
+    CHECK(profile.slots[k].saved_bytes == 100);
+    CHECK_THAT(profile.notes[k], Catch::EndsWith("measured; figures: the median of its 4 twins (slots 0, 1, 2, 3: "
+                                                 "the same module, shapes and input)"));
+  }
+  for (std::size_t k = 4; k < 6; ++k) {
+    INFO("slot " << k);
+    CHECK(profile.slots[k].forward_seconds == forward[k]);
+    CHECK(profile.slots[k].saved_bytes == saved[k]);
+    CHECK(profile.notes[k] == "no static rule: measured");
+  }
+  // Another input: no longer a twin.
+  profile.slots[3].input_bytes *= 2;
+  profile.slots[3].forward_seconds = 0.007;
+  memscale::detail::pool_twins(profile, slots);
+  CHECK(profile.slots[3].forward_seconds == 0.007);
+}
+
+TEST_CASE("a chain's twin blocks are profiled alike, so a budget's plan picks the same block from every profile",
+          "[profiler]") {
+  torch::manual_seed(5);
+  torch::nn::Sequential model;
+  for (int k = 0; k < 6; ++k) model->push_back(TwinBlock(64, 4096));
+  model->push_back(TwinBlock(64, 1024));
+  const auto x = torch::randn({256, 64});
+  std::vector<torch::nn::AnyModule> slots(model->begin(), model->end());
+  std::vector<memscale::chain_profile> profiles;
+  for (int run = 0; run < 3; ++run) profiles.push_back(profile_chain("", slots, x, profile_options{false, true, 2, true}));
+  const auto& profile = profiles.front();
+  for (std::size_t k = 1; k < 6; ++k) {
+    INFO("slot " << k << ": " << profile.notes[k]);
+    CHECK(profile.slots[k].forward_seconds == profile.slots[0].forward_seconds);
+    CHECK(profile.slots[k].backward_seconds == profile.slots[0].backward_seconds);
+    CHECK(profile.slots[k].saved_bytes == profile.slots[0].saved_bytes);
+    CHECK(profile.slots[k].workspace_bytes == profile.slots[0].workspace_bytes);
+    CHECK_THAT(profile.notes[k], Catch::Contains("the median of its 6 twins (slots 0, 1, 2, 3, 4, 5"));
+  }
+  CHECK_THAT(profile.notes[6], !Catch::Contains("twins"));
+  CHECK(profile.slots[6].saved_bytes < profile.slots[0].saved_bytes);
+
+  // A target that one checkpointed block meets, the same for each profile:
+  // Balanced picks among twins that cost the same, by position, the same block
+  // from each of them (their times differ between profiles, not between twins).
+  std::int64_t params = 0;
+  for (const auto& p : model->parameters()) params += static_cast<std::int64_t>(p.nbytes());
+  memscale::core::engine_input in;
+  in.mode = memscale::OptimizationMode::Balanced;
+  in.static_bytes = 4 * params;
+  in.usable_bytes = std::int64_t{1} << 40;
+  const auto baseline = memscale::core::decide({profile.slots}, {true}, in).baseline_peak;
+  in.usable_bytes = static_cast<std::int64_t>(
+      static_cast<double>(baseline - profile.slots[0].saved_bytes / 2) /
+      memscale::core::policy_for(memscale::OptimizationMode::Balanced).target_fraction);
+  std::vector<std::vector<memscale::core::unit>> plans;
+  for (const auto& p : profiles) {
+    const auto plan = memscale::core::decide({p.slots}, {true}, in);
+    CHECK(memscale::core::count_units(plan.units, &memscale::core::unit::checkpointed) == 1);
+    plans.push_back(plan.units.front());
+  }
+  CHECK(plans[1] == plans[0]);
+  CHECK(plans[2] == plans[0]);
+}

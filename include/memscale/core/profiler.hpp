@@ -9,7 +9,9 @@
 // sees allocations, a slot's memory is its static estimate, or else what
 // autograd saves, and the chain profile says so.
 // Slots are measured one at a time, so profiling never needs the step's peak
-// (core/slot_measurement.hpp).
+// (core/slot_measurement.hpp). Twins, slots that are the same computation (a
+// transformer's blocks), then get the median of their figures
+// (core/twin_slots.hpp), so noise does not pick among them.
 // Profiling draws no random numbers that training would see and leaves buffers
 // (BatchNorm running statistics) as they were.
 #pragma once
@@ -35,6 +37,7 @@
 #include <memscale/core/slot_parts.hpp>
 #include <memscale/device/memory_tracker.hpp>
 #include <memscale/core/tile_rules.hpp>
+#include <memscale/core/twin_slots.hpp>
 #include <memscale/detail/buffers.hpp>
 #include <memscale/detail/draw_replay.hpp>
 #include <memscale/detail/modules.hpp>
@@ -276,6 +279,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
     current_tensor = measured.output;
   }
   note_unmeasured();
+  detail::pool_twins(profile, slots);  // the same computation, the same figures (core/twin_slots.hpp)
   return profile;
 }
 

@@ -71,6 +71,9 @@ class sandbox {
     }
   }
 
+  /// The caller's gradients, set aside until the destructor puts them back.
+  [[nodiscard]] const std::vector<at::Tensor>& saved_gradients() const noexcept { return saved_gradients_; }
+
   /// The state at construction again, with the gradients cleared.
   void reset() {
     detail::restore_rng(rng_);

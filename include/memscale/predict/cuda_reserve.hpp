@@ -22,6 +22,7 @@
 #include <optional>
 #include <set>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -185,22 +186,28 @@ namespace detail {
 
 /// CUDA: what `allocated` (the caching allocator's allocated bytes on `device`)
 /// holds beyond what memscale can name: the parameters, buffers and defined
-/// gradients there, the optimizer's state (`state_bytes`) and the example. That
-/// is cuBLAS's workspaces (one per thread that ran a matrix product: the
-/// caller's and autograd's), and the program's other tensors, which a training
-/// step holds too.
+/// gradients there, the caller's gradients a sandbox holds set aside
+/// (`set_aside`: predict counts the step's gradients in their own row), the
+/// optimizer's state (`state_bytes`) and the example. That is cuBLAS's
+/// workspaces (one per thread that ran a matrix product: the caller's and
+/// autograd's), and the program's other tensors, which a training step holds too.
 [[nodiscard]] inline std::int64_t unnamed_allocations(c10::Device device, std::int64_t allocated,
                                                       const std::vector<at::Tensor>& parameters,
                                                       const std::vector<at::Tensor>& buffers,
-                                                      std::int64_t state_bytes, const at::Tensor& example) {
+                                                      std::int64_t state_bytes, const at::Tensor& example,
+                                                      const std::vector<at::Tensor>& set_aside = {}) {
   std::int64_t named = state_bytes;
+  std::unordered_set<const void*> storages;  // each storage once (a set-aside gradient may be one a parameter has)
   const auto add = [&](const at::Tensor& t) {
-    if (t.defined() && t.device() == device) named += static_cast<std::int64_t>(t.nbytes());
+    if (t.defined() && t.device() == device && t.has_storage() &&
+        storages.insert(t.storage().unsafeGetStorageImpl()).second)
+      named += static_cast<std::int64_t>(t.storage().nbytes());
   };
   for (const auto& p : parameters) {
     add(p);
     add(p.grad());
   }
+  for (const auto& g : set_aside) add(g);
   for (const auto& b : buffers) add(b);
   add(example);
   return std::max<std::int64_t>(0, allocated - named);

@@ -2,9 +2,8 @@
 // autotune() share (training_inputs, model_device), the static bytes, the
 // optimizer sized, the calibration without and with the plan
 // (predict/calibration.hpp), the memory outside the allocator, and the
-// Prediction (predict/prediction.hpp) extrapolated to the full batch. The
-// public memscale::predict() overloads call it (predict/predict.hpp, whose
-// header says how the prediction works).
+// Prediction (predict/prediction.hpp) extrapolated to the full batch, for the
+// memscale::predict() overloads (predict/predict.hpp says how it predicts).
 #pragma once
 
 #include <algorithm>
@@ -192,9 +191,10 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   process.reset();
   std::int64_t persistent = 0;  // CUDA: what stays allocated that is not the model's (cuBLAS's workspaces, ...)
   if (device.is_cuda()) {
-    box.reset();  // gradients as they were
+    box.reset();  // the caller's gradients set aside: named, as the step's gradients have their own row
     persistent = detail::unnamed_allocations(device, memscale::detail::allocated_on_device(device), parameters,
-                                             root->buffers(), held_state_bytes(optimizer, device), example_input);
+                                             root->buffers(), held_state_bytes(optimizer, device), example_input,
+                                             box.saved_gradients());
   }
   // CPU: what the process holds beyond the allocator (-1: not measured).
   const std::int64_t outside_cpu =
