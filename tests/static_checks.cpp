@@ -84,8 +84,10 @@ static_assert([] {
   const auto p = plan_for(memscale::OptimizationMode::Conservative, 1000, true);
   return p.planned_peak < p.baseline_peak && p.planned_peak <= p.baseline_peak * 3 / 4;
 }());
-// Under pressure the forced plan is the unforced one.
-static_assert(plan_for(memscale::OptimizationMode::Conservative, 400, true).planned_peak ==
+// Under pressure the forced plan aims at the lower of the mode's target (400)
+// and the light touch's (3/4 of 420): no lighter than the unforced plan.
+static_assert(plan_for(memscale::OptimizationMode::Conservative, 400, true).target_bytes == 315);
+static_assert(plan_for(memscale::OptimizationMode::Conservative, 400, true).planned_peak <=
               plan_for(memscale::OptimizationMode::Conservative, 400).planned_peak);
 // Aggressive checkpoints every block but the last (recomputing it first thing in
 // backward would lower nothing): peak 30 + 100 + 20 = 150 -> here 3 x 10 + 100 + 20.

@@ -362,6 +362,28 @@ TEST_CASE("modes differ in when they act and how far they push", "[engine]") {
   CHECK(segments(conservative) < segments(aggressive_high));
 }
 
+TEST_CASE("with force_optimize a tighter budget never gets a lighter plan", "[engine]") {
+  std::vector<slot_cost> blocks(8, slot_cost{.input_bytes = 10, .output_bytes = 10, .saved_bytes = 90,
+                                             .saves_input = true, .forward_seconds = 1.0});
+  const std::int64_t static_bytes = 300;
+  const auto baseline = project_model_peak({blocks}, {keep_all(blocks.size())}, static_bytes);
+  using memscale::OptimizationMode;
+  for (const auto mode : {OptimizationMode::Conservative, OptimizationMode::Balanced}) {
+    // From twice the baseline down to half of it: where the baseline stops
+    // meeting the mode's target, the light touch's target (the lower) stays.
+    std::int64_t previous = baseline;
+    for (int percent = 200; percent >= 50; --percent) {
+      const engine_input in{mode, true, true, baseline * percent / 100, static_bytes};
+      const auto plan = decide({blocks}, {true}, in);
+      INFO(memscale::to_string(mode) << " at usable " << percent << "% of the baseline: target " << plan.target_bytes
+                                     << ", planned " << plan.planned_peak);
+      CHECK(plan.target_bytes <= forced_target(mode, baseline, static_bytes));
+      CHECK(plan.planned_peak <= previous);
+      previous = plan.planned_peak;
+    }
+  }
+}
+
 TEST_CASE("an unsupported chain is left alone with its reason", "[engine]") {
   std::vector<slot_cost> chain(4, slot_cost{.input_bytes = 10, .output_bytes = 10, .saved_bytes = 50,
                                             .saves_input = true, .forward_seconds = 1.0});

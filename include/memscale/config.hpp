@@ -87,6 +87,8 @@ struct Config {
   /// already fits the mode's target), the light touch, cheapest memory first:
   /// Balanced halves the step's growth above the static bytes, Conservative cuts
   /// it to 3/4, Aggressive minimizes the peak as always (core::forced_target).
+  /// Where something presses, the lower of that and the mode's target: a tighter
+  /// budget never gets a lighter plan.
   bool force_optimize = false;
   /// A checkpoint's recompute writes back the random masks its forward drew
   /// (Dropout's, on CPU), kept a bit an element, instead of drawing them again:

@@ -38,10 +38,14 @@ namespace memscale::core {
                       ? static_cast<double>(plan.baseline_peak) / static_cast<double>(in.usable_bytes)
                       : 1e9;
   const auto policy = policy_for(in.mode);
+  // force_optimize aims at the lower of the mode's target and the light touch's,
+  // so that a tighter budget never gets a lighter plan (where nothing presses,
+  // the light touch's is the lower).
+  const auto mode_target = static_cast<std::int64_t>(policy.target_fraction * static_cast<double>(in.usable_bytes));
   plan.target_bytes = in.fixed_target > 0 ? in.fixed_target
-                     : light_touch(in, plan.baseline_peak)
-                         ? forced_target(in.mode, plan.baseline_peak, in.static_bytes)
-                         : static_cast<std::int64_t>(policy.target_fraction * static_cast<double>(in.usable_bytes));
+                     : in.force_optimize
+                         ? std::min(mode_target, forced_target(in.mode, plan.baseline_peak, in.static_bytes))
+                         : mode_target;
 
   auto whole_chain_decisions = [&](rule_id rule) {
     for (int c = 0; c < static_cast<int>(chains.size()); ++c)

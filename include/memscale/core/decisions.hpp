@@ -53,7 +53,8 @@ enum class rule_id : std::uint8_t {
 /// With force_optimize where nothing presses (the baseline already under that
 /// target), the light touch: expand, cheapest memory first, until the step's
 /// growth above the static bytes is at most forced_growth_fraction of the
-/// baseline's (forced_target).
+/// baseline's (forced_target); where something presses, to the lower of the two
+/// targets.
 struct mode_policy {
   double act_at_pressure;
   double target_fraction;

@@ -400,6 +400,11 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
                       "% of the baseline's, cheapest memory first (target " +
                       detail::format_bytes(decided.target_bytes) + ")";
     if (std::find(out.notes.begin(), out.notes.end(), note) == out.notes.end()) out.notes.push_back(note);
+  } else if (in.force_optimize && in.mode != OptimizationMode::Aggressive &&
+             decided.target_bytes == forced_target(in.mode, decided.baseline_peak, in.static_bytes)) {
+    out.notes.push_back("force_optimize under pressure: the light touch's target (" +
+                        detail::format_bytes(decided.target_bytes) + ") is below the mode's, and the plan aims at "
+                        "the lower: a tighter budget never gets a lighter plan");
   }
   if (const auto note = target_note(decided, in.usable_bytes, config_.mode); !note.empty()) out.notes.push_back(note);
   if (in.whole_model_held_bytes > 0 && !decided.units.empty() && !decided.units[0].empty() &&
