@@ -22,7 +22,6 @@
 #include <optional>
 #include <set>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -197,11 +196,8 @@ namespace detail {
                                                       std::int64_t state_bytes, const at::Tensor& example,
                                                       const std::vector<at::Tensor>& set_aside = {}) {
   std::int64_t named = state_bytes;
-  std::unordered_set<const void*> storages;  // each storage once (a set-aside gradient may be one a parameter has)
   const auto add = [&](const at::Tensor& t) {
-    if (t.defined() && t.device() == device && t.has_storage() &&
-        storages.insert(t.storage().unsafeGetStorageImpl()).second)
-      named += static_cast<std::int64_t>(t.storage().nbytes());
+    if (t.defined() && t.device() == device) named += static_cast<std::int64_t>(t.nbytes());
   };
   for (const auto& p : parameters) {
     add(p);
