@@ -247,6 +247,79 @@ TEST_CASE("a checkpoint's recompute leaves BatchNorm statistics as one forward l
   CHECK(test::bit_equal(bn_plain->running_var, bn_wrapped->running_var));
 }
 
+TEST_CASE("checkpoint given the module moves BatchNorm statistics once a step, as without it", "[checkpoint]") {
+  // What a user writes by hand: a block with BatchNorm, checkpointed by the
+  // module form, by a function given the module, or given only its parameters.
+  enum class form { module, function_and_module, function_and_params };
+  auto make = [] {
+    torch::manual_seed(15);
+    return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::BatchNorm1d(16), torch::nn::GELU(),
+                                 torch::nn::Linear(16, 8));
+  };
+  torch::manual_seed(16);
+  const auto x = torch::randn({32, 8});
+  auto run = [&](std::optional<form> how) {
+    auto block = make();
+    torch::optim::SGD sgd(block->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    std::vector<torch::Tensor> grads;
+    for (int step = 0; step < 3; ++step) {
+      sgd.zero_grad();
+      const auto input = x * (1.0 + step);  // each step's batch statistics differ
+      const auto body = [&](const torch::Tensor& t) { return block->forward(t); };
+      torch::Tensor y;
+      if (!how) y = block->forward(input);
+      else if (*how == form::module) y = memscale::checkpoint(block, input);
+      else if (*how == form::function_and_module) y = memscale::checkpoint(body, input, block);
+      else y = memscale::checkpoint(body, input, block->parameters());
+      y.pow(2).sum().backward();
+      sgd.step();
+    }
+    for (const auto& p : block->parameters()) grads.push_back(p.grad().clone());
+    return std::pair{block, grads};
+  };
+  auto [plain, plain_grads] = run(std::nullopt);
+  const auto plain_bn = plain[1]->as<torch::nn::BatchNorm1d>();
+  for (const auto how : {form::module, form::function_and_module}) {
+    INFO("form " << static_cast<int>(how));
+    auto [block, grads] = run(how);
+    const auto bn = block[1]->as<torch::nn::BatchNorm1d>();
+    CHECK(bn->num_batches_tracked.item<std::int64_t>() == 3);
+    CHECK(test::bit_equal(plain_bn->running_mean, bn->running_mean));
+    CHECK(test::bit_equal(plain_bn->running_var, bn->running_var));
+    for (std::size_t i = 0; i < grads.size(); ++i) CHECK(test::bit_equal(plain_grads[i], grads[i]));
+    for (std::size_t i = 0; i < grads.size(); ++i)
+      CHECK(test::bit_equal(plain->parameters()[i], block->parameters()[i]));
+  }
+  // Given only the parameters, the function's modules are unknown: the recompute
+  // moves the statistics a second time, as PyTorch's checkpoint does.
+  auto [block, grads] = run(form::function_and_params);
+  CHECK(block[1]->as<torch::nn::BatchNorm1d>()->num_batches_tracked.item<std::int64_t>() == 6);
+}
+
+TEST_CASE("a module-form checkpoint inside a checkpointed function moves BatchNorm statistics once", "[checkpoint]") {
+  // The outer recompute runs the inner checkpoint's forward again, and the inner
+  // backward recomputes it once more: each scope puts the buffers back.
+  auto make = [] {
+    torch::manual_seed(17);
+    return torch::nn::Sequential(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::ReLU());
+  };
+  torch::manual_seed(18);
+  const auto x = torch::randn({16, 8});
+  auto plain = make(), nested = make();
+  auto expected = test::step(*plain, [&] { return (plain->forward(x * 1.5) * 2.0).pow(2).sum(); });
+  auto got = test::step(*nested, [&] {
+    const auto outer = [&](const torch::Tensor& t) { return memscale::checkpoint(nested, t * 1.5) * 2.0; };
+    return memscale::checkpoint(outer, x, nested->parameters()).pow(2).sum();
+  });
+  CHECK(test::bit_equal(expected.first, got.first));
+  CHECK(test::bit_equal(expected.second, got.second));
+  const auto bn_plain = plain[1]->as<torch::nn::BatchNorm1d>();
+  const auto bn = nested[1]->as<torch::nn::BatchNorm1d>();
+  CHECK(bn->num_batches_tracked.item<std::int64_t>() == 1);
+  CHECK(test::bit_equal(bn_plain->running_mean, bn->running_mean));
+  CHECK(test::bit_equal(bn_plain->running_var, bn->running_var));
+}
+
 TEST_CASE("a weight the segment reads but does not own still gets its gradient", "[checkpoint]") {
   // A block that reads a weight registered elsewhere (as tied embeddings do).
   struct UsesSharedImpl : torch::nn::Module {

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -213,9 +214,39 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
   }
 };
 
-/// Module holders (torch::nn::Linear, ...) take the module form of checkpoint().
+/// Module holders (torch::nn::Linear, ...) and shared_ptrs to modules: the
+/// module forms of checkpoint().
 template <class T>
 concept module_handle = requires(T& m) { m->parameters(); };
+
+/// The module a handle holds.
+template <module_handle Handle>
+std::shared_ptr<torch::nn::Module> held_module(const Handle& handle) {
+  if constexpr (requires { handle.ptr(); }) {
+    return handle.ptr();  // a ModuleHolder
+  } else {
+    return handle;
+  }
+}
+
+/// `fn`, with `module`'s buffers put back once a recompute has computed the
+/// gradients: the recompute runs the forward a second time, and BatchNorm's
+/// running statistics must move once a step, as without the checkpoint.
+template <class Fn>
+auto restoring_buffers(Fn fn, std::shared_ptr<torch::nn::Module> module) {
+  return [fn = std::move(fn), module = std::move(module)](const std::vector<torch::Tensor>& inputs) mutable {
+    if (auto* recompute = recompute_scope::current()) recompute->restore_on_close(*module);
+    return std::invoke(fn, inputs);
+  };
+}
+
+/// A one-tensor `fn` as a function of the inputs' vector.
+template <class Fn>
+auto of_first_input(Fn fn) {
+  return [fn = std::move(fn)](const std::vector<torch::Tensor>& inputs) mutable {
+    return std::vector<torch::Tensor>{std::invoke(fn, inputs[0])};
+  };
+}
 
 inline bool needs_checkpoint(at::TensorList inputs, at::TensorList params) {
   if (!torch::GradMode::is_enabled()) return false;
@@ -244,15 +275,34 @@ std::vector<torch::Tensor> checkpoint(Fn&& fn, std::vector<torch::Tensor> inputs
 template <class Fn>
   requires(!detail::module_handle<std::remove_cvref_t<Fn>>) && std::invocable<Fn&, const torch::Tensor&>
 torch::Tensor checkpoint(Fn&& fn, const torch::Tensor& input, std::vector<torch::Tensor> params = {}) {
-  auto outputs = checkpoint(
-      [f = std::forward<Fn>(fn)](const std::vector<torch::Tensor>& in) mutable {
-        return std::vector<torch::Tensor>{std::invoke(f, in[0])};
-      },
-      std::vector<torch::Tensor>{input}, std::move(params));
-  return outputs[0];
+  return checkpoint(detail::of_first_input(std::forward<Fn>(fn)), std::vector<torch::Tensor>{input},
+                    std::move(params))[0];
 }
 
-/// Module form: checkpoints `module->forward(x)` with the module's parameters.
+/// `fn(inputs)` reading `module` (a holder such as torch::nn::Sequential, or a
+/// shared_ptr to a module): its parameters are passed on as `params` above, and
+/// the buffers the recompute changes (BatchNorm's running statistics) are put
+/// back after it, so they move once a step, as without the checkpoint. With
+/// `params` alone they move twice, as they do under PyTorch's checkpoint.
+template <class Fn, class Handle>
+  requires(!detail::module_handle<std::remove_cvref_t<Fn>>) && detail::module_handle<const Handle> &&
+          std::invocable<Fn&, const std::vector<torch::Tensor>&>
+std::vector<torch::Tensor> checkpoint(Fn&& fn, std::vector<torch::Tensor> inputs, const Handle& module) {
+  auto held = detail::held_module(module);
+  auto params = held->parameters();
+  return checkpoint(detail::restoring_buffers(std::forward<Fn>(fn), std::move(held)), std::move(inputs),
+                    std::move(params));
+}
+
+/// Single-tensor form of the above.
+template <class Fn, class Handle>
+  requires(!detail::module_handle<std::remove_cvref_t<Fn>>) && detail::module_handle<const Handle> &&
+          std::invocable<Fn&, const torch::Tensor&>
+torch::Tensor checkpoint(Fn&& fn, const torch::Tensor& input, const Handle& module) {
+  return checkpoint(detail::of_first_input(std::forward<Fn>(fn)), std::vector<torch::Tensor>{input}, module)[0];
+}
+
+/// Module form: checkpoints `module->forward(x)`, as the form above.
 template <class ModuleHolder>
   requires requires(ModuleHolder& m, const torch::Tensor& x) {
     { m->forward(x) } -> std::convertible_to<torch::Tensor>;
@@ -260,7 +310,7 @@ template <class ModuleHolder>
   }
 torch::Tensor checkpoint(ModuleHolder& module, const torch::Tensor& input) {
   return checkpoint([module](const torch::Tensor& x) mutable -> torch::Tensor { return module->forward(x); },
-                    input, module->parameters());
+                    input, module);
 }
 
 }  // namespace memscale

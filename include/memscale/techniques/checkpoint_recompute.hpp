@@ -135,6 +135,12 @@ class recompute_scope {
     registered_.push_back(first);
     restores_.push_back(std::make_unique<buffer_restore>(slots));
   }
+  /// The same for one module (memscale::checkpoint's module forms), once per scope.
+  void restore_on_close(const torch::nn::Module& module) {
+    if (std::find(registered_.begin(), registered_.end(), &module) != registered_.end()) return;
+    registered_.push_back(&module);
+    restores_.push_back(std::make_unique<buffer_restore>(module));
+  }
   static recompute_scope*& current() {
     thread_local recompute_scope* scope = nullptr;
     return scope;
