@@ -328,6 +328,30 @@ TEST_CASE("Config and Strategy can exclude checkpointing, low pressure skips", "
   }
 }
 
+TEST_CASE("clone() under a guard says what to do instead, and works again once the guard ends", "[api]") {
+  // LibTorch's Sequential::clone() clones slot by slot, and memscale's wrappers
+  // stand in the slots while the guard lives: LibTorch's own message named only
+  // the wrapper's type.
+  torch::manual_seed(21);
+  auto seq = test::flat_chain(4);
+  const auto x = torch::randn({8, 32, 64});
+  const auto slots = test::slot_identity(*seq);
+  {
+    auto guard = memscale::optimize(seq, x, test::quiet({.force_optimize = true}));
+    REQUIRE(guard.report().checkpointed_segments() > 0);
+    CHECK_THROWS_WITH(seq->clone(), Catch::Contains("clone the model before or after") &&
+                                        Catch::Contains("memscale::CheckpointSegment"));
+    seq->forward(x).pow(2).mean().backward();  // the model trains on
+  }
+  CHECK(test::slot_identity(*seq) == slots);
+  const auto copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(seq->clone());
+  REQUIRE(copy != nullptr);
+  torch::manual_seed(22);
+  const auto from_copy = copy->forward(x);
+  torch::manual_seed(22);  // the same Dropout masks
+  CHECK(test::bit_equal(from_copy, seq->forward(x)));
+}
+
 TEST_CASE("where the optimal schedule replaces the greedy segments, the report says so", "[api][engine]") {
   // The acceptance chain under the light touch and a range of budgets: the
   // override depends on the measured slot times, so each case checks that the

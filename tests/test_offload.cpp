@@ -1,7 +1,9 @@
 // The offload path: saved-tensor hooks through the Engine subclass, the tiered
 // engine (every tier, dtype and layout, spills, faults, prefetch), the Offload
 // technique on real chains, and the decision engine's offload rules.
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +14,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "test_support.hpp"
@@ -277,6 +280,128 @@ TEST_CASE("the disk tier's writes and reads hold no second copy in the process",
   CHECK(back == data);
   CHECK(write_growth < bytes / 8);
   CHECK(read_growth < bytes / 8);
+}
+
+namespace {
+
+/// How many of `file`'s pages the page cache holds (mincore on a mapping of
+/// it, which reads nothing).
+std::int64_t cached_pages(const fs::path& file) {
+  const auto bytes = static_cast<std::size_t>(fs::file_size(file));
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  void* map = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  REQUIRE(map != MAP_FAILED);
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident((bytes + page - 1) / page);
+  const int status = ::mincore(map, bytes, resident.data());
+  ::munmap(map, bytes);
+  REQUIRE(status == 0);
+  return std::count_if(resident.begin(), resident.end(), [](unsigned char r) { return (r & 1U) != 0; });
+}
+
+/// The disk tier's own directory choice, where it is on a disk (on tmpfs the
+/// page cache is where the bytes live).
+std::optional<fs::path> disk_backed_directory() {
+  for (const auto& dir : memscale::offload::disk_parent_candidates(std::nullopt))
+    if (!memscale::offload::is_ram_backed(dir)) return dir;
+  return std::nullopt;
+}
+
+}  // namespace
+
+TEST_CASE("the disk tier's bytes leave host memory: written through to the disk, then out of the page cache",
+          "[offload][engine]") {
+  const auto dir = disk_backed_directory();
+  if (!dir) {
+    WARN("no disk-backed directory for the disk tier here: nothing to check");
+    return;
+  }
+  const std::int64_t bytes = std::int64_t{16} << 20;
+  const std::int64_t pages = bytes / ::sysconf(_SC_PAGESIZE);
+  std::vector<char> data(static_cast<std::size_t>(bytes), 7), back(static_cast<std::size_t>(bytes), 0);
+  const auto file = *dir / ("memscale-test-through-" + std::to_string(::getpid()) + ".bin");
+  using memscale::offload::disk_store;
+  // Written into the page cache only: every page is there, dirty.
+  REQUIRE(disk_store::write(file, data.data(), bytes, /*through=*/false).empty());
+  CHECK(cached_pages(file) > pages * 9 / 10);
+  // Written through: none is.
+  REQUIRE(disk_store::write(file, data.data(), bytes).empty());
+  CHECK(cached_pages(file) <= pages / 100);
+  // Read back through, the pages the read brought in go too; read plainly, they stay.
+  REQUIRE(disk_store::read(file, back.data(), bytes).empty());
+  CHECK(back == data);
+  CHECK(cached_pages(file) <= pages / 100);
+  std::fill(back.begin(), back.end(), 0);
+  REQUIRE(disk_store::read(file, back.data(), bytes, /*through=*/false).empty());
+  CHECK(back == data);
+  CHECK(cached_pages(file) > pages * 9 / 10);
+  fs::remove(file);
+
+  // The engine, synchronous and asynchronous: its files hold no page in the
+  // cache once written, and the tensor comes back bit for bit; with
+  // disk_write_through off, they do.
+  for (const bool async : {false, true}) {
+    for (const bool through : {true, false}) {
+      INFO((async ? "async" : "sync") << (through ? ", written through" : ", into the page cache"));
+      auto options = quiet_options({.disk_dir = dir->string(), .disk_write_through = through, .async = async});
+      engine e(options);
+      const auto t = torch::randn({1024, 1024});  // 4 MiB
+      const auto kept = e.store(t, tier::disk);
+      e.wait_idle();
+      REQUIRE(kept->where() == tier::disk);
+      std::int64_t cached = 0, files = 0;
+      for (const auto& entry : fs::directory_iterator(e.disk_directory())) {
+        cached += cached_pages(entry.path());
+        ++files;
+      }
+      CHECK(files == 1);
+      if (through) CHECK(cached <= (4 << 20) / ::sysconf(_SC_PAGESIZE) / 100);
+      else CHECK(cached > (4 << 20) / ::sysconf(_SC_PAGESIZE) * 9 / 10);
+      CHECK(torch::equal(e.load(kept), t));
+    }
+  }
+  // The Config's field reaches the engine.
+  memscale::Config config;
+  CHECK(memscale::offload::options_from(config).disk_write_through);
+  config.async_config = memscale::AsyncOffloadConfig{.disk_write_through = false};
+  CHECK_FALSE(memscale::offload::options_from(config).disk_write_through);
+}
+
+TEST_CASE("the planner budgets the disk tier at the rate measured here, once per process", "[offload][engine]") {
+  const auto dir = disk_backed_directory();
+  if (!dir) {
+    WARN("no disk-backed directory for the disk tier here: nothing to check");
+    return;
+  }
+  using memscale::offload::measured_disk_bytes_per_second;
+  {
+    // A directory that takes no file gives no rate, and the failure is not kept.
+    const memscale::detail::inject_fault fault(memscale::detail::offload_fault::disk_full);
+    CHECK_FALSE(measured_disk_bytes_per_second(dir->string(), true).has_value());
+  }
+  const auto through = measured_disk_bytes_per_second(dir->string(), true);
+  REQUIRE(through.has_value());
+  CHECK(*through > 1e6);  // 16 MiB written and read back: well over a MB/s on any disk
+  const auto start = std::chrono::steady_clock::now();
+  CHECK(measured_disk_bytes_per_second(dir->string(), true) == through);  // measured once
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::milliseconds(5));
+  const auto cached = measured_disk_bytes_per_second(dir->string(), false);
+  REQUIRE(cached.has_value());
+  // What the planner assumes for a CPU tensor's offload, and a CUDA tensor's without host room.
+  auto options = quiet_options({.disk_bytes = std::int64_t{1} << 30, .disk_dir = dir->string()});
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options).second == *through);
+  options.disk_write_through = false;
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options).second == *cached);
+  options.host_bytes = 0;
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCUDA, 0), options).second == *cached);
+  options.host_bytes = std::int64_t{1} << 30;
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCUDA, 0), options).second ==
+        memscale::core::nominal_host_link_bytes_per_second);
+  options.disk_bytes = 0;
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options).second ==
+        memscale::core::nominal_disk_bytes_per_second);
 }
 
 TEST_CASE("a full tier spills to the next, with all full the tensor stays", "[offload][engine]") {

@@ -14,12 +14,17 @@
 #include <memscale/core/call_sites.hpp>
 #include <memscale/detail/assert.hpp>
 #include <memscale/detail/fault_injection.hpp>
+#include <memscale/errors.hpp>
 
 namespace memscale::core {
 
 /// Fills a slot that belongs to a checkpointed segment starting earlier.
 class PassThroughImpl : public torch::nn::Module {
  public:
+  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
+  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
+    memscale::detail::refuse_clone(name());
+  }
   PassThroughImpl() : torch::nn::Module("memscale::PassThrough") {}
   torch::Tensor forward(torch::Tensor x) { return x; }
 };

@@ -47,13 +47,17 @@ class buffer_restore {
     }
   }
 
-  /// Puts the buffers back now (and again at the end).
+  /// Puts the buffers back now (and again at the end), in place and with no
+  /// new version: a graph kept for a double backward (a checkpoint's recompute
+  /// under create_graph) saved BatchNorm's running statistics at the version the
+  /// recompute left, and its backward, which does not read them in training,
+  /// refused the gradient penalty's backward when the copy counted as a write.
   void restore() {
     torch::NoGradGuard no_grad;
     const computing_guard computing;
-    // Only what changed: a copy bumps the version of a buffer autograd may have saved.
+    const at::AutoDispatchBelowADInplaceOrView no_new_version;
     for (auto& [live, copy] : saved_)
-      if (!live.equal(copy)) live.copy_(copy);
+      if (!live.equal(copy)) live.copy_(copy);  // only what changed
   }
 
  private:

@@ -48,12 +48,12 @@ namespace memscale::core {
 
 /// Room in the offload tiers for tensors on `device` (the engine's caps, see
 /// offload::options_from), and the transfer rate to the tier they reach first:
-/// host tiers then disk for CUDA, disk only for CPU tensors.
+/// host tiers then disk for CUDA, disk only for CPU tensors (its rate measured).
 inline std::pair<std::int64_t, double> offload_room(const c10::Device& device, const offload::engine_options& o) {
-  const std::int64_t disk = o.disk_bytes.value_or(0);
-  if (!device.is_cuda()) return {disk, nominal_disk_bytes_per_second};
-  const std::int64_t host = o.host_bytes.value_or(0);
-  return {host + disk, host > 0 ? nominal_host_link_bytes_per_second : nominal_disk_bytes_per_second};
+  const std::int64_t disk = o.disk_bytes.value_or(0), host = device.is_cuda() ? o.host_bytes.value_or(0) : 0;
+  if (host > 0) return {host + disk, nominal_host_link_bytes_per_second};
+  const auto rate = disk > 0 ? offload::measured_disk_bytes_per_second(o.disk_dir, o.disk_write_through) : std::nullopt;
+  return {host + disk, rate.value_or(nominal_disk_bytes_per_second)};
 }
 
 inline void attachment::choose_strategy(const std::vector<chain_profile>& profiles,

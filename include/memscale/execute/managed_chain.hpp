@@ -18,6 +18,7 @@
 #include <memscale/core/graph.hpp>
 #include <memscale/core/profiler.hpp>
 #include <memscale/core/slots.hpp>
+#include <memscale/errors.hpp>
 #include <memscale/techniques/checkpoint.hpp>
 #include <memscale/techniques/concepts.hpp>
 #include <memscale/techniques/mixed_precision.hpp>
@@ -38,7 +39,7 @@ struct technique_set {
 /// Nominal one-way rates the planner assumes for an offload transfer (the
 /// engine's statistics report what a step really took).
 inline constexpr double nominal_host_link_bytes_per_second = 16e9;  // pinned PCIe copies
-inline constexpr double nominal_disk_bytes_per_second = 1e9;        // a local SSD
+inline constexpr double nominal_disk_bytes_per_second = 1e9;        // a local SSD, where no rate is measured
 
 class attachment;
 
@@ -51,6 +52,10 @@ using plan_agreement = std::function<engine_plan(const std::vector<chain_profile
 /// Slot 0 of a chain whose plan waits for its first input (wrap without an example).
 class PlanningProbeImpl : public torch::nn::Module {
  public:
+  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
+  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
+    memscale::detail::refuse_clone(name());
+  }
   PlanningProbeImpl(std::weak_ptr<attachment> owner, std::size_t chain, torch::nn::AnyModule original)
       : torch::nn::Module("memscale::PlanningProbe"),
         owner_(std::move(owner)),

@@ -117,7 +117,8 @@ inline void reject_unknown_fields(const nlohmann::json& given, const nlohmann::j
 inline void to_json(nlohmann::json& j, const AsyncOffloadConfig& c) {
   using detail::put_optional;
   j = {{"prefetch_depth", c.prefetch_depth}, {"pinned_pool_mb", c.pinned_pool_mb}, {"io_threads", c.io_threads},
-       {"min_offload_kb", c.min_offload_kb}, {"batch_below_kb", c.batch_below_kb}};
+       {"min_offload_kb", c.min_offload_kb}, {"batch_below_kb", c.batch_below_kb},
+       {"disk_write_through", c.disk_write_through}};
   put_optional(j, "disk_dir", c.disk_dir);
   put_optional(j, "max_disk_offload_gb", c.max_disk_offload_gb);
 }
@@ -131,6 +132,7 @@ inline void from_json(const nlohmann::json& j, AsyncOffloadConfig& c) {
   field("io_threads", c.io_threads);
   field("min_offload_kb", c.min_offload_kb);
   field("batch_below_kb", c.batch_below_kb);
+  field("disk_write_through", c.disk_write_through);
   field("disk_dir", c.disk_dir);
   field("max_disk_offload_gb", c.max_disk_offload_gb);
   detail::reject_unknown_fields(j, nlohmann::json(c), "async_config.");

@@ -22,8 +22,10 @@
 //   engine_placement.hpp  engine: placing a tensor on each tier, the async disk write
 //   engine_store.hpp      engine: store(), store_or_defer(), flush() into batches
 //   engine_load.hpp       engine: load(), fetch from each tier, prefetch
+//   disk_rate.hpp         the disk tier's rate as measured here, for the planner
 #pragma once
 
+#include <memscale/offload/disk_rate.hpp>
 #include <memscale/offload/engine_class.hpp>
 #include <memscale/offload/engine_core.hpp>
 #include <memscale/offload/engine_load.hpp>

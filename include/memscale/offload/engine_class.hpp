@@ -122,8 +122,8 @@ class engine {
 
   bool to_disk(const stored_handle& rec, const at::Tensor& t);
 
-  /// Reads `rec`'s file into a new host tensor of its layout.
-  static at::Tensor read_back(const stored_tensor& rec);
+  /// Reads `rec`'s file into a new host tensor of its layout (`through`: disk_store::read's).
+  static at::Tensor read_back(const stored_tensor& rec, bool through);
 
   /// The host tensor (or the device tensor) `rec` holds, without moving it back yet.
   at::Tensor fetch(stored_tensor& rec);

@@ -49,9 +49,9 @@ inline at::Tensor engine::from_batch(const stored_tensor& rec, detail::batch& b)
   return out;
 }
 
-inline at::Tensor engine::read_back(const stored_tensor& rec) {
+inline at::Tensor engine::read_back(const stored_tensor& rec, bool through) {
   at::Tensor host = rec.layout_.empty_on(c10::kCPU);
-  if (const auto error = disk_store::read(rec.file_, host.data_ptr(), rec.layout_.bytes); !error.empty())
+  if (const auto error = disk_store::read(rec.file_, host.data_ptr(), rec.layout_.bytes, through); !error.empty())
     TORCH_CHECK(false, "memscale: an offloaded tensor could not be read back from disk (", error,
                 "); was the offload directory removed while training?");
   return host;
@@ -92,7 +92,7 @@ inline at::Tensor engine::fetch(stored_tensor& rec) {
       }
       if (!host.defined()) {
         const auto start = detail::clock::now();
-        host = read_back(rec);
+        host = read_back(rec, core_->options.disk_write_through);
         const double took = detail::seconds_since(start);
         core_->update([&](engine_stats& s) {
           ++s.prefetch_misses;
@@ -168,7 +168,7 @@ inline void engine::prefetch_before(int group) {
       std::string error;
       try {
         detail::io_job_fault_point();
-        host = read_back(*rec);
+        host = read_back(*rec, core->options.disk_write_through);
       } catch (const std::exception& e) {
         error = e.what();  // load() reads again inline and reports it there
       } catch (...) {

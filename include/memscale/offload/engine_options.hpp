@@ -31,6 +31,7 @@ struct engine_options {
   std::optional<std::int64_t> host_bytes{};     ///< pinned + pageable together; unset: no cap
   std::optional<std::int64_t> disk_bytes{};     ///< unset: as much as the file system takes
   std::optional<std::string> disk_dir{};        ///< parent of the disk tier's directory; unset: disk_parent_candidates
+  bool disk_write_through = true;               ///< AsyncOffloadConfig::disk_write_through
   bool async = false;
   int io_threads = 2;
   int prefetch_depth = 2;                       ///< groups fetched ahead of backward
@@ -71,6 +72,7 @@ inline engine_options options_from(const Config& config) {
     }
   }
   o.disk_dir = async.disk_dir;
+  o.disk_write_through = async.disk_write_through;
   o.async = config.async_offload;
   o.io_threads = async.io_threads;
   o.prefetch_depth = async.prefetch_depth;

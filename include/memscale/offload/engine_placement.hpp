@@ -120,7 +120,7 @@ inline bool engine::to_disk(const stored_handle& rec, const at::Tensor& t) {
       std::string error;
       try {
         detail::io_job_fault_point();
-        error = disk_store::write(rec->file_, source.data_ptr(), rec->layout_.bytes);
+        error = disk_store::write(rec->file_, source.data_ptr(), rec->layout_.bytes, core->options.disk_write_through);
       } catch (const std::exception& e) {
         error = e.what();
       } catch (...) {
@@ -168,7 +168,8 @@ inline bool engine::to_disk(const stored_handle& rec, const at::Tensor& t) {
     }
     return true;
   }
-  if (const auto error = disk_store::write(rec->file_, source.data_ptr(), bytes); !error.empty()) {
+  if (const auto error = disk_store::write(rec->file_, source.data_ptr(), bytes, core_->options.disk_write_through);
+      !error.empty()) {
     core_->release(tier::disk, bytes);
     rec->file_.clear();
     core_->update([](engine_stats& s) { ++s.disk_failures; });

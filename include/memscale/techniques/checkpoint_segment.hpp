@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include <memscale/detail/modules.hpp>
+#include <memscale/errors.hpp>
 #include <memscale/techniques/checkpoint_function.hpp>
 #include <memscale/techniques/checkpoint_recompute.hpp>
 #include <memscale/techniques/concepts.hpp>
@@ -85,6 +86,10 @@ class slot_wrapper {
 /// nothing, so parameters() and state-dict names do not change.
 class CheckpointSegmentImpl : public torch::nn::Module, public detail::slot_wrapper, public detail::gated {
  public:
+  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
+  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
+    memscale::detail::refuse_clone(name());
+  }
   /// `replay_random_draws`: the recompute writes back the forward's random masks
   /// rather than drawing them again (Config::replay_random_draws).
   /// `keep_products`: the forward keeps its matrix products' outputs and the

@@ -89,6 +89,10 @@ class autocast_scope {
 /// loss, not backward). Registers nothing, like the other wrappers.
 class AutocastSlotImpl : public torch::nn::Module, public detail::slot_wrapper {
  public:
+  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
+  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
+    memscale::detail::refuse_clone(name());
+  }
   explicit AutocastSlotImpl(torch::nn::AnyModule inner)
       : torch::nn::Module("memscale::AutocastSlot"), slots_{std::move(inner)} {}
 

@@ -192,6 +192,10 @@ class offload_scope {
 /// with their saved tensors offloaded. Registers nothing, like CheckpointSegment.
 class OffloadSegmentImpl : public torch::nn::Module, public detail::gated {
  public:
+  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
+  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
+    memscale::detail::refuse_clone(name());
+  }
   OffloadSegmentImpl(std::vector<torch::nn::AnyModule> slots, std::shared_ptr<offload::engine> engine)
       : torch::nn::Module("memscale::OffloadSegment"), slots_(std::move(slots)), engine_(std::move(engine)) {
     if (!engine_) throw Error("memscale: an OffloadSegment needs an offload engine, got none");

@@ -37,6 +37,7 @@
 
 #include <memscale/detail/draw_replay.hpp>
 #include <memscale/detail/output_recipes.hpp>
+#include <memscale/errors.hpp>
 #include <memscale/offload/hooks.hpp>
 #include <memscale/techniques/checkpoint_segment.hpp>
 #include <memscale/techniques/mask_packing.hpp>
@@ -370,6 +371,10 @@ class saved_compaction_scope {
 /// Registers nothing: parameters and state-dict names do not change.
 class CompactSavedSlotImpl : public torch::nn::Module, public detail::slot_wrapper {
  public:
+  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
+  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
+    memscale::detail::refuse_clone(name());
+  }
   CompactSavedSlotImpl(torch::nn::AnyModule inner, saved_compaction what)
       : torch::nn::Module("memscale::CompactSavedSlot"), slots_{std::move(inner)}, what_(what) {}
 

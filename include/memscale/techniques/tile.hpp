@@ -231,6 +231,10 @@ torch::Tensor tile(ModuleHolder& module, const torch::Tensor& x, std::int64_t ti
 /// CheckpointSegment it registers nothing: parameters() and names do not change.
 class TileSegmentImpl : public torch::nn::Module, public detail::slot_wrapper, public detail::gated {
  public:
+  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
+  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
+    memscale::detail::refuse_clone(name());
+  }
   TileSegmentImpl(std::vector<torch::nn::AnyModule> slots, int tiles, int dim)
       : torch::nn::Module("memscale::TileSegment"),
         slots_(std::move(slots)),
