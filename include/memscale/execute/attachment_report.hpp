@@ -13,7 +13,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
-#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -225,13 +225,12 @@ inline std::optional<verify::step_outcome> attachment::autocast_reference_step(v
 /// Whether one parameter is read by two slots of `chains` (a module used by
 /// several slots, as a shared Linear, or modules that share a weight).
 inline bool slots_share_a_parameter(const std::vector<managed_chain>& chains) {
-  std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> first_slot;  // chain, slot
-  for (std::size_t c = 0; c < chains.size(); ++c)
-    for (std::size_t k = 0; k < chains[c].originals.size(); ++k) {
-      const auto& slot = chains[c].originals[k];
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& chain : chains)
+    for (const auto& slot : chain.originals) {
       if (slot.is_empty()) continue;
       for (const auto& p : slot.ptr()->parameters())
-        if (!first_slot.emplace(p.unsafeGetTensorImpl(), std::pair{c, k}).second) return true;
+        if (!seen.insert(p.unsafeGetTensorImpl()).second) return true;
     }
   return false;
 }
