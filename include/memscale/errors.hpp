@@ -74,16 +74,6 @@ namespace detail {
   return e.what();
 }
 
-/// clone() of a slot wrapper (memscale::CheckpointSegment, ...): a Sequential's
-/// slots hold them while a guard or wrap() is attached, and LibTorch's
-/// Sequential::clone() clones slot by slot. Says what to do instead.
-[[noreturn]] inline void refuse_clone(const std::string& wrapper) {
-  throw Error("memscale: clone() reached " + wrapper +
-              ", which stands in a Sequential's slot while memscale is attached to the model (a guard from "
-              "optimize() or wrap(), until it ends or memscale::detach); clone the model before or after, or "
-              "copy its state with torch::save and torch::load");
-}
-
 }  // namespace detail
 
 }  // namespace memscale

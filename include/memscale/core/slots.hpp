@@ -14,26 +14,22 @@
 #include <memscale/core/call_sites.hpp>
 #include <memscale/detail/assert.hpp>
 #include <memscale/detail/fault_injection.hpp>
-#include <memscale/errors.hpp>
+#include <memscale/detail/modules.hpp>
 
 namespace memscale::core {
 
 /// Fills a slot that belongs to a checkpointed segment starting earlier.
-class PassThroughImpl : public torch::nn::Module {
+class PassThroughImpl : public memscale::detail::wrapper_module {
  public:
-  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
-  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
-    memscale::detail::refuse_clone(name());
-  }
-  PassThroughImpl() : torch::nn::Module("memscale::PassThrough") {}
+  PassThroughImpl() : wrapper_module("memscale::PassThrough") {}
   torch::Tensor forward(torch::Tensor x) { return x; }
 };
 
 /// Slot 0 while wrap() runs the example input: records what the chain receives.
-class InputCaptureImpl : public torch::nn::Module {
+class InputCaptureImpl : public memscale::detail::wrapper_module {
  public:
   explicit InputCaptureImpl(torch::nn::AnyModule original)
-      : torch::nn::Module("memscale::InputCapture"), original_(std::move(original)) {}
+      : wrapper_module("memscale::InputCapture"), original_(std::move(original)) {}
   torch::Tensor forward(torch::Tensor x) {
     if (!captured_.defined()) {
       captured_ = x.detach();
@@ -54,10 +50,10 @@ class InputCaptureImpl : public torch::nn::Module {
 /// The one slot of a model with no unit boundaries: its whole forward. It
 /// registers the model, so the profiler sees its parameters and puts its
 /// buffers back.
-class WholeModelImpl : public torch::nn::Module {
+class WholeModelImpl : public memscale::detail::wrapper_module {
  public:
   WholeModelImpl(const std::shared_ptr<torch::nn::Module>& model, std::function<torch::Tensor(const torch::Tensor&)> fn)
-      : torch::nn::Module("memscale::WholeModel"), fn_(std::move(fn)) {
+      : wrapper_module("memscale::WholeModel"), fn_(std::move(fn)) {
     register_module("model", model);
   }
   torch::Tensor forward(torch::Tensor x) { return fn_(x); }

@@ -11,6 +11,8 @@
 
 #include <torch/torch.h>
 
+#include <memscale/errors.hpp>
+
 namespace memscale {
 namespace detail {
 
@@ -42,6 +44,21 @@ std::shared_ptr<torch::nn::Module> root_of(const M& model) {
 inline const torch::nn::LinearImpl* plain_linear(const torch::nn::Module& m) noexcept {
   return typeid(m) == typeid(torch::nn::LinearImpl) ? dynamic_cast<const torch::nn::LinearImpl*>(&m) : nullptr;
 }
+
+/// The base of memscale's slot wrappers (memscale::CheckpointSegment, ...): a
+/// Sequential's slots hold them while a guard or wrap() is attached, and
+/// LibTorch's Sequential::clone() clones slot by slot. Their clone() says what
+/// to do instead.
+class wrapper_module : public torch::nn::Module {
+ public:
+  using torch::nn::Module::Module;
+  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
+    throw Error("memscale: clone() reached " + name() +
+                ", which stands in a Sequential's slot while memscale is attached to the model (a guard from "
+                "optimize() or wrap(), until it ends or memscale::detach); clone the model before or after, or "
+                "copy its state with torch::save and torch::load");
+  }
+};
 
 }  // namespace detail
 

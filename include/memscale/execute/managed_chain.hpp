@@ -18,7 +18,7 @@
 #include <memscale/core/graph.hpp>
 #include <memscale/core/profiler.hpp>
 #include <memscale/core/slots.hpp>
-#include <memscale/errors.hpp>
+#include <memscale/detail/modules.hpp>
 #include <memscale/techniques/checkpoint.hpp>
 #include <memscale/techniques/concepts.hpp>
 #include <memscale/techniques/mixed_precision.hpp>
@@ -50,14 +50,10 @@ class attachment;
 using plan_agreement = std::function<engine_plan(const std::vector<chain_profile>& profiles, engine_plan local)>;
 
 /// Slot 0 of a chain whose plan waits for its first input (wrap without an example).
-class PlanningProbeImpl : public torch::nn::Module {
+class PlanningProbeImpl : public memscale::detail::wrapper_module {
  public:
-  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
-  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
-    memscale::detail::refuse_clone(name());
-  }
   PlanningProbeImpl(std::weak_ptr<attachment> owner, std::size_t chain, torch::nn::AnyModule original)
-      : torch::nn::Module("memscale::PlanningProbe"),
+      : wrapper_module("memscale::PlanningProbe"),
         owner_(std::move(owner)),
         chain_(chain),
         original_(std::move(original)) {}

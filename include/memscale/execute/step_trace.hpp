@@ -16,8 +16,8 @@
 #include <torch/torch.h>
 
 #include <memscale/core/plan.hpp>
+#include <memscale/detail/modules.hpp>
 #include <memscale/device/memory_tracker.hpp>
-#include <memscale/errors.hpp>
 #include <memscale/techniques/checkpoint_recompute.hpp>
 
 namespace memscale::core {
@@ -61,14 +61,10 @@ class step_recorder {
 };
 
 /// Wraps a unit's slot (or call) for one traced step; records around it.
-class TraceMarkImpl : public torch::nn::Module {
+class TraceMarkImpl : public memscale::detail::wrapper_module {
  public:
-  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
-  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
-    memscale::detail::refuse_clone(name());
-  }
   TraceMarkImpl(torch::nn::AnyModule inner, int chain, int unit, std::shared_ptr<step_recorder> recorder)
-      : torch::nn::Module("memscale::TraceMark"),
+      : wrapper_module("memscale::TraceMark"),
         inner_(std::move(inner)),
         chain_(chain),
         unit_(unit),

@@ -28,6 +28,7 @@
 #include <memscale/detail/compat.hpp>
 #include <memscale/detail/draw_replay.hpp>
 #include <memscale/detail/fault_injection.hpp>
+#include <memscale/detail/modules.hpp>
 #include <memscale/detail/product_replay.hpp>
 #include <memscale/detail/rng.hpp>
 #include <memscale/errors.hpp>
@@ -219,16 +220,6 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
 template <class T>
 concept module_handle = requires(T& m) { m->parameters(); };
 
-/// The module a handle holds.
-template <module_handle Handle>
-std::shared_ptr<torch::nn::Module> held_module(const Handle& handle) {
-  if constexpr (requires { handle.ptr(); }) {
-    return handle.ptr();  // a ModuleHolder
-  } else {
-    return handle;
-  }
-}
-
 /// `fn`, with `module`'s buffers put back once a recompute has computed the
 /// gradients: the recompute runs the forward a second time, and BatchNorm's
 /// running statistics must move once a step, as without the checkpoint.
@@ -288,7 +279,7 @@ template <class Fn, class Handle>
   requires(!detail::module_handle<std::remove_cvref_t<Fn>>) && detail::module_handle<const Handle> &&
           std::invocable<Fn&, const std::vector<torch::Tensor>&>
 std::vector<torch::Tensor> checkpoint(Fn&& fn, std::vector<torch::Tensor> inputs, const Handle& module) {
-  auto held = detail::held_module(module);
+  auto held = detail::root_of(module);
   auto params = held->parameters();
   return checkpoint(detail::restoring_buffers(std::forward<Fn>(fn), std::move(held)), std::move(inputs),
                     std::move(params));

@@ -130,23 +130,24 @@ class recompute_scope {
   /// the same slots chunk after chunk, and the state to return to is the first's.
   void restore_on_close(const std::vector<torch::nn::AnyModule>& slots) {
     if (slots.empty()) return;
-    const auto* first = slots.front().ptr().get();
-    if (std::find(registered_.begin(), registered_.end(), first) != registered_.end()) return;
-    registered_.push_back(first);
-    restores_.push_back(std::make_unique<buffer_restore>(slots));
+    restore_once(slots.front().ptr().get(), slots);
   }
   /// The same for one module (memscale::checkpoint's module forms), once per scope.
-  void restore_on_close(const torch::nn::Module& module) {
-    if (std::find(registered_.begin(), registered_.end(), &module) != registered_.end()) return;
-    registered_.push_back(&module);
-    restores_.push_back(std::make_unique<buffer_restore>(module));
-  }
+  void restore_on_close(const torch::nn::Module& module) { restore_once(&module, module); }
   static recompute_scope*& current() {
     thread_local recompute_scope* scope = nullptr;
     return scope;
   }
 
  private:
+  /// Snapshots `what`'s buffers unless `key` has been registered in this scope.
+  template <class What>
+  void restore_once(const torch::nn::Module* key, const What& what) {
+    if (std::find(registered_.begin(), registered_.end(), key) != registered_.end()) return;
+    registered_.push_back(key);
+    restores_.push_back(std::make_unique<buffer_restore>(what));
+  }
+
   recompute_scope* previous_;
   std::vector<std::unique_ptr<buffer_restore>> restores_;
   std::vector<const torch::nn::Module*> registered_;

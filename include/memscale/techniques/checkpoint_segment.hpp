@@ -15,7 +15,6 @@
 #include <torch/torch.h>
 
 #include <memscale/detail/modules.hpp>
-#include <memscale/errors.hpp>
 #include <memscale/techniques/checkpoint_function.hpp>
 #include <memscale/techniques/checkpoint_recompute.hpp>
 #include <memscale/techniques/concepts.hpp>
@@ -84,19 +83,15 @@ class slot_wrapper {
 /// A chain slot that runs consecutive original slots as one checkpointed segment.
 /// The originals stay registered in their Sequential; this wrapper registers
 /// nothing, so parameters() and state-dict names do not change.
-class CheckpointSegmentImpl : public torch::nn::Module, public detail::slot_wrapper, public detail::gated {
+class CheckpointSegmentImpl : public memscale::detail::wrapper_module, public detail::slot_wrapper, public detail::gated {
  public:
-  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
-  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
-    memscale::detail::refuse_clone(name());
-  }
   /// `replay_random_draws`: the recompute writes back the forward's random masks
   /// rather than drawing them again (Config::replay_random_draws).
   /// `keep_products`: the forward keeps its matrix products' outputs and the
   /// recompute takes them back (selective recompute, Config::selective_recompute).
   explicit CheckpointSegmentImpl(std::vector<torch::nn::AnyModule> slots, bool replay_random_draws = true,
                                  bool keep_products = false)
-      : torch::nn::Module("memscale::CheckpointSegment"), slots_(std::move(slots)) {
+      : wrapper_module("memscale::CheckpointSegment"), slots_(std::move(slots)) {
     params_ = detail::parameters_of(slots_);
     body_ = detail::slots_body(slots_);
     body_->tail = detail::linear_tail_of(slots_, params_);

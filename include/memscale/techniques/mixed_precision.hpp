@@ -22,6 +22,7 @@
 
 #include <memscale/detail/compat.hpp>
 #include <memscale/detail/fault_injection.hpp>
+#include <memscale/detail/modules.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/techniques/checkpoint.hpp>  // detail::slot_wrapper
 
@@ -87,14 +88,10 @@ class autocast_scope {
 /// nothing else: backward, the optimizer step and code outside the chains run
 /// as the user wrote them (LibTorch's guidance: autocast the forward and the
 /// loss, not backward). Registers nothing, like the other wrappers.
-class AutocastSlotImpl : public torch::nn::Module, public detail::slot_wrapper {
+class AutocastSlotImpl : public memscale::detail::wrapper_module, public detail::slot_wrapper {
  public:
-  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
-  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
-    memscale::detail::refuse_clone(name());
-  }
   explicit AutocastSlotImpl(torch::nn::AnyModule inner)
-      : torch::nn::Module("memscale::AutocastSlot"), slots_{std::move(inner)} {}
+      : wrapper_module("memscale::AutocastSlot"), slots_{std::move(inner)} {}
 
   torch::Tensor forward(torch::Tensor x) {
     // CUDA autocast only for CUDA inputs: a CPU-only LibTorch has no CUDA casts.

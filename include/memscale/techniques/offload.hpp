@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 
 #include <memscale/detail/fault_injection.hpp>
+#include <memscale/detail/modules.hpp>
 #include <memscale/detail/step_gate.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/offload/engine.hpp>
@@ -190,14 +191,10 @@ class offload_scope {
 
 /// A chain slot that runs consecutive original slots (or one memscale wrapper)
 /// with their saved tensors offloaded. Registers nothing, like CheckpointSegment.
-class OffloadSegmentImpl : public torch::nn::Module, public detail::gated {
+class OffloadSegmentImpl : public memscale::detail::wrapper_module, public detail::gated {
  public:
-  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
-  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
-    memscale::detail::refuse_clone(name());
-  }
   OffloadSegmentImpl(std::vector<torch::nn::AnyModule> slots, std::shared_ptr<offload::engine> engine)
-      : torch::nn::Module("memscale::OffloadSegment"), slots_(std::move(slots)), engine_(std::move(engine)) {
+      : wrapper_module("memscale::OffloadSegment"), slots_(std::move(slots)), engine_(std::move(engine)) {
     if (!engine_) throw Error("memscale: an OffloadSegment needs an offload engine, got none");
     label_ = detail::slot_names(slots_);
   }

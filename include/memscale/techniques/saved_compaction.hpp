@@ -36,8 +36,8 @@
 #include <torch/torch.h>
 
 #include <memscale/detail/draw_replay.hpp>
+#include <memscale/detail/modules.hpp>
 #include <memscale/detail/output_recipes.hpp>
-#include <memscale/errors.hpp>
 #include <memscale/offload/hooks.hpp>
 #include <memscale/techniques/checkpoint_segment.hpp>
 #include <memscale/techniques/mask_packing.hpp>
@@ -369,14 +369,10 @@ class saved_compaction_scope {
 /// A chain slot the plan leaves in place, run with its saved tensors kept
 /// compact (Config::pack_saved_masks, Config::recompute_saved_outputs).
 /// Registers nothing: parameters and state-dict names do not change.
-class CompactSavedSlotImpl : public torch::nn::Module, public detail::slot_wrapper {
+class CompactSavedSlotImpl : public memscale::detail::wrapper_module, public detail::slot_wrapper {
  public:
-  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
-  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
-    memscale::detail::refuse_clone(name());
-  }
   CompactSavedSlotImpl(torch::nn::AnyModule inner, saved_compaction what)
-      : torch::nn::Module("memscale::CompactSavedSlot"), slots_{std::move(inner)}, what_(what) {}
+      : wrapper_module("memscale::CompactSavedSlot"), slots_{std::move(inner)}, what_(what) {}
 
   torch::Tensor forward(torch::Tensor x) {
     detail::saved_compaction_scope scope(what_);

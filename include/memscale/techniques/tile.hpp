@@ -21,6 +21,7 @@
 
 #include <memscale/detail/draw_replay.hpp>
 #include <memscale/detail/fault_injection.hpp>
+#include <memscale/detail/modules.hpp>
 #include <memscale/detail/step_gate.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/observability/metrics.hpp>
@@ -229,14 +230,10 @@ torch::Tensor tile(ModuleHolder& module, const torch::Tensor& x, std::int64_t ti
 
 /// A chain slot that runs consecutive original slots tiled. Like
 /// CheckpointSegment it registers nothing: parameters() and names do not change.
-class TileSegmentImpl : public torch::nn::Module, public detail::slot_wrapper, public detail::gated {
+class TileSegmentImpl : public memscale::detail::wrapper_module, public detail::slot_wrapper, public detail::gated {
  public:
-  /// clone(): refused, saying what to do instead (memscale::detail::refuse_clone).
-  std::shared_ptr<torch::nn::Module> clone(const c10::optional<c10::Device>& = c10::nullopt) const override {
-    memscale::detail::refuse_clone(name());
-  }
   TileSegmentImpl(std::vector<torch::nn::AnyModule> slots, int tiles, int dim)
-      : torch::nn::Module("memscale::TileSegment"),
+      : wrapper_module("memscale::TileSegment"),
         slots_(std::move(slots)),
         params_(detail::parameters_of(slots_)),
         body_(detail::slots_body(slots_)),
