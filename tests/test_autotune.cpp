@@ -13,6 +13,8 @@
 
 #include <unistd.h>
 
+#include <memscale/predict/outside_memo.hpp>
+
 #include "test_support.hpp"
 
 namespace {
@@ -432,4 +434,34 @@ TEST_CASE("autotune refuses bad input before it changes anything", "[autotune]")
                     memscale::AlreadyOptimizedError);
   }
   CHECK(test::model_state(*model) == before);
+}
+
+TEST_CASE("a CPU trial counts what predict measured outside the allocator, made resident before the trial",
+          "[autotune][process]") {
+  memscale::fix_malloc_mmap_threshold();
+  torch::manual_seed(5);
+  auto model = test::flat_chain(3, 64, 256);
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  const auto x = torch::randn({256, 64});
+  memscale::predictor::detail::outside_memo::process().forget();
+  const auto share = memscale::predict(model, x, optimizer, mean_square, test::quiet()).baseline.outside_allocator_bytes;
+  if (share < (std::int64_t{1} << 20) || test::under_address_sanitizer) {
+    WARN("the process held what a step makes outside the allocator already (" << share << " B): run this case alone");
+    return;
+  }
+  temporary_directory dir;
+  auto options = quick(dir.path / "cache.json");
+  options.use_cache = false;
+  const auto result = memscale::autotune(model, x, optimizer, mean_square,
+                                         test::quiet({.enable_offloading = false, .memory_budget_gb = 4.0}), options);
+  INFO(result);
+  // The first predict made those pages resident: no trial's own growth sees them,
+  // and each trial's measure still holds them.
+  int ran = 0;
+  for (const auto& t : result.trials)
+    if (t.outcome == TrialOutcome::fits || t.outcome == TrialOutcome::over_budget) {
+      ++ran;
+      CHECK(t.measured_peak_bytes - t.allocator_peak_bytes >= share);
+    }
+  CHECK(ran >= 2);
 }

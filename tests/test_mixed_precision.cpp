@@ -96,6 +96,39 @@ TEST_CASE("use_mixed_precision autocasts the optimized layers' forward, not back
   CHECK(model->forward(x).scalar_type() == torch::kFloat);
 }
 
+TEST_CASE("a LayerNorm after a Linear runs under CPU autocast, and a chain of them trains under the guard",
+          "[amp][api]") {
+  torch::manual_seed(4);
+  torch::nn::Sequential model(torch::nn::Linear(64, 128), torch::nn::LayerNorm(torch::nn::LayerNormOptions({128})),
+                              torch::nn::GELU(), torch::nn::Linear(128, 128),
+                              torch::nn::LayerNorm(torch::nn::LayerNormOptions({128})), torch::nn::Linear(128, 64));
+  const auto x = torch::randn({32, 64});
+  {
+    memscale::autocast_scope scope;
+    const auto weight = torch::ones({128});
+    const auto normed = torch::layer_norm(torch::randn({4, 128}).to(torch::kBFloat16), {128}, weight, weight);
+    // LibTorch 1.13's CPU kernel refuses the mix; memscale registers autocast's fp32 policy for it there.
+    if (TORCH_VERSION_MAJOR < 2) CHECK(normed.scalar_type() == torch::kFloat);
+    CHECK(model->forward(x).scalar_type() == torch::kBFloat16);
+  }
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  {
+    auto guard = memscale::optimize(
+        model, x,
+        test::quiet({.mode = memscale::OptimizationMode::Aggressive, .use_mixed_precision = true,
+                     .force_optimize = true, .verify_correctness = true}));
+    CHECK(guard.report().checkpointed_segments() > 0);
+    for (int step = 0; step < 3; ++step) {
+      optimizer.zero_grad();
+      const auto loss = model->forward(x).to(torch::kFloat).pow(2).mean();
+      loss.backward();
+      optimizer.step();
+      CHECK(std::isfinite(loss.item<float>()));
+    }
+  }
+  CHECK(model->forward(x).scalar_type() == torch::kFloat);
+}
+
 // Stated tolerance: the bf16 run's final loss within 25% of the fp32 run's (measured here: 7%), both
 // below 1% of the initial loss. Same seed, data and optimizer; only the forward's precision differs.
 TEST_CASE("a small model trains under CPU bf16 autocast to within 25% of the fp32 loss", "[amp][acceptance]") {

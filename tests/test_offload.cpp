@@ -642,6 +642,8 @@ TEST_CASE("small tensors travel together in one staging buffer and come back bit
     std::vector<memscale::offload::stored_handle> stored;
     for (const auto& [name, t] : cases) stored.push_back(e.store_or_defer(t));
     CHECK(torch::equal(e.load(stored[0]), cases[0].second));  // before the flush: still in place
+    CHECK(e.stats().served_before_written == 1);               // and counted so: nothing was read back
+    CHECK(e.stats().bytes_read == 0);
     e.flush();
     e.wait_idle();
     auto stats = e.stats();
@@ -1026,4 +1028,38 @@ TEST_CASE("detach removes the offload wrappers and restores the model", "[offloa
   }
   CHECK(test::slot_identity(*model) == before);
   CHECK(test::parameter_identity(*model) == params);
+}
+
+TEST_CASE("an offload line says what its unit moves in the plan taken, where compaction left it as it is",
+          "[offload]") {
+  // The trial's MLP: Dropout's mask is kept as bits where a unit stays in
+  // place, as bytes where it is offloaded. The R8 line read 8 KiB (the bits)
+  // beside "moving 256.00 KiB per step" and 256 KiB written a step.
+  torch::manual_seed(6);
+  torch::nn::Sequential model;
+  for (int i = 0; i < 3; ++i) {
+    model->push_back(torch::nn::Linear(i == 0 ? 512 : 1024, 1024));
+    model->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({1024})));
+    model->push_back(torch::nn::ReLU());
+    model->push_back(torch::nn::Dropout(0.1));
+  }
+  model->push_back(torch::nn::Linear(1024, 10));
+  auto config = test::quiet({.mode = OptimizationMode::Aggressive});
+  memscale::AsyncOffloadConfig small;
+  small.min_offload_kb = 1.0;
+  config.async_config = small;
+  auto guard = memscale::optimize(model, torch::randn({64, 512}), config);
+  const auto& r = guard.report();
+  INFO(r);
+  if (r.offloaded_units() == 0) {
+    WARN("this plan offloads nothing: no offload line to check");
+    return;
+  }
+  std::vector<std::vector<memscale::slot_cost>> costs;
+  for (const auto& chain : r.chains) costs.push_back(chain.slots);
+  const auto moved = memscale::core::offloaded_bytes(costs, r.plan.units);
+  std::int64_t said = 0;
+  for (const auto& d : r.plan.decisions)
+    if (d.offloaded && d.rule == memscale::core::rule_id::offload_segment) said += d.freed_bytes;
+  CHECK(said == moved);
 }

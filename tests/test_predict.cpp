@@ -22,6 +22,7 @@
 #include <memscale/predict/blas_workspace.hpp>
 #include <memscale/predict/calibration.hpp>
 #include <memscale/predict/cuda_reserve.hpp>
+#include <memscale/predict/outside_memo.hpp>
 #include <memscale/predict/shape_only.hpp>
 
 #include "resnet.hpp"
@@ -410,6 +411,8 @@ TEST_CASE("predict refuses what it cannot size, changing nothing", "[predict]") 
   torch::manual_seed(1);
   auto model = test::flat_chain(1);
   const auto x = torch::randn({8, 64});
+  // Examples the forward cannot take (drawn before the state is read: they use the RNG).
+  const auto too_narrow = torch::randn({8, 7}), in_double = torch::randn({8, 64}, torch::kDouble);
   const test::model_state before(*model);  // no gradients yet
   const auto loss = [](const torch::Tensor& y) { return y.pow(2).mean(); };
 
@@ -422,6 +425,12 @@ TEST_CASE("predict refuses what it cannot size, changing nothing", "[predict]") 
                     Catch::Contains("loss_fn must return a scalar"));
   CHECK_THROWS_WITH(memscale::predict(model, torch::Tensor(), sgd, test::quiet()),
                     Catch::Contains("example_input") && Catch::Contains("undefined"));
+  // An example the forward does not take: memscale's error, saying what ran and what to pass.
+  CHECK_THROWS_AS(memscale::predict(model, too_narrow, sgd, loss, test::quiet()),
+                  memscale::UnsupportedModelError);
+  CHECK_THROWS_WITH(memscale::predict(model, in_double, sgd, loss, test::quiet()),
+                    Catch::Contains("memscale::predict(): a training step on the example's leading rows") &&
+                        Catch::Contains("shape, dtype and device"));
   {
     auto guard = memscale::optimize(model, test::quiet());
     CHECK_THROWS_AS(memscale::predict(model, x, sgd, test::quiet()), memscale::AlreadyOptimizedError);
@@ -1032,4 +1041,41 @@ TEST_CASE("the model of CUDA's caching allocator replays a real H200 trace to th
   CHECK(m.peak_reserved() == reserved_peak);
   CHECK(m.peak_allocated() == trace.at("allocated_peak").get<std::int64_t>());
   CHECK(m.segments() == segments);
+}
+
+TEST_CASE("a later predict in the process keeps the share outside the allocator an earlier one measured",
+          "[predict][process]") {
+  memscale::fix_malloc_mmap_threshold();
+  torch::manual_seed(3);
+  auto model = test::flat_chain(3);
+  const auto x = torch::randn({64, 64});
+  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  const auto loss = [](const torch::Tensor& y) { return y.pow(2).mean(); };
+  auto& memo = memscale::predictor::detail::outside_memo::process();
+  memo.forget();
+  const auto first = memscale::predict(model, x, adamw, loss, test::quiet());
+  const auto share = first.baseline.outside_allocator_bytes;
+  if (share < (std::int64_t{1} << 20)) {
+    WARN("the process held what the calibration makes already (" << share << " B grew): run this case alone");
+    return;
+  }
+  for (int step = 0; step < 2; ++step) {  // training makes the same pages resident, for good
+    adamw.zero_grad();
+    loss(model->forward(x)).backward();
+    adamw.step();
+  }
+  // What a later call's calibration sees grow: less, the pages being resident.
+  memo.forget();
+  const auto unremembered = memscale::predict(model, x, adamw, loss, test::quiet());
+  CHECK(unremembered.baseline.outside_allocator_bytes < share);
+  // With the memo (as a process keeps it): the first call's share stands, said in a note.
+  memo.record(memscale::predictor::detail::outside_memo_key(*model, x), x.size(0), share);
+  const auto later = memscale::predict(model, x, adamw, loss, test::quiet());
+  CHECK(later.baseline.outside_allocator_bytes >= share);
+  CHECK(later.planned.outside_allocator_bytes >= share);
+  CHECK_THAT(later.str(), Catch::Contains("as an earlier predict() of this model in this process measured it"));
+  // At a larger batch the share is no less either; at a smaller one nothing is assumed.
+  const auto larger = memscale::predict(model, torch::randn({128, 64}), adamw, loss, test::quiet());
+  CHECK(larger.baseline.outside_allocator_bytes >= share);
+  CHECK(memo.at(memscale::predictor::detail::outside_memo_key(*model, x), 32) == 0);
 }

@@ -383,16 +383,10 @@ inline std::string run_case(std::uint64_t seed, coverage& seen) {
   // The chain's and the CNN's structure come from the draw: replay it for the
   // second build from a copy of the generator's state.
   const draw at_model = d;
-  if (family != 2) {  // the structure, before either run: whether mixed precision may run (below)
+  if (family != 2) {  // the structure, before either run (what a failure says; a shared module's tolerance)
     draw dry = d;
     (void)(family == 0 ? random_chain(dry, width, torch::kFloat, structure) : random_cnn(dry, channels, side, structure));
   }
-  // LibTorch 1.13's CPU LayerNorm refuses a bfloat16 input with float32
-  // weights (Report note; fixed in 2.x): mixed precision is left out there.
-  const bool layer_norm_refuses_bf16 =
-      TORCH_VERSION_MAJOR < 2 && c.use_mixed_precision &&
-      (family == 2 || structure.str().find("layernorm") != std::string::npos);
-  if (layer_norm_refuses_bf16) c.use_mixed_precision = false;
   memscale::memory_tracker::install();
   const auto origin = memscale::memory_tracker::current_bytes();
   std::int64_t baseline_peak = 0;
@@ -422,7 +416,6 @@ inline std::string run_case(std::uint64_t seed, coverage& seen) {
   if (budget > 0) what << ", budget " << budget << " B (" << budget_fraction << "x the baseline's " << baseline_peak << " B)";
   if (input_grad) what << ", input requires grad";
 
-  if (layer_norm_refuses_bf16) what << " (mixed precision left out: LibTorch 1.13's CPU LayerNorm)";
   record opt;
   try {
     opt = run_side(true, budget);

@@ -133,8 +133,9 @@ struct Config {
   /// memscale's log (spdlog's logger "memscale", to stderr at info): a summary at
   /// each plan, the per-layer plan at debug, warnings. false: this wrap logs nothing.
   bool enable_logging = true;
-  /// Also append this wrap's log, from debug up (the whole plan), to this file
-  /// (missing directories are created); one that cannot be opened is a ConfigError.
+  /// With enable_logging, also append this wrap's log, from debug up (the whole
+  /// plan), to this file (missing directories are created); one that cannot be
+  /// opened is a ConfigError. Without enable_logging it is not opened.
   std::optional<std::string> log_file{};
   /// While the guard is active, serve Prometheus metrics at
   /// http://<observability_bind_address>:<port>/metrics (0: any free port; the
@@ -160,7 +161,8 @@ struct Config {
   bool auto_policy = false;
   PolicyKind policy = PolicyKind::trained;       ///< with auto_policy: which policy decides
   std::optional<std::string> policy_artifact{};  ///< a trained policy's artifact to load instead of the shipped one
-  /// Explicit device memory budget ("fit in N GB"). Unset: the detected device
+  /// Explicit device memory budget ("fit in N GB"), in units of 2^30 bytes (GiB,
+  /// as the Report prints it: 0.2 is 214,748,364 B). Unset: the detected device
   /// memory (or host RAM on a CPU-only host). Makes planning testable on a CPU host.
   std::optional<double> memory_budget_gb{};
 

@@ -285,9 +285,11 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
       continue;
     }
     std::string signature;
+    std::int64_t outside = -1;  // CPU: predict's share outside the allocator, for the trial's measure
     try {
       const auto p = predictor::run<S>(model, x, optimizer, loss_fn, true, t.config);
       t.predicted_peak_bytes = p.peak_bytes;
+      if (device.is_cpu()) outside = p.planned.outside_allocator_bytes;
       signature = plan_signature(p, t.config);
     } catch (...) {
       TuneTrial failed;
@@ -319,7 +321,7 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
       record_exception(t);
     }
     if (parked) {
-      run_trial(t, x, context, *parked, [&model](const Config& config, const torch::Tensor& input) {
+      run_trial(t, x, context, *parked, outside, [&model](const Config& config, const torch::Tensor& input) {
         return OptimizationGuard(memscale::detail::root_of(model), memscale::detail::attach<S>(model, config, &input));
       });
       parked->put_back();  // throws where the caller's state could not go back on the device

@@ -99,7 +99,8 @@ struct TuneTrial {
   std::int64_t predicted_peak_bytes = -1;  ///< memscale::predict's peak_bytes; -1: not predicted
   /// The step's peak as the budget counts it: on CPU what the process holds for
   /// the model's training (parameters and buffers plus the resident
-  /// high-water mark's growth over the trial), on CUDA the device's allocator.
+  /// high-water mark's growth over the trial, and no less than the allocator's
+  /// peak plus predict's share outside it), on CUDA the device's allocator.
   std::int64_t measured_peak_bytes = -1;
   std::int64_t allocator_peak_bytes = -1;  ///< LibTorch's allocator alone (parameters and buffers plus its growth)
   double step_seconds = 0.0;               ///< median of the timed steps

@@ -155,6 +155,21 @@ inline compaction_choice choose_saved_compaction(std::vector<std::vector<slot_co
   note << "; target " << detail::format_bytes(target) << " (Config::pack_saved_masks, recompute_saved_outputs, pack_saved_zeros)";
   choice.note = note.str();
   if (!take) return choice;
+  // An offload decision was weighed on the costs compacted everywhere; the unit
+  // it offloads keeps its saved tensors as they are (a Dropout's mask as bytes,
+  // not bits): its line says what it moves in the plan taken.
+  for (auto& d : trial.plan.decisions) {
+    if (!d.offloaded || d.rule != rule_id::offload_segment) continue;
+    auto without = trial.plan.units;
+    auto& units = without[static_cast<std::size_t>(d.chain)];
+    const auto it = std::find_if(units.begin(), units.end(), [&d](const unit& u) { return u.first == d.first; });
+    if (it == units.end() || !it->offloaded) continue;
+    it->offloaded = false;
+    const auto moved = offloaded_bytes(chosen, trial.plan.units) - offloaded_bytes(chosen, without);
+    if (moved <= 0) continue;
+    if (d.freed_bytes > 0) d.recompute_seconds *= static_cast<double>(moved) / static_cast<double>(d.freed_bytes);
+    d.freed_bytes = moved;
+  }
   trial.plan.baseline_peak = decided.baseline_peak;  // the model as it is, saved tensors and all
   trial.plan.pressure = decided.pressure;
   costs = std::move(chosen);

@@ -49,8 +49,9 @@ inline void attachment::add_technique_notes() {
         "on CPU, float16 on CUDA; scale float16 losses with memscale::amp::loss_scaler); backward, the "
         "optimizer step and code outside the chains do not. To autocast the rest of the forward and the "
         "loss too, open a memscale::autocast_scope around them. The plan was profiled in full precision" +
-        std::string(TORCH_VERSION_MAJOR < 2 ? ". LibTorch 1.13: CPU LayerNorm refuses a bfloat16 input with "
-                                              "float32 weights under autocast (fixed in 2.x)"
+        std::string(TORCH_VERSION_MAJOR < 2 ? ". LibTorch 1.13: LayerNorm runs in float32 under CPU autocast "
+                                              "(its kernel refuses a bfloat16 input with float32 weights, and "
+                                              "1.13's autocast has no policy for it: memscale registers one)"
                                             : ""));
   if (config_.use_8bit_optimizer)
     report_.notes.emplace_back("use_8bit_optimizer: build the optimizer with memscale::make_optimizer(config, "

@@ -23,7 +23,10 @@ inline at::Tensor engine::load(const stored_handle& rec) {
   {
     std::lock_guard<std::mutex> lock(rec->mutex_);
     rec->check_unmodified();
-    if (rec->pending_batch_) return rec->held_;  // not flushed yet: still here
+    if (rec->pending_batch_) {  // not flushed yet: still here
+      core_->update([](engine_stats& s) { ++s.served_before_written; });
+      return rec->held_;
+    }
     in_batch = rec->batch_;
   }
   if (in_batch) return from_batch(*rec, *in_batch);
@@ -79,6 +82,7 @@ inline at::Tensor engine::fetch(stored_tensor& rec) {
     case tier::disk: {
       if (rec.writing_) {
         host = rec.held_;  // still in memory
+        core_->update([](engine_stats& s) { ++s.served_before_written; });
       } else if (rec.prefetched_.defined() || rec.reading_) {
         const auto start = detail::clock::now();
         rec.changed_.wait(lock, [&] { return !rec.reading_; });

@@ -99,6 +99,10 @@ struct engine_stats {
   double wait_seconds = 0.0;                   ///< time store()/load() blocked on a copy
   std::int64_t prefetch_hits = 0;              ///< loads served by a prefetch
   std::int64_t prefetch_misses = 0;            ///< loads that had to read inline
+  /// Loads served from memory because the tensor had not left yet (its write,
+  /// or its small-tensor batch, was still in flight): nothing read back. With
+  /// async_offload a short step's backward can reach a tensor before its write ends.
+  std::int64_t served_before_written = 0;
   std::int64_t batches = 0;                    ///< staging buffers that carried small tensors together
   std::int64_t batched_tensors = 0;            ///< tensors that travelled in one
   std::int64_t kernel_gathers = 0;             ///< batches gathered by the memscale::cuda kernel

@@ -34,6 +34,7 @@
 #include <memscale/predict/calibration.hpp>
 #include <memscale/predict/cuda_reserve.hpp>
 #include <memscale/predict/optimizer_state.hpp>
+#include <memscale/predict/outside_memo.hpp>
 #include <memscale/predict/prediction.hpp>
 #include <memscale/predict/shape_only_scope.hpp>
 #include <memscale/predict/timeline.hpp>
@@ -170,8 +171,10 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   std::optional<memory_tracker::process_peak_scope> process;
   if (device.is_cpu()) process.emplace();
   timeline_fit base_fit;
-  const auto base_real_why = detail::fit_shape_only_or_real(c, detail::calibration::execution::census, base_fit,
-                                                            out.calibration_batches, misaligned, allocator_growth);
+  const auto base_real_why = detail::naming_the_example(out.batch_size, [&] {
+    return detail::fit_shape_only_or_real(c, detail::calibration::execution::census, base_fit,
+                                          out.calibration_batches, misaligned, allocator_growth);
+  });
   const bool base_shape_only = base_real_why.empty();
   out.fitted_batches = {base_fit.first_batch(), base_fit.second_batch()};
   out.shape_only = base_shape_only;
@@ -197,7 +200,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
                                              box.saved_gradients());
   }
   // CPU: what the process holds beyond the allocator (-1: not measured).
-  const std::int64_t outside_cpu =
+  std::int64_t outside_cpu =
       device.is_cpu() && process_growth >= 0 ? std::max<std::int64_t>(0, process_growth - allocator_growth) : -1;
   if (!misaligned.empty()) out.notes.push_back("baseline: " + misaligned);
 
@@ -210,6 +213,8 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     out.outside_growth = std::move(blas.points);
     blas_bytes = out.outside_growth_at(out.batch_size);
     if (!blas.note.empty()) out.notes.push_back(std::move(blas.note));
+    outside_cpu = detail::remembered_outside(detail::outside_memo_key(*root, example_input), out.batch_size,
+                                             outside_cpu, blas_bytes, out.notes);
   }
 
   timeline_fit plan_fit = base_fit;
@@ -307,15 +312,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   if (device.is_cpu()) {
     if (outside_cpu >= 0) {
       outside = outside_cpu;
-      if (process_malloc() == malloc_kind::tcmalloc)
-        out.notes.push_back("malloc is tcmalloc: predict's process figures are calibrated and checked with glibc's "
-                            "malloc and its mmap threshold fixed (within 1% on the example GPT); under tcmalloc the "
-                            "process held 1-13% more than predicted there (benchmarks/RESULTS.md, \"tcmalloc\")");
-      else if (!process_memory_follows_allocator())
-        out.notes.push_back(malloc_retention_advice() +
-                            "; until then a fresh process's step may hold up to 2x the allocator's peak, varying "
-                            "run to run (glibc's heaps: 1.4-2.0x measured on the example GPT and a ResNet-style "
-                            "CNN), and the process figures here do not hold");
+      detail::malloc_notes(out.notes);
     } else {
       out.notes.push_back("the process's resident high-water mark could not be reset or read (/proc/self): memory "
                           "outside LibTorch's allocator is not included");

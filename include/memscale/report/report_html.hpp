@@ -253,7 +253,9 @@ document.getElementById('points').textContent=document.querySelectorAll('circle.
          << "</td><td class=\"num\">" << u.tensors << "</td></tr>\n";
     }
     os << "</table>\n<p>Copying took " << r.offload->transfer_seconds * 1e3 << " ms, training waited "
-       << r.offload->wait_seconds * 1e3 << " ms of it; prefetch hits " << r.offload->prefetch_hits << ", misses " << r.offload->prefetch_misses << ".</p>\n";
+       << r.offload->wait_seconds * 1e3 << " ms of it; prefetch hits " << r.offload->prefetch_hits << ", misses "
+       << r.offload->prefetch_misses << ", served before their write ended " << r.offload->served_before_written
+       << ".</p>\n";
   }
 
   std::ostringstream hardware;

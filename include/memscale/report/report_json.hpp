@@ -66,7 +66,7 @@ namespace offload {
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(tier_usage, bytes, peak, tensors, written, read)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(engine_stats, tiers, spills, pinned_failures, disk_failures, bytes_written,
                                    bytes_read, transfer_seconds, wait_seconds, prefetch_hits, prefetch_misses,
-                                   batches, batched_tensors, kernel_gathers, warnings)
+                                   batches, batched_tensors, kernel_gathers, warnings, served_before_written)
 }  // namespace offload
 
 namespace core {

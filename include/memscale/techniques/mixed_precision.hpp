@@ -18,6 +18,9 @@
 #include <vector>
 
 #include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
 #include <torch/torch.h>
 
 #include <memscale/detail/compat.hpp>
@@ -27,6 +30,51 @@
 #include <memscale/techniques/checkpoint.hpp>  // detail::slot_wrapper
 
 namespace memscale {
+
+namespace detail {
+/// LibTorch 1.x's CPU autocast has no policy for layer_norm, whose CPU kernel
+/// refuses a bfloat16 input with float32 weights ("expected scalar type
+/// BFloat16 but found Float"): a model with a LayerNorm after a Linear failed
+/// its first forward under use_mixed_precision. Registers for it, once per
+/// process and where the key has no kernel of its own, autocast's fp32 policy
+/// (each floating tensor of another precision than float32 or double cast to
+/// float32, then layer_norm without autocast). 2.x's kernel takes the mix.
+inline bool cpu_autocast_layer_norm_in_fp32() {
+#if TORCH_VERSION_MAJOR >= 2
+  return false;
+#else
+  static const bool registered = [] {
+    try {
+      if (c10::Dispatcher::singleton().findSchemaOrThrow("aten::layer_norm", "").hasKernelForDispatchKey(
+              c10::DispatchKey::AutocastCPU))
+        return false;
+      // Kept for the process's lifetime: a registration is undone when its Library is destroyed.
+      static auto* kernels =
+          new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutocastCPU, __FILE__, __LINE__);
+      kernels->impl("layer_norm", [](const at::Tensor& input, at::IntArrayRef shape,
+                                     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+                                     double eps, bool cudnn_enable) {
+        c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
+        const auto fp32 = [](const at::Tensor& t) {
+          return t.defined() && t.is_floating_point() && t.scalar_type() != at::kFloat &&
+                         t.scalar_type() != at::kDouble
+                     ? t.to(at::kFloat)
+                     : t;
+        };
+        const auto maybe = [&](const c10::optional<at::Tensor>& t) {
+          return t ? c10::optional<at::Tensor>(fp32(*t)) : t;
+        };
+        return at::layer_norm(fp32(input), shape, maybe(weight), maybe(bias), eps, cudnn_enable);
+      });
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return registered;
+#endif
+}
+}  // namespace detail
 
 /// Autocast for one device type for the scope's lifetime, on the thread that
 /// opens it (autocast is thread-local in LibTorch). The previous state comes
@@ -40,6 +88,7 @@ class autocast_scope {
       : previous_(detail::compat::current_autocast()), previous_cache_(at::autocast::is_autocast_cache_enabled()) {
     auto next = previous_;
     if (device == c10::kCPU) {
+      (void)detail::cpu_autocast_layer_norm_in_fp32();
       next.cpu = true;
       next.cpu_dtype = dtype.value_or(at::kBFloat16);
       check_dtype(device, next.cpu_dtype);

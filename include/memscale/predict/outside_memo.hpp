@@ -1,0 +1,149 @@
+// memscale — what the process came to hold outside LibTorch's allocator for a
+// model, remembered across predict() calls in one process (CPU).
+//
+// predict() measures that share as the process's growth over its calibration
+// (libtorch's code read in at a kernel's first use, OpenMP and oneDNN buffers,
+// the BLAS library's packing buffers). It is made once per process: a second
+// call, or one after the model has trained, sees the pages already resident and
+// reads little or nothing, though a training step holds them all the same. An
+// earlier call's figure for the same model stands in for what a later one cannot
+// see again: the largest measured at a batch no larger than the one asked for
+// (the share grows with the batch). Measured on a CNN here: 32.1 MB predicted in
+// a fresh process, 17.0 MB by a second call, 29.5 MB held by a fresh training
+// process. A process that trained the model before its first predict() has
+// nothing to remember; the README says so.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/errors.hpp>
+#include <memscale/device/hardware.hpp>
+#include <memscale/device/process_memory.hpp>
+
+namespace memscale::predictor::detail {
+
+/// The model's structure (modules, parameter and buffer shapes, frozen or not),
+/// the input's shape past the batch and its type, and the device: what the
+/// share depends on, the batch aside.
+[[nodiscard]] inline std::string outside_memo_key(torch::nn::Module& root, const torch::Tensor& example) {
+  std::ostringstream key;
+  const auto shape = [&key](const torch::Tensor& t) {
+    for (auto d : t.sizes()) key << d << 'x';
+    key << t.dtype() << '@' << t.device() << ';';
+  };
+  for (const auto& m : root.named_modules("", /*include_self=*/true)) key << m.key() << ':' << m.value()->name() << ';';
+  for (const auto& p : root.named_parameters()) {
+    key << p.key() << (p.value().requires_grad() ? "=" : "~");
+    shape(p.value());
+  }
+  for (const auto& b : root.named_buffers())
+    if (b.value().defined()) {
+      key << b.key() << '=';
+      shape(b.value());
+    }
+  key << "input=";
+  shape(example.dim() > 0 ? example[0] : example);
+  return key.str();
+}
+
+/// The largest outside-allocator share (bytes, at a batch) measured per key in
+/// this process.
+class outside_memo {
+ public:
+  static outside_memo& process() {
+    static outside_memo memo;
+    return memo;
+  }
+
+  /// The largest share remembered for `key` at a batch no larger than `batch`; 0 if none.
+  [[nodiscard]] std::int64_t at(const std::string& key, std::int64_t batch) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::int64_t best = 0;
+    if (const auto it = shares_.find(key); it != shares_.end())
+      for (const auto& [b, bytes] : it->second)
+        if (b <= batch) best = std::max(best, bytes);
+    return best;
+  }
+
+  void record(const std::string& key, std::int64_t batch, std::int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& points = shares_[key];
+    for (auto& [b, kept] : points)
+      if (b == batch) {
+        kept = std::max(kept, bytes);
+        return;
+      }
+    points.emplace_back(batch, bytes);
+  }
+
+  void forget() {  // tests: as a fresh process
+    std::lock_guard<std::mutex> lock(mutex_);
+    shares_.clear();
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::map<std::string, std::vector<std::pair<std::int64_t, std::int64_t>>> shares_;
+};
+
+/// The base share (`measured`, batch-independent) raised so that it and `blas`
+/// (the part that grows with the batch, at `batch`) add up to no less than an
+/// earlier call's total for `key` at that batch or below; records the total. A
+/// note says how much was remembered. `measured` < 0 (not measured) is returned as is.
+[[nodiscard]] inline std::int64_t remembered_outside(const std::string& key, std::int64_t batch,
+                                                     std::int64_t measured, std::int64_t blas,
+                                                     std::vector<std::string>& notes) {
+  if (measured < 0) return measured;
+  auto& memo = outside_memo::process();
+  const auto earlier = memo.at(key, batch);
+  const auto raised = std::max(measured, earlier - blas);
+  if (raised > measured)
+    notes.push_back("outside the allocator: " + memscale::detail::format_bytes(raised + blas) + " as an earlier "
+                    "predict() of this model in this process measured it; this call's calibration saw " +
+                    memscale::detail::format_bytes(measured + blas) + " grow, the rest being resident since");
+  memo.record(key, batch, raised + blas);
+  return raised;
+}
+
+/// What predict() says about malloc where the process figures depend on it.
+inline void malloc_notes(std::vector<std::string>& notes) {
+  if (process_malloc() == malloc_kind::tcmalloc)
+    notes.push_back("malloc is tcmalloc: predict's process figures are calibrated and checked with glibc's malloc "
+                    "and its mmap threshold fixed (within 1% on the example GPT); under tcmalloc the process held "
+                    "1-13% more than predicted there (benchmarks/RESULTS.md, \"tcmalloc\")");
+  else if (!process_memory_follows_allocator())
+    notes.push_back(malloc_retention_advice() +
+                    "; until then a fresh process's step may hold up to 2x the allocator's peak, varying run to run "
+                    "(glibc's heaps: 1.4-2.0x measured on the example GPT and a ResNet-style CNN), and the process "
+                    "figures here do not hold");
+}
+
+/// Runs `calibrate` (the first calibration, the first steps predict() runs);
+/// a step LibTorch refuses (an example of another shape, type or device than
+/// the forward takes) becomes memscale's error, saying what ran.
+template <class Calibrate>
+auto naming_the_example(std::int64_t batch, Calibrate&& calibrate) {
+  try {
+    return calibrate();
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
+  } catch (const c10::Error& e) {
+    throw UnsupportedModelError(
+        "memscale::predict(): a training step on the example's leading rows (of its " + std::to_string(batch) +
+        ") failed: " + std::string(e.what_without_backtrace()) +
+        ". predict() runs the forward, loss_fn and backward on the example's first rows as given: pass the batch "
+        "the forward takes in training (its shape, dtype and device), and a loss_fn that takes the first "
+        "output.size(0) rows of its targets");
+  }
+}
+
+}  // namespace memscale::predictor::detail
