@@ -108,6 +108,15 @@ TEST_CASE("an undefined or ill-shaped example input gets an error that says what
   CHECK_THAT(undefined(seq), Catch::Contains("the example input is an undefined tensor"));
   CHECK(test::slot_identity(*seq) == slots);
   CHECK_FALSE(memscale::is_optimized(seq));
+  // No rows: nothing to profile or plan at (it was planned at [0, 64], applying nothing, unsaid).
+  CHECK_THROWS_WITH(memscale::wrap(seq, torch::randn({0, 64}), test::quiet()),
+                    Catch::Contains("the example input has no rows (shape [0, 64])"));
+  // An ill-shaped example for a Sequential: the message speaks of the example first.
+  CHECK_THROWS_WITH(memscale::wrap(seq, torch::randn({2, 5}), test::quiet()),
+                    Catch::Contains("pass the batch the forward takes") &&
+                        Catch::Contains("If the example is right"));
+  CHECK(test::slot_identity(*seq) == slots);
+  CHECK_FALSE(memscale::is_optimized(seq));
   NoSequential model;
   CHECK_THAT(undefined(model), Catch::Contains("the example input is an undefined tensor"));
   // A model with no Sequential: the message speaks of the input, not of a Sequential's first slot.
@@ -161,6 +170,9 @@ TEST_CASE("a Sequential inside an optimized model cannot be wrapped on its own",
   auto guard = memscale::optimize(model, x, test::quiet({.mode = OptimizationMode::Aggressive}));
   REQUIRE(guard.report().checkpointed_segments() > 0);
   CHECK_THROWS_AS(memscale::wrap(model->body, test::quiet()), memscale::AlreadyOptimizedError);
+  // Named as what was passed, not as its type in quotes as if it were a path.
+  CHECK_THROWS_WITH(memscale::wrap(model->body, test::quiet()),
+                    Catch::Contains("the Sequential passed (torch::nn::SequentialImpl) is already managed"));
 }
 
 TEST_CASE("wrap keeps parameters, names and buffers, detach restores outputs and gradients bit-exactly",

@@ -426,8 +426,8 @@ TEST_CASE("predict refuses what it cannot size, changing nothing", "[predict]") 
   CHECK_THROWS_WITH(memscale::predict(model, torch::Tensor(), sgd, test::quiet()),
                     Catch::Contains("example_input") && Catch::Contains("undefined"));
   // An example the forward does not take: memscale's error, saying what ran and what to pass.
-  CHECK_THROWS_AS(memscale::predict(model, too_narrow, sgd, loss, test::quiet()),
-                  memscale::UnsupportedModelError);
+  CHECK_THROWS_WITH(memscale::predict(model, too_narrow, sgd, loss, test::quiet()),
+                    Catch::Contains("(2x7 and 64x") && Catch::Contains("pass the batch the forward takes"));
   CHECK_THROWS_WITH(memscale::predict(model, in_double, sgd, loss, test::quiet()),
                     Catch::Contains("memscale::predict(): a training step on the example's leading rows") &&
                         Catch::Contains("shape, dtype and device"));
@@ -1069,13 +1069,17 @@ TEST_CASE("a later predict in the process keeps the share outside the allocator 
   const auto unremembered = memscale::predict(model, x, adamw, loss, test::quiet());
   CHECK(unremembered.baseline.outside_allocator_bytes < share);
   // With the memo (as a process keeps it): the first call's share stands, said in a note.
-  memo.record(memscale::predictor::detail::outside_memo_key(*model, x), x.size(0), share);
+  memo.record(memscale::predictor::detail::outside_memo_key(*model, x), x.size(0), share, share);
   const auto later = memscale::predict(model, x, adamw, loss, test::quiet());
   CHECK(later.baseline.outside_allocator_bytes >= share);
   CHECK(later.planned.outside_allocator_bytes >= share);
   CHECK_THAT(later.str(), Catch::Contains("as an earlier predict() of this model in this process measured it"));
-  // At a larger batch the share is no less either; at a smaller one nothing is assumed.
+  // At a larger batch the share is no less either; at a smaller one the base share
+  // stands (the calibration measured it at its own batches), the BLAS buffers not.
   const auto larger = memscale::predict(model, torch::randn({128, 64}), adamw, loss, test::quiet());
   CHECK(larger.baseline.outside_allocator_bytes >= share);
-  CHECK(memo.at(memscale::predictor::detail::outside_memo_key(*model, x), 32) == 0);
+  const auto key = memscale::predictor::detail::outside_memo_key(*model, x);
+  CHECK(memo.at(key, 32) == 0);
+  const auto smaller = memscale::predict(model, torch::randn({32, 64}), adamw, loss, test::quiet());
+  CHECK(smaller.baseline.outside_allocator_bytes >= memo.base(key));
 }

@@ -90,6 +90,9 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
     throw Error("memscale: the example input is an undefined tensor (a default-constructed torch::Tensor); pass "
                 "a batch the model's forward takes, as in training, or wrap(model, config) / optimize(model, "
                 "config) without one to plan at the first training forward");
+  if (example != nullptr && example->dim() > 0 && example->size(0) == 0)
+    throw Error("memscale: the example input has no rows (shape " + std::string(c10::str(example->sizes())) +
+                "); pass a batch of the size training runs: memscale profiles and plans at the example's size");
   if (config.verify_correctness && example == nullptr)
     throw ConfigError("verify_correctness",
                       "needs an example input to run one step with and without the plan: use wrap(model, "
@@ -106,8 +109,10 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
   for (const auto& chain : chains)
     for (const auto& slot : *chain.sequential)
       if (is_memscale_slot(slot))
-        throw AlreadyOptimizedError("memscale: Sequential '" + (chain.path.empty() ? root->name() : chain.path) +
-                                    "' is already managed by memscale (through another model that contains "
+        throw AlreadyOptimizedError("memscale: " +
+                                    (chain.path.empty() ? "the Sequential passed (" + root->name() + ")"
+                                                        : "its Sequential '" + chain.path + "'") +
+                                    " is already managed by memscale (through another model that contains "
                                     "it); detach that model first");
   auto attached = std::make_shared<attachment>(root, std::move(chains), config, techniques, std::move(agree),
                                                std::move(whole_forward));

@@ -86,11 +86,12 @@ inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function
       throw UnsupportedModelError(
           "memscale: running the example input through the model failed: " +
           std::string(e.what_without_backtrace()) +
-          (chains_.empty() ? std::string(". memscale runs the model's forward on the example input as given: pass "
-                                         "the batch the forward takes in training (its shape, dtype and device)")
-                           : std::string(". memscale needs each Sequential's first slot to take one Tensor; if "
-                                         "the error is about the number or type of arguments, that Sequential "
-                                         "cannot be optimized")));
+          ". memscale runs the model's forward on the example input as given: pass the batch the forward takes "
+          "in training (its shape, dtype and device)" +
+          (chains_.empty() ? std::string()
+                           : std::string(". If the example is right and the error is about the number or type of "
+                                         "arguments, a Sequential's first slot does not take one Tensor, and that "
+                                         "Sequential cannot be optimized")));
     }
     if (cpu_peak) {
       example_forward_transient_ = cpu_peak->peak() - memory_tracker::current_bytes();

@@ -6,9 +6,10 @@
 // the BLAS library's packing buffers). It is made once per process: a second
 // call, or one after the model has trained, sees the pages already resident and
 // reads little or nothing, though a training step holds them all the same. An
-// earlier call's figure for the same model stands in for what a later one cannot
-// see again: the largest measured at a batch no larger than the one asked for
-// (the share grows with the batch). Measured on a CNN here: 32.1 MB predicted in
+// earlier call's figures for the same model stand in for what a later one cannot
+// see again: its base share (measured at the calibration's own batches) at any
+// batch, its total with the BLAS buffers at a batch no larger than the one asked
+// for (those grow with the batch). Measured on a CNN here: 32.1 MB predicted in
 // a fresh process, 17.0 MB by a second call, 29.5 MB held by a fresh training
 // process. A process that trained the model before its first predict() has
 // nothing to remember; the README says so.
@@ -55,8 +56,10 @@ namespace memscale::predictor::detail {
   return key.str();
 }
 
-/// The largest outside-allocator share (bytes, at a batch) measured per key in
-/// this process.
+/// Per key, the largest outside-allocator share measured in this process: the
+/// base share (measured over the calibration, at its own small batches, so the
+/// same whatever the example's batch) and the totals with the BLAS buffers of
+/// the example's batch.
 class outside_memo {
  public:
   static outside_memo& process() {
@@ -64,25 +67,32 @@ class outside_memo {
     return memo;
   }
 
-  /// The largest share remembered for `key` at a batch no larger than `batch`; 0 if none.
+  /// The largest base share remembered for `key` (at any batch); 0 if none.
+  [[nodiscard]] std::int64_t base(const std::string& key) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = shares_.find(key);
+    return it == shares_.end() ? 0 : it->second.base;
+  }
+  /// The largest total remembered for `key` at a batch no larger than `batch`; 0 if none.
   [[nodiscard]] std::int64_t at(const std::string& key, std::int64_t batch) const {
     std::lock_guard<std::mutex> lock(mutex_);
     std::int64_t best = 0;
     if (const auto it = shares_.find(key); it != shares_.end())
-      for (const auto& [b, bytes] : it->second)
+      for (const auto& [b, bytes] : it->second.totals)
         if (b <= batch) best = std::max(best, bytes);
     return best;
   }
 
-  void record(const std::string& key, std::int64_t batch, std::int64_t bytes) {
+  void record(const std::string& key, std::int64_t batch, std::int64_t base, std::int64_t total) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto& points = shares_[key];
-    for (auto& [b, kept] : points)
+    auto& kept = shares_[key];
+    kept.base = std::max(kept.base, base);
+    for (auto& [b, bytes] : kept.totals)
       if (b == batch) {
-        kept = std::max(kept, bytes);
+        bytes = std::max(bytes, total);
         return;
       }
-    points.emplace_back(batch, bytes);
+    kept.totals.emplace_back(batch, total);
   }
 
   void forget() {  // tests: as a fresh process
@@ -91,26 +101,29 @@ class outside_memo {
   }
 
  private:
+  struct shares {
+    std::int64_t base = 0;
+    std::vector<std::pair<std::int64_t, std::int64_t>> totals;  ///< (batch, base + BLAS buffers)
+  };
   mutable std::mutex mutex_;
-  std::map<std::string, std::vector<std::pair<std::int64_t, std::int64_t>>> shares_;
+  std::map<std::string, shares> shares_;
 };
 
-/// The base share (`measured`, batch-independent) raised so that it and `blas`
-/// (the part that grows with the batch, at `batch`) add up to no less than an
-/// earlier call's total for `key` at that batch or below; records the total. A
+/// The base share (`measured`) raised to what an earlier call measured for
+/// `key`: its base, and its total less `blas` (the part that grows with the
+/// batch, at `batch`) where that call's batch was no larger; records both. A
 /// note says how much was remembered. `measured` < 0 (not measured) is returned as is.
 [[nodiscard]] inline std::int64_t remembered_outside(const std::string& key, std::int64_t batch,
                                                      std::int64_t measured, std::int64_t blas,
                                                      std::vector<std::string>& notes) {
   if (measured < 0) return measured;
   auto& memo = outside_memo::process();
-  const auto earlier = memo.at(key, batch);
-  const auto raised = std::max(measured, earlier - blas);
+  const auto raised = std::max({measured, memo.base(key), memo.at(key, batch) - blas});
   if (raised > measured)
     notes.push_back("outside the allocator: " + memscale::detail::format_bytes(raised + blas) + " as an earlier "
                     "predict() of this model in this process measured it; this call's calibration saw " +
                     memscale::detail::format_bytes(measured + blas) + " grow, the rest being resident since");
-  memo.record(key, batch, raised + blas);
+  memo.record(key, batch, raised, raised + blas);
   return raised;
 }
 
@@ -137,7 +150,7 @@ auto naming_the_example(std::int64_t batch, Calibrate&& calibrate) {
   } catch (const c10::OutOfMemoryError&) {
     throw;
   } catch (const c10::Error& e) {
-    throw UnsupportedModelError(
+    throw Error(
         "memscale::predict(): a training step on the example's leading rows (of its " + std::to_string(batch) +
         ") failed: " + std::string(e.what_without_backtrace()) +
         ". predict() runs the forward, loss_fn and backward on the example's first rows as given: pass the batch "
