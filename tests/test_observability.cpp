@@ -183,6 +183,15 @@ TEST_CASE("Report::to_json: every field, and from_json takes back what to_json w
   auto older = j;
   older.erase("outside_units_bytes");
   CHECK(memscale::Report::from_json(older.dump()).outside_units_bytes == 0);
+  // ... and one written before the offload statistics counted served_before_written, as 0.
+  auto stats = nlohmann::json(memscale::offload::engine_stats{});
+  stats["bytes_written"] = 4096;
+  stats.erase("served_before_written");
+  older["offload"] = stats;
+  const auto read = memscale::Report::from_json(older.dump());
+  REQUIRE(read.offload.has_value());
+  CHECK(read.offload->bytes_written == 4096);
+  CHECK(read.offload->served_before_written == 0);
   // Bad input names what is wrong.
   CHECK_THROWS_WITH(memscale::Report::from_json("{"), Catch::Contains("not JSON"));
   CHECK_THROWS_WITH(memscale::Report::from_json("{\"schema\": \"x\"}"), Catch::Contains("not a Report document"));

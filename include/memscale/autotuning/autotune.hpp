@@ -321,7 +321,10 @@ TuneResult run(M& model, const torch::Tensor& example_input, const torch::optim:
       record_exception(t);
     }
     if (parked) {
-      run_trial(t, x, context, *parked, outside, [&model](const Config& config, const torch::Tensor& input) {
+      run_trial(t, x, context, *parked, outside, [&model, outside](const Config& config, const torch::Tensor& input) {
+        // CPU: planned with the share predict planned with (in a warm process the
+        // attach's own probe reads about 0, and the plan would be predict's no more).
+        const core::profile_scale_scope reserve(1.0, outside);
         return OptimizationGuard(memscale::detail::root_of(model), memscale::detail::attach<S>(model, config, &input));
       });
       parked->put_back();  // throws where the caller's state could not go back on the device

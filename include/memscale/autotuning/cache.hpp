@@ -135,6 +135,9 @@ struct cache_key {
            {"libtorch", TORCH_VERSION},
            {"memscale", std::to_string(version_major) + "." + std::to_string(version_minor) + "." +
                             std::to_string(version_patch)},
+           // How a CPU trial's peak is measured: 2 counts predict's share outside the
+           // allocator (results cached before it read low; they are tuned again).
+           {"trial_measure", 2},
            {"optimizer", {{"type", sizing.name}, {"groups", groups}}},
            {"budget_bytes", budget_bytes},
            {"config", search},

@@ -157,16 +157,20 @@ inline compaction_choice choose_saved_compaction(std::vector<std::vector<slot_co
   if (!take) return choice;
   // An offload decision was weighed on the costs compacted everywhere; the unit
   // it offloads keeps its saved tensors as they are (a Dropout's mask as bytes,
-  // not bits): its line says what it moves in the plan taken.
+  // not bits): its line says what it moves in the plan taken, the units offloaded
+  // again in the decisions' order (so that the lines add up to the plan's bytes).
+  auto replay = trial.plan.units;
+  for (auto& units : replay)
+    for (auto& u : units) u.offloaded = false;
   for (auto& d : trial.plan.decisions) {
     if (!d.offloaded || d.rule != rule_id::offload_segment) continue;
-    auto without = trial.plan.units;
-    auto& units = without[static_cast<std::size_t>(d.chain)];
-    const auto it = std::find_if(units.begin(), units.end(), [&d](const unit& u) { return u.first == d.first; });
-    if (it == units.end() || !it->offloaded) continue;
-    it->offloaded = false;
-    const auto moved = offloaded_bytes(chosen, trial.plan.units) - offloaded_bytes(chosen, without);
-    if (moved <= 0) continue;
+    auto& units = replay[static_cast<std::size_t>(d.chain)];
+    const auto it = std::find_if(units.begin(), units.end(),
+                                 [&d](const unit& u) { return u.first == d.first && u.last == d.last; });
+    if (it == units.end()) continue;
+    const auto before = offloaded_bytes(chosen, replay);
+    it->offloaded = true;
+    const auto moved = offloaded_bytes(chosen, replay) - before;
     if (d.freed_bytes > 0) d.recompute_seconds *= static_cast<double>(moved) / static_cast<double>(d.freed_bytes);
     d.freed_bytes = moved;
   }

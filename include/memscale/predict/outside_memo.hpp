@@ -36,6 +36,7 @@ namespace memscale::predictor::detail {
 /// the input's shape past the batch and its type, and the device: what the
 /// share depends on, the batch aside.
 [[nodiscard]] inline std::string outside_memo_key(torch::nn::Module& root, const torch::Tensor& example) {
+  // Collisions (layers of the same types and shapes with other options) only over-count.
   std::ostringstream key;
   const auto shape = [&key](const torch::Tensor& t) {
     for (auto d : t.sizes()) key << d << 'x';
@@ -51,8 +52,8 @@ namespace memscale::predictor::detail {
       key << b.key() << '=';
       shape(b.value());
     }
-  key << "input=";
-  shape(example.dim() > 0 ? example[0] : example);
+  key << "input=" << example.sizes().slice(example.dim() > 0 ? 1 : 0) << example.dtype() << '@' << example.device()
+      << (root.is_training() ? ";train" : ";eval");
   return key.str();
 }
 
@@ -118,12 +119,15 @@ class outside_memo {
                                                      std::vector<std::string>& notes) {
   if (measured < 0) return measured;
   auto& memo = outside_memo::process();
-  const auto raised = std::max({measured, memo.base(key), memo.at(key, batch) - blas});
+  // The base kept is the calibration's own: a total raised from a larger batch's
+  // (its BLAS buffers in it) would charge a smaller batch with them.
+  const auto base = std::max(measured, memo.base(key));
+  const auto raised = std::max(base, memo.at(key, batch) - blas);
   if (raised > measured)
     notes.push_back("outside the allocator: " + memscale::detail::format_bytes(raised + blas) + " as an earlier "
                     "predict() of this model in this process measured it; this call's calibration saw " +
                     memscale::detail::format_bytes(measured + blas) + " grow, the rest being resident since");
-  memo.record(key, batch, raised, raised + blas);
+  memo.record(key, batch, base, raised + blas);
   return raised;
 }
 

@@ -64,9 +64,11 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(measured_point, chain, unit, backward, bytes)
 
 namespace offload {
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(tier_usage, bytes, peak, tensors, written, read)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(engine_stats, tiers, spills, pinned_failures, disk_failures, bytes_written,
-                                   bytes_read, transfer_seconds, wait_seconds, prefetch_hits, prefetch_misses,
-                                   batches, batched_tensors, kernel_gathers, warnings, served_before_written)
+// With defaults: a document written before served_before_written existed reads it as 0.
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(engine_stats, tiers, spills, pinned_failures, disk_failures,
+                                                bytes_written, bytes_read, transfer_seconds, wait_seconds,
+                                                prefetch_hits, prefetch_misses, batches, batched_tensors,
+                                                kernel_gathers, warnings, served_before_written)
 }  // namespace offload
 
 namespace core {
@@ -258,6 +260,9 @@ inline void check_report_ranges(const Report& r) {
   // enum name it does not know as the first value, and a 1.5 into an integer as 1).
   auto again = report_document(r);
   if (!j.contains("outside_units_bytes")) again.erase("outside_units_bytes");  // an older document's
+  if (j.contains("offload") && j["offload"].is_object() && !j["offload"].contains("served_before_written") &&
+      again.contains("offload") && again["offload"].is_object())
+    again["offload"].erase("served_before_written");
   for (auto* doc : {&j, &again})
     for (const char* derived : {"summary", "decision_lines", "memscale_version"}) doc->erase(derived);
   if (const auto changes = nlohmann::json::diff(j, again); !changes.empty())
