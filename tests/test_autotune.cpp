@@ -447,7 +447,7 @@ TEST_CASE("a CPU trial counts what predict measured outside the allocator, made 
   memscale::predictor::detail::outside_memo::process().forget();
   const auto share =
       memscale::predict(model, x, optimizer, mean_square, test::quiet()).baseline.outside_allocator_bytes;
-  if (share < (std::int64_t{1} << 20) || test::under_address_sanitizer) {
+  if (share < (std::int64_t{1} << 20) || test::under_sanitizer) {
     WARN("the process held what a step makes outside the allocator already (" << share << " B): run this case alone");
     return;
   }
