@@ -27,6 +27,7 @@
 
 #include <memscale/autotuning/result.hpp>
 #include <memscale/config.hpp>
+#include <memscale/detail/modules.hpp>
 #include <memscale/device/hardware.hpp>
 #include <memscale/predict/optimizer_state.hpp>
 #include <memscale/version.hpp>
@@ -59,16 +60,6 @@ inline constexpr std::uintmax_t cache_max_bytes = std::uintmax_t{64} << 20;
   return h;
 }
 
-namespace detail {
-
-inline std::string shape_of(const torch::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes() << " " << t.scalar_type();
-  return os.str();
-}
-
-}  // namespace detail
-
 /// What a tuning result depends on, as readable JSON; its digest is the key.
 struct cache_key {
   nlohmann::json parts;
@@ -87,14 +78,7 @@ struct cache_key {
                                         const HardwareInfo& hw, const torch::optim::Optimizer& optimizer,
                                         const predictor::optimizer_sizing& sizing,
                                         const Config& base, const TuneOptions& options, std::int64_t budget_bytes) {
-  nlohmann::json model = nlohmann::json::array();
-  for (const auto& m : root.named_modules("", /*include_self=*/true)) model.push_back(m.key() + ":" + m.value()->name());
-  nlohmann::json parameters = nlohmann::json::array();
-  for (const auto& p : root.named_parameters(/*recurse=*/true))
-    parameters.push_back(p.key() + ":" + detail::shape_of(p.value()) + (p.value().requires_grad() ? "" : " frozen"));
-  nlohmann::json buffers = nlohmann::json::array();
-  for (const auto& b : root.named_buffers(/*recurse=*/true))
-    if (b.value().defined()) buffers.push_back(b.key() + ":" + detail::shape_of(b.value()));
+  const auto structure = memscale::detail::structure_of(root);
 
   nlohmann::json hardware = {{"device", device.str()}, {"host_total_bytes", hw.host_total_bytes}};
   if (device.is_cpu()) {
@@ -128,9 +112,9 @@ struct cache_key {
   nlohmann::json modes = nlohmann::json::array();
   for (auto m : options.modes) modes.push_back(m);
 
-  return {{{"model", {{"type", root.name()}, {"training", root.is_training()}, {"modules", model},
-                      {"parameters", parameters}, {"buffers", buffers}}},
-           {"input", detail::shape_of(example.select(0, 0)) + " on " + example.device().str()},
+  return {{{"model", {{"type", root.name()}, {"training", root.is_training()}, {"modules", structure.modules},
+                      {"parameters", structure.parameters}, {"buffers", structure.buffers}}},
+           {"input", memscale::detail::shape_of(example.select(0, 0)) + " on " + example.device().str()},
            {"hardware", hardware},
            {"libtorch", TORCH_VERSION},
            {"memscale", std::to_string(version_major) + "." + std::to_string(version_minor) + "." +

@@ -162,15 +162,17 @@ inline compaction_choice choose_saved_compaction(std::vector<std::vector<slot_co
   auto replay = trial.plan.units;
   for (auto& units : replay)
     for (auto& u : units) u.offloaded = false;
+  std::int64_t so_far = 0;  // what the units offloaded again move
   for (auto& d : trial.plan.decisions) {
     if (!d.offloaded || d.rule != rule_id::offload_segment) continue;
     auto& units = replay[static_cast<std::size_t>(d.chain)];
     const auto it = std::find_if(units.begin(), units.end(),
                                  [&d](const unit& u) { return u.first == d.first && u.last == d.last; });
     if (it == units.end()) continue;
-    const auto before = offloaded_bytes(chosen, replay);
     it->offloaded = true;
-    const auto moved = offloaded_bytes(chosen, replay) - before;
+    const auto now = offloaded_bytes(chosen, replay);
+    const auto moved = now - so_far;
+    so_far = now;
     if (d.freed_bytes > 0) d.recompute_seconds *= static_cast<double>(moved) / static_cast<double>(d.freed_bytes);
     d.freed_bytes = moved;
   }

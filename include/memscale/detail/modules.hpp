@@ -1,13 +1,17 @@
 // memscale — what the public functions accept as a model or a module: a
 // torch::nn::ModuleHolder (torch::nn::Sequential, a TORCH_MODULE type) or a
-// std::shared_ptr to a torch::nn::Module; the shared_ptr behind either; and
-// plain_linear, the module kinds checkpointing treats specially.
+// std::shared_ptr to a torch::nn::Module; the shared_ptr behind either;
+// plain_linear, the module kinds checkpointing treats specially; and a model's
+// structure as text (what a step's memory depends on besides its input).
 #pragma once
 
 #include <concepts>
 #include <memory>
+#include <sstream>
+#include <string>
 #include <type_traits>
 #include <typeinfo>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -43,6 +47,30 @@ std::shared_ptr<torch::nn::Module> root_of(const M& model) {
 /// core/graph.hpp).
 inline const torch::nn::LinearImpl* plain_linear(const torch::nn::Module& m) noexcept {
   return typeid(m) == typeid(torch::nn::LinearImpl) ? dynamic_cast<const torch::nn::LinearImpl*>(&m) : nullptr;
+}
+
+/// A tensor's shape and type, as "[2, 3] Float".
+inline std::string shape_of(const torch::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes() << " " << t.scalar_type();
+  return os.str();
+}
+
+/// A model's structure: each module's path and type ("blocks.0:torch::nn::LinearImpl"),
+/// each parameter's path, shape and type (" frozen" where it needs no
+/// gradient), each defined buffer's path, shape and type.
+struct module_structure {
+  std::vector<std::string> modules, parameters, buffers;
+};
+inline module_structure structure_of(torch::nn::Module& root) {
+  module_structure out;
+  for (const auto& m : root.named_modules("", /*include_self=*/true))
+    out.modules.push_back(m.key() + ":" + m.value()->name());
+  for (const auto& p : root.named_parameters(/*recurse=*/true))
+    out.parameters.push_back(p.key() + ":" + shape_of(p.value()) + (p.value().requires_grad() ? "" : " frozen"));
+  for (const auto& b : root.named_buffers(/*recurse=*/true))
+    if (b.value().defined()) out.buffers.push_back(b.key() + ":" + shape_of(b.value()));
+  return out;
 }
 
 /// The base of memscale's slot wrappers (memscale::CheckpointSegment, ...): a

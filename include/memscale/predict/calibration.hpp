@@ -3,7 +3,8 @@
 // allocations (calibration), and two aligned timelines at consecutive batches
 // found and fitted (fit_timelines; fit_shape_only_or_real prefers shape-only
 // steps and says why when it ran them for real; off the CPU, fit_near_target
-// runs them near the example's batch). predict/run.hpp drives them;
+// runs them near the example's batch; naming_the_example turns a step LibTorch
+// refuses into memscale's error). predict/run.hpp drives them;
 // predict/predict.hpp's header says how the prediction works.
 #pragma once
 
@@ -296,6 +297,25 @@ inline std::string fit_shape_only_or_real(calibration& c, calibration::execution
   }
   fit = fit_timelines(c, batches, note, allocator_growth);
   return why;
+}
+
+/// Runs `calibrate` (the first calibration, the first steps predict() runs);
+/// a step LibTorch refuses (an example of another shape, type or device than
+/// the forward takes) becomes memscale's error, saying what ran.
+template <class Calibrate>
+auto naming_the_example(std::int64_t batch, Calibrate&& calibrate) {
+  try {
+    return calibrate();
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
+  } catch (const c10::Error& e) {
+    throw Error(
+        "memscale::predict(): a training step on the example's leading rows (of its " + std::to_string(batch) +
+        ") failed: " + std::string(e.what_without_backtrace()) +
+        ". predict() runs the forward, loss_fn and backward on the example's first rows as given: pass the batch "
+        "the forward takes in training (its shape, dtype and device), and a loss_fn that takes the first "
+        "output.size(0) rows of its targets");
+  }
 }
 
 /// What blas_growth found: the (batch, bytes) points of Prediction::outside_growth

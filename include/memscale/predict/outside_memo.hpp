@@ -26,33 +26,22 @@
 
 #include <torch/torch.h>
 
-#include <memscale/errors.hpp>
+#include <memscale/detail/modules.hpp>
 #include <memscale/device/hardware.hpp>
 #include <memscale/device/process_memory.hpp>
 
 namespace memscale::predictor::detail {
 
-/// The model's structure (modules, parameter and buffer shapes, frozen or not),
-/// the input's shape past the batch and its type, and the device: what the
-/// share depends on, the batch aside.
+/// The model's structure (memscale::detail::structure_of, as autotune's cache
+/// key has it), the input's shape past the batch, its type and device, and the
+/// training mode: what the share depends on, the batch aside. Collisions (layers
+/// of the same types and shapes with other options) only over-count.
 [[nodiscard]] inline std::string outside_memo_key(torch::nn::Module& root, const torch::Tensor& example) {
-  // Collisions (layers of the same types and shapes with other options) only over-count.
   std::ostringstream key;
-  const auto shape = [&key](const torch::Tensor& t) {
-    for (auto d : t.sizes()) key << d << 'x';
-    key << t.dtype() << '@' << t.device() << ';';
-  };
-  for (const auto& m : root.named_modules("", /*include_self=*/true)) key << m.key() << ':' << m.value()->name() << ';';
-  for (const auto& p : root.named_parameters()) {
-    key << p.key() << (p.value().requires_grad() ? "=" : "~");
-    shape(p.value());
-  }
-  for (const auto& b : root.named_buffers())
-    if (b.value().defined()) {
-      key << b.key() << '=';
-      shape(b.value());
-    }
-  key << "input=" << example.sizes().slice(example.dim() > 0 ? 1 : 0) << example.dtype() << '@' << example.device()
+  const auto structure = memscale::detail::structure_of(root);
+  for (const auto* lines : {&structure.modules, &structure.parameters, &structure.buffers})
+    for (const auto& line : *lines) key << line << ';';
+  key << "input=" << memscale::detail::shape_of(example.select(0, 0)) << " on " << example.device()
       << (root.is_training() ? ";train" : ";eval");
   return key.str();
 }
@@ -142,25 +131,6 @@ inline void malloc_notes(std::vector<std::string>& notes) {
                     "; until then a fresh process's step may hold up to 2x the allocator's peak, varying run to run "
                     "(glibc's heaps: 1.4-2.0x measured on the example GPT and a ResNet-style CNN), and the process "
                     "figures here do not hold");
-}
-
-/// Runs `calibrate` (the first calibration, the first steps predict() runs);
-/// a step LibTorch refuses (an example of another shape, type or device than
-/// the forward takes) becomes memscale's error, saying what ran.
-template <class Calibrate>
-auto naming_the_example(std::int64_t batch, Calibrate&& calibrate) {
-  try {
-    return calibrate();
-  } catch (const c10::OutOfMemoryError&) {
-    throw;
-  } catch (const c10::Error& e) {
-    throw Error(
-        "memscale::predict(): a training step on the example's leading rows (of its " + std::to_string(batch) +
-        ") failed: " + std::string(e.what_without_backtrace()) +
-        ". predict() runs the forward, loss_fn and backward on the example's first rows as given: pass the batch "
-        "the forward takes in training (its shape, dtype and device), and a loss_fn that takes the first "
-        "output.size(0) rows of its targets");
-  }
 }
 
 }  // namespace memscale::predictor::detail
