@@ -216,6 +216,14 @@ TEST_CASE("the optimal-chain DP finds the brute-force optimum", "[engine][optima
   for (int trial = 0; trial < 60; ++trial) {
     const int n = 2 + trial % 6;
     auto chain = random_chain(rng, n, trial % 2 == 1);
+    if (trial % 3 == 2) {
+      // What the model's code made before the chain is live from its start, under every plan.
+      const auto plain = project_chain(chain, keep_all(chain.size()));
+      chain[0].made_before_bytes = chain[0].input_bytes + 3;
+      const auto counted = project_chain(chain, keep_all(chain.size()));
+      CHECK(counted.forward_end == plain.forward_end + chain[0].input_bytes + 3);
+      CHECK(counted.peak == plain.peak + chain[0].input_bytes + 3);
+    }
     const auto baseline = project_chain(chain, keep_all(chain.size())).peak;
     for (double fraction : {0.5, 0.7, 0.9, 1.0}) {
       const auto budget = static_cast<std::int64_t>(fraction * static_cast<double>(baseline));
@@ -382,6 +390,36 @@ TEST_CASE("with force_optimize a tighter budget never gets a lighter plan", "[en
       previous = plan.planned_peak;
     }
   }
+}
+
+TEST_CASE("a run that lowers the peak by under a 1024th of the step's growth is not checkpointed", "[engine]") {
+  // A U-Net's double convolution twice: (Conv2d, BatchNorm2d, ReLU) x 2 per
+  // block. Checkpointing a BatchNorm-ReLU run keeps its input (the
+  // convolution's output, which the BatchNorm saves) and its output (which the
+  // ReLU saves): it frees only the BatchNorm's statistics, 128 B, for the run's
+  // recompute. The greedy took such runs for any gain above 0 B.
+  const std::int64_t act = 4 << 20;
+  const slot_cost conv{.input_bytes = act, .output_bytes = act, .saves_input = true, .forward_seconds = 4e-3};
+  const slot_cost norm{.input_bytes = act, .output_bytes = act, .saved_bytes = 128, .saves_input = true,
+                       .forward_seconds = 2e-3};
+  const slot_cost relu{.input_bytes = act, .output_bytes = act, .saves_output = true, .forward_seconds = 1e-3};
+  const std::vector<slot_cost> chain{conv, norm, relu, conv, norm, relu};
+  engine_input in{memscale::OptimizationMode::Balanced, true, true, std::int64_t{1} << 40, 1 << 20};
+  const auto plan = decide({chain, chain, chain}, {true, true, true}, in);
+  const auto growth = plan.baseline_peak - in.static_bytes;
+  bool declined = false;
+  for (const auto& d : plan.decisions) {
+    INFO("chain " << d.chain << " slots " << d.first << ".." << d.last << " " << memscale::core::to_string(d.rule) << ", peak "
+                  << d.peak_before << " -> " << d.peak_after);
+    if (d.rule == rule_id::checkpoint_segment || d.rule == rule_id::refine_segment)
+      CHECK(d.peak_before - d.peak_after >= growth / 1024);
+    declined = declined || (d.rule == rule_id::keep_no_gain && d.peak_after < d.peak_before);
+  }
+  CHECK(declined);  // the 128 B runs, said as such
+  for (const auto& units : plan.units)
+    for (const auto& u : units)
+      CHECK_FALSE((u.checkpointed && u.last == u.first + 1 && chain[u.first].saved_bytes == 128));
+  CHECK(plan.planned_peak < plan.baseline_peak);  // the convolutions' runs still free their outputs
 }
 
 TEST_CASE("an unsupported chain is left alone with its reason", "[engine]") {

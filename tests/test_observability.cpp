@@ -192,6 +192,12 @@ TEST_CASE("Report::to_json: every field, and from_json takes back what to_json w
   REQUIRE(read.offload.has_value());
   CHECK(read.offload->bytes_written == 4096);
   CHECK(read.offload->served_before_written == 0);
+  // ... and a slot's costs written before made_before_bytes existed, as none made.
+  auto slot = nlohmann::json(memscale::slot_cost{.input_bytes = 64, .made_before_bytes = 32});
+  slot.erase("made_before_bytes");
+  const auto slot_read = slot.get<memscale::slot_cost>();
+  CHECK(slot_read.input_bytes == 64);
+  CHECK(slot_read.made_before_bytes == 0);
   // Bad input names what is wrong.
   CHECK_THROWS_WITH(memscale::Report::from_json("{"), Catch::Contains("not JSON"));
   CHECK_THROWS_WITH(memscale::Report::from_json("{\"schema\": \"x\"}"), Catch::Contains("not a Report document"));

@@ -23,7 +23,7 @@ enum class rule_id : std::uint8_t {
   unsupported_chain,       ///< a slot is not Tensor -> Tensor; chain left alone
   checkpoint_segment,      ///< checkpointed: it lowers the projected peak
   keep_fits,               ///< kept: the projected peak already fits the target
-  keep_no_gain,            ///< kept: checkpointing it would not lower the projected peak
+  keep_no_gain,            ///< kept: checkpointing it would not lower the projected peak (by a 1024th of the growth)
   refine_segment,          ///< checkpointed part of a kept run: the uniform segments were not enough
   offload_segment,         ///< offloaded: cheapest transfer per compute second, lowers the projected peak
   offload_no_room,         ///< would lower the peak, but the offload tiers' budget is spent

@@ -15,6 +15,12 @@ namespace memscale {
 /// from these fields; see core/memory_model.hpp.
 struct slot_cost {
   std::int64_t input_bytes = 0;      ///< bytes of the slot's input tensor
+  /// A chain's slot 0 only: what the model's own code between the chain run
+  /// before and this one allocated and still held when this chain began (the
+  /// input a torch::cat or a pool made for it, the temporaries of the
+  /// expression calling it), measured in the example forward. Live from the
+  /// chain's start to the end of its backward; no plan of the chain frees it.
+  std::int64_t made_before_bytes = 0;
   std::int64_t output_bytes = 0;     ///< bytes of the slot's output tensor
   bool output_is_view = false;       ///< output shares the input's storage (no new bytes)
   std::int64_t saved_bytes = 0;      ///< bytes saved for backward beyond its input and output

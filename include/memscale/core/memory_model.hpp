@@ -163,7 +163,7 @@ struct step_point {
 /// forward in order, then backward in reverse (the Report's timeline).
 [[nodiscard]] constexpr chain_projection project_chain(std::span<const slot_cost> s, std::span<const unit> units,
                                                        std::vector<step_point>* trace = nullptr) {
-  std::int64_t live = 0;
+  std::int64_t live = s.empty() ? 0 : s[0].made_before_bytes;
   std::int64_t peak = 0;
   std::int64_t moved = 0;
   bool previous_keeps = true;

@@ -122,8 +122,10 @@ struct optimal_plan {
     }
   }
 
-  if (cost[index(0, 0, 1)] == infeasible) return result;
-  std::int64_t live = 0;
+  // The chain starts with what the model's code made before it held.
+  const std::int64_t start = s[0].made_before_bytes;
+  if (start > budget || cost[index(0, level_of(start), 1)] == infeasible) return result;
+  std::int64_t live = start;
   int keeps = 1;
   for (int i = 0; i < n;) {
     const int c = choice[index(i, level_of(live), keeps)];

@@ -206,6 +206,9 @@ struct Report {
       case core::rule_id::keep_no_gain:
         os << "would free " << format_bytes(d.freed_bytes) << " but the peak stays "
            << format_bytes(d.peak_before);
+        if (d.peak_after < d.peak_before)
+          os << " (it would fall " << format_bytes(d.peak_before - d.peak_after)
+             << ", under a 1024th of the step's growth)";
         break;
       case core::rule_id::keep_fits:
         os << "projected peak " << format_bytes(d.peak_before) << " <= target " << format_bytes(plan.target_bytes);
@@ -305,6 +308,9 @@ struct Report {
     for (std::size_t i = 0; i < chain.input_shape.size(); ++i) os << (i ? ", " : "") << chain.input_shape[i];
     os << "]";
     if (c < static_cast<int>(plan.segment_length.size())) os << ", segment length " << plan.segment_length[c];
+    if (!chain.slots.empty() && chain.slots.front().made_before_bytes > 0)
+      os << "; the model's code before it held " << format_bytes(chain.slots.front().made_before_bytes)
+         << " more as it began (its input made there, temporaries), counted live through its backward";
     os << "\n";
     if (!chain.supported) os << "  not optimized: " << chain.unsupported_reason << "\n";
     for (const auto& caveat : chain.caveats) os << "  note: " << caveat << "\n";

@@ -3,7 +3,9 @@
 // the swaps unless committed (the strong guarantee of wrap()).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <utility>
@@ -25,26 +27,64 @@ class PassThroughImpl : public memscale::detail::wrapper_module {
   torch::Tensor forward(torch::Tensor x) { return x; }
 };
 
-/// Slot 0 while wrap() runs the example input: records what the chain receives.
+/// What the example forward held as each chain began and ended (capture_inputs):
+/// `bytes` reads the device's live bytes (-1: unreadable); `last_end`, the
+/// bytes when the chain run latest ended (at first, when the forward began).
+struct capture_clock {
+  std::function<std::int64_t()> bytes;
+  std::int64_t last_end = -1;
+  [[nodiscard]] std::int64_t now() const { return bytes ? bytes() : -1; }
+};
+
+/// Slot 0 while wrap() runs the example input: records what the chain receives
+/// and, with a clock, what the model's code since the chain run before it
+/// allocated and still holds (slot_cost::made_before_bytes). `ends_chain`: it
+/// is also the chain's last slot.
 class InputCaptureImpl : public memscale::detail::wrapper_module {
  public:
-  explicit InputCaptureImpl(torch::nn::AnyModule original)
-      : wrapper_module("memscale::InputCapture"), original_(std::move(original)) {}
+  explicit InputCaptureImpl(torch::nn::AnyModule original, std::shared_ptr<capture_clock> clock = nullptr,
+                            bool ends_chain = false)
+      : wrapper_module("memscale::InputCapture"), original_(std::move(original)), clock_(std::move(clock)),
+        ends_chain_(ends_chain) {}
   torch::Tensor forward(torch::Tensor x) {
     if (!captured_.defined()) {
       captured_ = x.detach();
       inside_call_site_ = call_sites::depth() > 0;
+      if (clock_ && clock_->last_end >= 0)
+        if (const auto now = clock_->now(); now >= 0) made_before_ = std::max<std::int64_t>(0, now - clock_->last_end);
     }
-    return original_.forward<torch::Tensor>(std::move(x));
+    auto y = original_.forward<torch::Tensor>(std::move(x));
+    if (ends_chain_ && clock_) clock_->last_end = clock_->now();
+    return y;
   }
   [[nodiscard]] const torch::Tensor& captured() const noexcept { return captured_; }
   /// Whether the chain first ran inside a memscale::forward call (it is then part of that unit).
   [[nodiscard]] bool inside_call_site() const noexcept { return inside_call_site_; }
+  [[nodiscard]] std::int64_t made_before_bytes() const noexcept { return made_before_; }
 
  private:
   torch::nn::AnyModule original_;
+  std::shared_ptr<capture_clock> clock_;
+  bool ends_chain_ = false;
   torch::Tensor captured_;
   bool inside_call_site_ = false;
+  std::int64_t made_before_ = 0;
+};
+
+/// A chain's last slot while wrap() runs the example input: marks its end on the clock.
+class ChainEndCaptureImpl : public memscale::detail::wrapper_module {
+ public:
+  ChainEndCaptureImpl(torch::nn::AnyModule original, std::shared_ptr<capture_clock> clock)
+      : wrapper_module("memscale::ChainEndCapture"), original_(std::move(original)), clock_(std::move(clock)) {}
+  torch::Tensor forward(torch::Tensor x) {
+    auto y = original_.forward<torch::Tensor>(std::move(x));
+    clock_->last_end = clock_->now();
+    return y;
+  }
+
+ private:
+  torch::nn::AnyModule original_;
+  std::shared_ptr<capture_clock> clock_;
 };
 
 /// The one slot of a model with no unit boundaries: its whole forward. It

@@ -49,9 +49,15 @@ inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function
   sites_ = sites_state::recording;  // memscale::forward calls of the example forward are recorded
   std::vector<std::shared_ptr<InputCaptureImpl>> probes;
   slot_transaction probes_in_place;  // always rolled back: capture changes nothing
+  // What the model's code between two chains holds as the second begins.
+  auto clock = std::make_shared<capture_clock>();
   for (auto& chain : chains_) {
-    probes.push_back(std::make_shared<InputCaptureImpl>(chain.originals.front()));
+    const auto last = chain.originals.size() - 1;
+    probes.push_back(std::make_shared<InputCaptureImpl>(chain.originals.front(), clock, last == 0));
     probes_in_place.replace(*chain.ref.sequential, 0, torch::nn::AnyModule(probes.back()));
+    if (last > 0)
+      probes_in_place.replace(*chain.ref.sequential, last,
+                              torch::nn::AnyModule(std::make_shared<ChainEndCaptureImpl>(chain.originals[last], clock)));
   }
   {
     auto root = root_.lock();
@@ -78,6 +84,14 @@ inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function
       }
     };
     const auto cuda_before = device.is_cuda() ? device_peak() : -1;
+    clock->bytes = [device]() -> std::int64_t {
+      try {
+        return memory_tracker::current_bytes(device);
+      } catch (const std::exception&) {
+        return -1;
+      }
+    };
+    clock->last_end = clock->now();
     try {
       forward();
     } catch (const c10::OutOfMemoryError&) {
@@ -110,6 +124,7 @@ inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function
       continue;
     }
     inputs.push_back(probes[c]->captured());
+    chains_[c].made_before_bytes = probes[c]->made_before_bytes();
   }
   return inputs;
 }

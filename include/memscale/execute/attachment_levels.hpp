@@ -48,9 +48,11 @@ inline std::int64_t kept_after_forward(const std::vector<slot_cost>& slots) {
 inline chain_profile attachment::profile_of(const managed_chain& chain, const torch::Tensor& input,
                                             const profile_options& options) const {
   torch::AutoGradMode grad_on(true);  // profiling measures what backward keeps
-  return chain.source == chain_source::call_sites
-             ? profile_chain(chain.ref.path, chain.originals, input, options, &chain.unit_inputs, chain.unit_names)
-             : profile_chain(chain.ref.path, chain.originals, input, options);
+  auto profile = chain.source == chain_source::call_sites
+                     ? profile_chain(chain.ref.path, chain.originals, input, options, &chain.unit_inputs, chain.unit_names)
+                     : profile_chain(chain.ref.path, chain.originals, input, options);
+  if (!profile.slots.empty()) profile.slots[0].made_before_bytes = chain.made_before_bytes;
+  return profile;
 }
 
 inline void attachment::adjust_profiles(std::vector<chain_profile>& profiles) const {

@@ -90,6 +90,9 @@ struct managed_chain {
   std::vector<torch::Tensor> unit_inputs;  ///< call sites: what each call received (until planned)
   std::vector<std::size_t> positions;      ///< call sites: each unit's place in the call sequence
   bool inside_call_site = false;           ///< a Sequential first run inside a memscale::forward call
+  /// Sequentials: what the model's code before it held as it began, in the
+  /// example forward (slot_cost::made_before_bytes of its slot 0).
+  std::int64_t made_before_bytes = 0;
   /// Call sites, per unit: where units i..group_end[i] are all the inner calls
   /// of one outer call (a group, checkpointed whole as that call where the plan
   /// makes it one run), its last unit; -1 elsewhere. The outer call's place in

@@ -111,6 +111,7 @@ inline void scale_profile(chain_profile& profile, double scale) {
   };
   for (auto& slot : profile.slots) {
     slot.input_bytes = times(slot.input_bytes);
+    slot.made_before_bytes = times(slot.made_before_bytes);
     slot.output_bytes = times(slot.output_bytes);
     slot.saved_bytes = times(slot.saved_bytes);
     slot.workspace_bytes = times(slot.workspace_bytes);
