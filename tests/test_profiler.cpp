@@ -778,3 +778,43 @@ TEST_CASE("what the model's code makes between its Sequentials counts from the n
   CHECK(static_cast<double>(projected) <= 1.15 * static_cast<double>(measured));
   CHECK(static_cast<double>(projected - made) < 0.9 * static_cast<double>(measured));
 }
+
+namespace {
+/// A Sequential ending in an LSTM (its forward returns a tuple), whose output
+/// the model's code takes apart before a plain Sequential.
+struct RecurrentThenHeadImpl : torch::nn::Module {
+  RecurrentThenHeadImpl()
+      : encoder(register_module("encoder", torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::LSTM(32, 32)))),
+        head(register_module("head", torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+                                                           torch::nn::Linear(64, 8)))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    using lstm_output = std::tuple<torch::Tensor, std::tuple<torch::Tensor, torch::Tensor>>;
+    return head->forward(std::get<0>(encoder->forward<lstm_output>(x)) * 2.0);
+  }
+  torch::nn::Sequential encoder, head;
+};
+TORCH_MODULE(RecurrentThenHead);
+}  // namespace
+
+TEST_CASE("a Sequential whose last slot returns no single Tensor is left alone, and the next one's growth is not "
+          "taken from it",
+          "[profiler]") {
+  torch::manual_seed(4);
+  RecurrentThenHead model;
+  auto x = torch::randn({12, 4, 16});
+  memscale::Report report;
+  {
+    auto guard = memscale::optimize(model, x, test::quiet({.force_optimize = true}));
+    report = guard.report();
+    torch::mse_loss(model->forward(x), torch::zeros({12, 4, 8})).backward();
+  }
+  REQUIRE(report.chains.size() == 2);
+  CHECK_FALSE(report.chains[0].supported);
+  CHECK(report.chains[1].supported);
+  // The encoder's end is not marked (an LSTM is no layer a static rule covers):
+  // the head's figure would otherwise include the encoder's own forward.
+  CHECK(report.chains[1].slots.front().made_before_bytes == 0);
+  // Detached: every slot is the model's own again.
+  CHECK(std::dynamic_pointer_cast<torch::nn::LSTMImpl>(model->encoder->ptr(1)) != nullptr);
+  CHECK(std::dynamic_pointer_cast<torch::nn::LinearImpl>(model->head->ptr(0)) != nullptr);
+}

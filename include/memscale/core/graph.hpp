@@ -15,11 +15,13 @@ namespace memscale {
 /// from these fields; see core/memory_model.hpp.
 struct slot_cost {
   std::int64_t input_bytes = 0;      ///< bytes of the slot's input tensor
-  /// A chain's slot 0 only: what the model's own code between the chain run
-  /// before and this one allocated and still held when this chain began (the
-  /// input a torch::cat or a pool made for it, the temporaries of the
-  /// expression calling it), measured in the example forward. Live from the
-  /// chain's start to the end of its backward; no plan of the chain frees it.
+  /// A chain's slot 0 only: by how much the live bytes grew between the end of
+  /// the chain run before and this chain's start, in the example forward
+  /// (without autograd): the input the model's own code made for it (a
+  /// torch::cat's, a pool's) and the temporaries of the expression calling it,
+  /// less what that code freed. Counted live from the chain's start to the end
+  /// of its backward (temporaries die sooner; what the code saves for backward
+  /// is not in it); no plan of the chain frees it.
   std::int64_t made_before_bytes = 0;
   std::int64_t output_bytes = 0;     ///< bytes of the slot's output tensor
   bool output_is_view = false;       ///< output shares the input's storage (no new bytes)

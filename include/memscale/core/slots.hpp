@@ -37,15 +37,18 @@ struct capture_clock {
 };
 
 /// Slot 0 while wrap() runs the example input: records what the chain receives
-/// and, with a clock, what the model's code since the chain run before it
-/// allocated and still holds (slot_cost::made_before_bytes). `ends_chain`: it
-/// is also the chain's last slot.
+/// and, with a clock, by how much the live bytes grew since the chain run
+/// before it ended (slot_cost::made_before_bytes). `ends`: where the chain's
+/// end is marked on the clock: here (a chain of one slot), by a
+/// ChainEndCaptureImpl on its last slot, or nowhere (then the next chain's
+/// growth is not taken).
 class InputCaptureImpl : public memscale::detail::wrapper_module {
  public:
+  enum class end : std::uint8_t { marked, elsewhere, unmarked };
   explicit InputCaptureImpl(torch::nn::AnyModule original, std::shared_ptr<capture_clock> clock = nullptr,
-                            bool ends_chain = false)
+                            end ends = end::elsewhere)
       : wrapper_module("memscale::InputCapture"), original_(std::move(original)), clock_(std::move(clock)),
-        ends_chain_(ends_chain) {}
+        ends_(ends) {}
   torch::Tensor forward(torch::Tensor x) {
     if (!captured_.defined()) {
       captured_ = x.detach();
@@ -53,8 +56,9 @@ class InputCaptureImpl : public memscale::detail::wrapper_module {
       if (clock_ && clock_->last_end >= 0)
         if (const auto now = clock_->now(); now >= 0) made_before_ = std::max<std::int64_t>(0, now - clock_->last_end);
     }
+    if (clock_ && ends_ == end::unmarked) clock_->last_end = -1;
     auto y = original_.forward<torch::Tensor>(std::move(x));
-    if (ends_chain_ && clock_) clock_->last_end = clock_->now();
+    if (clock_ && ends_ == end::marked) clock_->last_end = clock_->now();
     return y;
   }
   [[nodiscard]] const torch::Tensor& captured() const noexcept { return captured_; }
@@ -65,13 +69,14 @@ class InputCaptureImpl : public memscale::detail::wrapper_module {
  private:
   torch::nn::AnyModule original_;
   std::shared_ptr<capture_clock> clock_;
-  bool ends_chain_ = false;
+  end ends_ = end::elsewhere;
   torch::Tensor captured_;
   bool inside_call_site_ = false;
   std::int64_t made_before_ = 0;
 };
 
-/// A chain's last slot while wrap() runs the example input: marks its end on the clock.
+/// A chain's last slot while wrap() runs the example input: marks its end on
+/// the clock. Only on a layer known to take and return one Tensor.
 class ChainEndCaptureImpl : public memscale::detail::wrapper_module {
  public:
   ChainEndCaptureImpl(torch::nn::AnyModule original, std::shared_ptr<capture_clock> clock)

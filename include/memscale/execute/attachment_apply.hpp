@@ -20,6 +20,7 @@
 #include <torch/torch.h>
 
 #include <memscale/core/call_sites.hpp>
+#include <memscale/core/layer_rules.hpp>
 #include <memscale/core/memory_model.hpp>
 #include <memscale/core/plan.hpp>
 #include <memscale/core/slots.hpp>
@@ -49,13 +50,20 @@ inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function
   sites_ = sites_state::recording;  // memscale::forward calls of the example forward are recorded
   std::vector<std::shared_ptr<InputCaptureImpl>> probes;
   slot_transaction probes_in_place;  // always rolled back: capture changes nothing
-  // What the model's code between two chains holds as the second begins.
+  // What the model's code between two chains holds as the second begins. A
+  // chain's end is marked only where its last slot is a layer a static rule
+  // covers (Tensor -> Tensor; an LSTM there returns a tuple): after a chain
+  // with no mark, the next one's figure is not taken.
   auto clock = std::make_shared<capture_clock>();
   for (auto& chain : chains_) {
     const auto last = chain.originals.size() - 1;
-    probes.push_back(std::make_shared<InputCaptureImpl>(chain.originals.front(), clock, last == 0));
+    const bool marks_end = last == 0 || memscale::detail::rule_registry::global().knows(*chain.originals[last].ptr());
+    probes.push_back(std::make_shared<InputCaptureImpl>(chain.originals.front(), clock,
+                                                        last == 0 ? InputCaptureImpl::end::marked
+                                                        : marks_end ? InputCaptureImpl::end::elsewhere
+                                                                    : InputCaptureImpl::end::unmarked));
     probes_in_place.replace(*chain.ref.sequential, 0, torch::nn::AnyModule(probes.back()));
-    if (last > 0)
+    if (last > 0 && marks_end)
       probes_in_place.replace(*chain.ref.sequential, last,
                               torch::nn::AnyModule(std::make_shared<ChainEndCaptureImpl>(chain.originals[last], clock)));
   }

@@ -71,7 +71,8 @@ inline bool is_memscale_slot(const torch::nn::AnyModule& slot) {
   return std::dynamic_pointer_cast<CheckpointSegmentImpl>(p) || std::dynamic_pointer_cast<OffloadSegmentImpl>(p) ||
          std::dynamic_pointer_cast<TileSegmentImpl>(p) ||
          std::dynamic_pointer_cast<PassThroughImpl>(p) || std::dynamic_pointer_cast<AutocastSlotImpl>(p) ||
-         std::dynamic_pointer_cast<PlanningProbeImpl>(p) || std::dynamic_pointer_cast<InputCaptureImpl>(p);
+         std::dynamic_pointer_cast<PlanningProbeImpl>(p) || std::dynamic_pointer_cast<InputCaptureImpl>(p) ||
+         std::dynamic_pointer_cast<ChainEndCaptureImpl>(p);
 }
 
 /// Where a chain's units come from.
