@@ -130,6 +130,15 @@ class memory_tracker {
     throw Error("memscale::memory_tracker: no memory statistics for device " + device.str());
   }
 
+  /// current_bytes(device), or nullopt where nothing measures it (never throws).
+  [[nodiscard]] static std::optional<std::int64_t> current_bytes_if(c10::Device device = c10::kCPU) noexcept {
+    try {
+      return current_bytes(device);
+    } catch (...) {
+      return std::nullopt;
+    }
+  }
+
   [[nodiscard]] static std::int64_t peak_bytes(c10::Device device = c10::kCPU) {
     if (device.is_cpu()) return cpu_counter()->peak();
 #if MEMSCALE_HAS_CUDA()

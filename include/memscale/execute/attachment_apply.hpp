@@ -92,13 +92,7 @@ inline std::vector<torch::Tensor> attachment::capture_inputs(const std::function
       }
     };
     const auto cuda_before = device.is_cuda() ? device_peak() : -1;
-    clock->bytes = [device]() -> std::int64_t {
-      try {
-        return memory_tracker::current_bytes(device);
-      } catch (const std::exception&) {
-        return -1;
-      }
-    };
+    clock->bytes = [device] { return memory_tracker::current_bytes_if(device).value_or(-1); };
     clock->last_end = clock->now();
     try {
       forward();

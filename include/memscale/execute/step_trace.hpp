@@ -28,10 +28,10 @@ class step_recorder {
   explicit step_recorder(c10::Device device) : device_(device) {}
 
   /// Takes the step's starting bytes (before its first forward).
-  void start() noexcept { start_ = bytes_now().value_or(0); }
+  void start() noexcept { start_ = memory_tracker::current_bytes_if(device_).value_or(0); }
 
   void record(int chain, int unit, bool backward) noexcept {
-    const auto now = bytes_now();
+    const auto now = memory_tracker::current_bytes_if(device_);
     if (!now) return;
     try {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -46,14 +46,6 @@ class step_recorder {
   }
 
  private:
-  [[nodiscard]] std::optional<std::int64_t> bytes_now() const noexcept {
-    try {
-      return memory_tracker::current_bytes(device_);
-    } catch (...) {
-      return std::nullopt;
-    }
-  }
-
   c10::Device device_;
   std::int64_t start_ = 0;
   mutable std::mutex mutex_;

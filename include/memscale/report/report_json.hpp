@@ -206,6 +206,21 @@ inline void check_report_ranges(const Report& r) {
   }
 }
 
+/// Fields schema version 1 gained after it was first written, read with
+/// defaults (Report::outside_units_bytes, engine_stats::served_before_written,
+/// slot_cost::made_before_bytes): wherever the document read lacks one, its
+/// rewrite `again` leaves it out too, so that reading it back compares.
+inline void drop_added_fields(const nlohmann::json& read, nlohmann::json& again) {
+  if (read.is_object() && again.is_object()) {
+    for (const char* added : {"outside_units_bytes", "served_before_written", "made_before_bytes"})
+      if (!read.contains(added)) again.erase(added);
+    for (auto& item : again.items())
+      if (const auto it = read.find(item.key()); it != read.end()) drop_added_fields(*it, item.value());
+  } else if (read.is_array() && again.is_array()) {
+    for (std::size_t i = 0; i < read.size() && i < again.size(); ++i) drop_added_fields(read[i], again[i]);
+  }
+}
+
 }  // namespace detail
 
 /// Report::from_json's work: throws memscale::Error on text that is not a
@@ -261,18 +276,7 @@ inline void check_report_ranges(const Report& r) {
   // Strict: what was read must write back as it was written (nlohmann reads an
   // enum name it does not know as the first value, and a 1.5 into an integer as 1).
   auto again = report_document(r);
-  if (!j.contains("outside_units_bytes")) again.erase("outside_units_bytes");  // an older document's
-  if (j.contains("offload") && j["offload"].is_object() && !j["offload"].contains("served_before_written") &&
-      again.contains("offload") && again["offload"].is_object())
-    again["offload"].erase("served_before_written");
-  if (j.contains("chains") && j["chains"].is_array() && again.contains("chains"))  // slots from before made_before_bytes
-    for (std::size_t c = 0; c < j["chains"].size() && c < again["chains"].size(); ++c) {
-      const auto& read = j["chains"][c];
-      if (!read.is_object() || !read.contains("slots") || !read["slots"].is_array()) continue;
-      for (std::size_t k = 0; k < read["slots"].size() && k < again["chains"][c]["slots"].size(); ++k)
-        if (read["slots"][k].is_object() && !read["slots"][k].contains("made_before_bytes"))
-          again["chains"][c]["slots"][k].erase("made_before_bytes");
-    }
+  detail::drop_added_fields(j, again);  // an older document's
   for (auto* doc : {&j, &again})
     for (const char* derived : {"summary", "decision_lines", "memscale_version"}) doc->erase(derived);
   if (const auto changes = nlohmann::json::diff(j, again); !changes.empty())
