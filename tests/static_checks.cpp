@@ -123,6 +123,37 @@ constexpr bool has_rule(const engine_plan& p, rule_id r) {
     if (d.rule == r) return true;
   return false;
 }
+// Of what it saves, what offloading cannot free stays (slot_cost::offload_kept_bytes,
+// the profile's census): 30 of the 90 stay, 60 leave, 40 held -> 20 fewer; with 60
+// staying, the 30 that leave are no more than backward holds: kept, R6 says why.
+constexpr engine_plan whole_model_plan(std::int64_t kept) {
+  engine_input in{memscale::OptimizationMode::Aggressive, false, true, 1000, 0};
+  in.offload_allowed = true;
+  in.offload_budget_bytes = 1000;
+  in.whole_model_held_bytes = 40;
+  auto s = block;
+  s.offload_kept_bytes = kept;
+  return decide({chain_of(s, 1)}, {true}, in);
+}
+static_assert(whole_model_plan(30).units[0][0].offloaded);
+static_assert(whole_model_plan(30).baseline_peak - whole_model_plan(30).planned_peak == 20);
+static_assert(!whole_model_plan(60).units[0][0].offloaded);
+static_assert(whole_model_plan(60).planned_peak == whole_model_plan(60).baseline_peak);
+static_assert(has_rule(whole_model_plan(60), rule_id::keep_no_gain));
+// In a chain, an offloaded block keeps what offloading cannot free live through
+// the forward: four blocks with the last two offloaded end forward 2 x 30 higher
+// with 30 of their 90 staying, and move 2 x 60 instead of 2 x 90 (their inputs
+// return as well: 2 x 10).
+constexpr chain_projection last_two_offloaded(std::int64_t kept) {
+  auto s = block;
+  s.offload_kept_bytes = kept;
+  const auto c = chain_of(s, 4);
+  auto units = keep_all(c.size());
+  units[2].offloaded = units[3].offloaded = true;
+  return project_chain(c, units);
+}
+static_assert(last_two_offloaded(30).forward_end - last_two_offloaded(0).forward_end == 60);
+static_assert(last_two_offloaded(0).offloaded_bytes - last_two_offloaded(30).offloaded_bytes == 60);
 // Aggressive: checkpointing reaches 150, offloading the kept block inputs goes lower.
 static_assert(offloaded(offload_plan(memscale::OptimizationMode::Aggressive, 1000, true, 1 << 20)) > 0);
 static_assert(offload_plan(memscale::OptimizationMode::Aggressive, 1000, true, 1 << 20).planned_peak < 150);

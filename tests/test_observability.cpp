@@ -183,11 +183,17 @@ TEST_CASE("Report::to_json: every field, and from_json takes back what to_json w
   auto older = j;
   older.erase("outside_units_bytes");
   CHECK(memscale::Report::from_json(older.dump()).outside_units_bytes == 0);
-  // ... and one whose slots were written before made_before_bytes existed, as none made.
+  // ... and one whose slots were written before made_before_bytes and
+  // offload_kept_bytes existed, as none made and all of it offloadable.
   REQUIRE(older.at("chains").at(0).at("slots").at(0).contains("made_before_bytes"));
+  REQUIRE(older.at("chains").at(0).at("slots").at(0).contains("offload_kept_bytes"));
   for (auto& chain : older.at("chains"))
-    for (auto& slot : chain.at("slots")) slot.erase("made_before_bytes");
+    for (auto& slot : chain.at("slots")) {
+      slot.erase("made_before_bytes");
+      slot.erase("offload_kept_bytes");
+    }
   CHECK(memscale::Report::from_json(older.dump()).chains.at(0).slots.at(0).made_before_bytes == 0);
+  CHECK(memscale::Report::from_json(older.dump()).chains.at(0).slots.at(0).offload_kept_bytes == 0);
   // ... and one written before the offload statistics counted served_before_written, as 0.
   auto stats = nlohmann::json(memscale::offload::engine_stats{});
   stats["bytes_written"] = 4096;

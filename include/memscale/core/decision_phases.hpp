@@ -258,18 +258,25 @@ constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains,
 /// whose saved tensors go to the tiers as they are saved and come back in
 /// backward as it needs them, so the step keeps at most
 /// engine_input::whole_model_held_bytes of them (the groups in use and fetched
-/// ahead) instead of all.
+/// ahead) instead of all. What leaves is what offloading frees (its saved bytes
+/// less slot_cost::offload_kept_bytes); where that is no more than the step
+/// would hold, it is kept (R6).
 constexpr void assign_whole_model_offload(const std::vector<std::vector<slot_cost>>& chains,
                                           const engine_input& in, engine_plan& plan) {
   if (!in.offload_allowed || plan.planned_peak <= plan.target_bytes || chains.size() != 1 || chains[0].size() != 1)
     return;
   const auto& s = chains[0][0];
-  const auto moved = s.saved_bytes;
+  const auto moved = s.saved_bytes - std::min(s.offload_kept_bytes, s.saved_bytes);  // what leaves the device
   if (moved <= in.offload_min_bytes) return;
   const auto held = std::min(moved, in.whole_model_held_bytes);
   const auto peak = plan.planned_peak - (moved - held);
   const double transfer = 2.0 * static_cast<double>(moved) / in.offload_bytes_per_second;
   const double compute = s.forward_seconds + s.backward_seconds;
+  if (held >= moved) {  // backward would hold at once as much as offloading frees
+    plan.decisions.push_back({0, 0, 0, false, rule_id::keep_no_gain, moved, transfer, plan.planned_peak,
+                              plan.planned_peak, false, compute});
+    return;
+  }
   if (moved > in.offload_budget_bytes) {
     plan.decisions.push_back({0, 0, 0, false, rule_id::offload_no_room, moved, transfer, plan.planned_peak, peak,
                               false, compute});

@@ -67,6 +67,12 @@ struct slot_cost {
   /// The largest of those tensors: compacted, its backward writes it back (or
   /// computes it again) while the op that saved it runs, beside what it holds.
   std::int64_t compact_transient_bytes = 0;
+  /// Of saved_bytes, what offloading the slot leaves on the device, measured by
+  /// a dry run of the offload scope (techniques/offload.hpp, offload_census):
+  /// storages a saved view under the engine's min_bytes keeps (an LSTM step's
+  /// gate chunks), or that something besides its saved views holds. 0 where
+  /// not measured (a static rule's slot): everything saved leaves.
+  std::int64_t offload_kept_bytes = 0;
   /// Left in place, it keeps its saved tensors compact (the plan chose it):
   /// its saved_bytes are then already less its compact_bytes.
   bool compacts_saved = false;
@@ -108,7 +114,8 @@ struct slot_cost {
 /// Scales what running a slot measured beyond its rule's bytes: its times (the
 /// forward's and what its recompute skips or its compaction costs by `forward`,
 /// the backward's by `backward`) and the bytes of the draws and products a
-/// recompute keeps and of compacting its saved tensors, through `bytes`.
+/// recompute keeps, of compacting its saved tensors and of what offloading
+/// leaves, through `bytes`.
 template <class Bytes>
 void scale_measured(slot_cost& s, double forward, double backward, Bytes&& bytes) {
   s.forward_seconds *= forward;
@@ -121,6 +128,7 @@ void scale_measured(slot_cost& s, double forward, double backward, Bytes&& bytes
   s.compact_bytes = bytes(s.compact_bytes);
   s.compact_seconds *= forward;
   s.compact_transient_bytes = bytes(s.compact_transient_bytes);
+  s.offload_kept_bytes = bytes(s.offload_kept_bytes);
 }
 
 /// Where a slot's costs came from: a per-type rule, or measurement.

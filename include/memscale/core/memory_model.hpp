@@ -192,13 +192,16 @@ struct step_point {
       const int k = u.first;
       peak = std::max(peak, live + s[k].kept_bytes() + s[k].workspace_bytes);
       if (u.offloaded) {
-        // Everything it saved leaves; its input dies unless the previous slot keeps it.
+        // What it saved leaves but for what offloading cannot free (views the
+        // engine keeps, storages held elsewhere); its input dies unless the
+        // previous slot keeps it.
         const std::int64_t freed = (k > 0 && !previous_keeps && !s[k].output_is_view) ? s[k].input_bytes : 0;
-        live += (s[k].output_is_view ? 0 : s[k].output_bytes) - freed;
-        restored[i] = s[k].saved_bytes + (s[k].saves_input ? s[k].input_bytes : 0) +
+        const auto stays = std::min(s[k].offload_kept_bytes, s[k].saved_bytes);
+        live += (s[k].output_is_view ? 0 : s[k].output_bytes) + stays - freed;
+        restored[i] = s[k].saved_bytes - stays + (s[k].saves_input ? s[k].input_bytes : 0) +
                       (s[k].saves_output ? s[k].output_bytes : 0);
         // The output (and an input nobody freed) still count as live below.
-        returned[i] = s[k].saved_bytes + (s[k].saves_input ? freed : 0);
+        returned[i] = s[k].saved_bytes - stays + (s[k].saves_input ? freed : 0);
         previous_keeps = false;
       } else {
         live += s[k].kept_bytes() - freed_input_bytes(s, k, previous_keeps);

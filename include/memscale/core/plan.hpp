@@ -204,6 +204,14 @@ struct Report {
           os << "optimal schedule: kept, the budget holds without recomputing it";
         break;
       case core::rule_id::keep_no_gain:
+        if (d.chain == 0 && chain.slots.size() == 1 && chain.slot_names.front().find("memscale::WholeModel") !=
+                                                          std::string::npos) {
+          os << "offloading would free " << format_bytes(d.freed_bytes) << " of the "
+             << format_bytes(chain.slots.front().saved_bytes)
+             << " its forward saves, no more than backward would hold of them at once: the peak stays "
+             << format_bytes(d.peak_before);
+          break;
+        }
         os << "would free " << format_bytes(d.freed_bytes) << " but the peak stays "
            << format_bytes(d.peak_before);
         if (d.peak_after < d.peak_before)
@@ -321,7 +329,11 @@ struct Report {
          << std::setw(9) << to_string(chain.sources[k]) << "  out " << std::setw(10)
          << format_bytes(s.output_is_view ? 0 : s.output_bytes) << "  saved " << std::setw(10)
          << format_bytes(s.saved_bytes) << (s.saves_input ? "  +input" : "")
-         << (s.saves_output ? "  +output" : "") << "\n";
+         << (s.saves_output ? "  +output" : "");
+      if (s.offload_kept_bytes > 0)
+        os << "  (offloaded, " << format_bytes(s.offload_kept_bytes) << " of it would stay: small saved views "
+           << "keep their storages, or something else holds them)";
+      os << "\n";
     }
     os << "  plan:\n";
     for (const auto& d : plan.decisions) {

@@ -89,6 +89,10 @@ struct profile_options {
   /// room a budget leaves; core/slot_parts.hpp): a slot that would need more is
   /// measured on parts of the batch. Negative: no limit.
   std::int64_t room_bytes = -1;
+  /// >= 0 (the offload engine's min_bytes, where Config::enable_offloading):
+  /// measure what offloading each measured slot would leave on the device
+  /// (slot_cost::offload_kept_bytes). Negative: not measured.
+  std::int64_t offload_min_bytes = -1;
 };
 
 /// What a compaction scope does under `config`.
@@ -99,7 +103,11 @@ inline saved_compaction saved_compaction_of(const Config& config) {
 inline profile_options profile_options_from(const Config& config, bool training) {
   return {config.use_static_profiling, config.use_empirical_fallback, std::max(1, config.warmup_steps), training,
           config.replay_random_draws, config.selective_recompute,
-          saved_compaction_of(config)};
+          saved_compaction_of(config), -1,
+          // As offload::options_from sets the engine's min_bytes.
+          config.enable_offloading
+              ? static_cast<std::int64_t>(config.async_config.value_or(AsyncOffloadConfig{}).min_offload_kb * 1024.0)
+              : -1};
 }
 
 /// `rule`'s cost (its bytes from a static rule) with what only running the
@@ -237,7 +245,8 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
     std::string parts_note;  // measured on parts of the batch, or whole over the room
     try {
       measured = detail::measure_slot_within(slot, input, options.passes, reporting ? &*reporting : nullptr,
-                                             options.products, options.compaction, options.room_bytes, parts_note);
+                                             options.products, options.compaction, options.room_bytes, parts_note,
+                                             options.offload_min_bytes);
     } catch (const c10::Error& e) {
       profile.supported = false;
       profile.unsupported_reason = "slot " + profile.slot_names.back() + " failed on a tensor of shape " +

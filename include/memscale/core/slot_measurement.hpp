@@ -31,6 +31,7 @@
 #include <memscale/device/memory_tracker.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/offload/hooks.hpp>
+#include <memscale/techniques/offload.hpp>
 #include <memscale/techniques/saved_compaction.hpp>
 
 namespace memscale::detail {
@@ -102,14 +103,19 @@ inline const void* storage_of(const torch::Tensor& t) {
 /// selective recompute saves and keeps; Config::selective_recompute).
 /// `compaction`: also count what keeping its saved tensors compact frees and
 /// costs (techniques/saved_compaction.hpp), where its bytes come from allocations.
+/// `offload_min_bytes` >= 0: also count what offloading its saved tensors would
+/// leave on the device (slot_cost::offload_kept_bytes; the engine's min_bytes),
+/// on the first of two or more passes (the census is a saved-tensor hook scope,
+/// as the compaction census is: one per pass), or on the only one without it.
 inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tensor& input, int passes,
                                   const memory_tracker::reporting_scope* reporting = nullptr, bool products = true,
-                                  saved_compaction compaction = {}) {
+                                  saved_compaction compaction = {}, std::int64_t offload_min_bytes = -1) {
   measured_slot result;
   const auto device = input.device();
   double fastest_forward = 1e300, fastest_backward = 1e300;
   double fastest_replay_saved = 0.0;  // from the pass with the fastest forward, which holds its draws
   double fastest_product_saved = 0.0;
+  std::int64_t offload_freed = -1;  // what the offload census found offloading would free
   for (int pass = 0; pass < std::max(1, passes); ++pass) {
     slot_cost cost;
     const auto reported_before = reporting != nullptr ? reporting->allocated_bytes() : 0;
@@ -154,10 +160,16 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       std::optional<draw_span> timed_draws(std::in_place, draws, draw_mode::measure);
       std::optional<product_span> timed_products;
       if (products) timed_products.emplace(draws, draw_mode::measure);
+      const bool can_census = by_allocations && offload::hooks_engine_active() && !computing_nothing();
+      std::optional<offload_census> offload_counted;
+      if (can_census && offload_min_bytes >= 0 && pass == 0 && (passes >= 2 || !compaction.any()))
+        offload_counted.emplace(offload_min_bytes, storages_of({slot}));
       std::optional<detail::saved_compaction_scope> census;
-      if (compaction.any() && by_allocations && offload::hooks_engine_active() && !computing_nothing())
-        census.emplace(compaction, /*dry=*/true);
+      if (compaction.any() && can_census && !offload_counted) census.emplace(compaction, /*dry=*/true);
       auto out = slot.any_forward(x);
+      // Read while the forward's input, output and graph are held, as in a step.
+      if (offload_counted) offload_freed = offload_counted->freed_bytes();
+      offload_counted.reset();
       double census_seconds = 0.0;  // the census's own work, not the forward's
       if (census) {
         const auto* returned = out.try_get<torch::Tensor>();
@@ -286,6 +298,8 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
     result.cost.replay_saved_seconds = std::min(fastest_replay_saved, fastest_forward);
     result.cost.product_saved_seconds = std::min(fastest_product_saved, fastest_forward);
     result.cost.backward_seconds = fastest_backward;
+    if (offload_freed >= 0)
+      result.cost.offload_kept_bytes = std::max<std::int64_t>(0, result.cost.saved_bytes - offload_freed);
     result.output = std::move(next);
     result.bytes = source;
     result.peak_bytes = held;

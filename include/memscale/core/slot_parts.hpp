@@ -230,12 +230,13 @@ inline double parabola_miss(std::int64_t a, std::int64_t b, std::int64_t c, std:
 /// the first half is exact).
 inline measured_slot measure_slot_along_sequence(torch::nn::AnyModule& slot, const torch::Tensor& input, int passes,
                                                  const memory_tracker::reporting_scope* reporting, bool products,
-                                                 saved_compaction compaction, std::int64_t room, std::string& note) {
-  const auto whole = [&] { return measure_slot(slot, input, passes, reporting, products, compaction); };
+                                                 saved_compaction compaction, std::int64_t room, std::string& note,
+                                                 std::int64_t offload_min_bytes = -1) {
+  const auto whole = [&] { return measure_slot(slot, input, passes, reporting, products, compaction, offload_min_bytes); };
   const auto n = input.size(1), s = n / parts_per_whole;
   const double t = static_cast<double>(n) / static_cast<double>(s);
   const auto part = [&](std::int64_t positions) {
-    return measure_slot(slot, input.narrow(1, 0, positions), passes, reporting, products, compaction);
+    return measure_slot(slot, input.narrow(1, 0, positions), passes, reporting, products, compaction, offload_min_bytes);
   };
   std::vector<measured_slot> p;
   p.reserve(4);
@@ -277,12 +278,13 @@ inline measured_slot measure_slot_along_sequence(torch::nn::AnyModule& slot, con
   auto& c = out.cost;
   for (auto field : {&slot_cost::saved_bytes, &slot_cost::workspace_bytes, &slot_cost::backward_workspace_bytes,
                      &slot_cost::replay_kept_bytes, &slot_cost::product_kept_bytes, &slot_cost::returned_product_bytes,
-                     &slot_cost::compact_bytes, &slot_cost::compact_transient_bytes}) {
+                     &slot_cost::compact_bytes, &slot_cost::compact_transient_bytes, &slot_cost::offload_kept_bytes}) {
     const auto f = at(field);
     c.*field = extrapolate_parabola(f[1], f[2], f[3], t);
   }
   c.compact_bytes = std::min(c.compact_bytes, c.saved_bytes);
   c.compact_transient_bytes = std::min(c.compact_transient_bytes, c.compact_bytes);
+  c.offload_kept_bytes = std::min(c.offload_kept_bytes, c.saved_bytes);
   out.peak_bytes = peak;
   p.clear();
   // Half of the sequence at a time; the times at least linear in it.
@@ -312,17 +314,19 @@ inline measured_slot measure_slot_along_sequence(torch::nn::AnyModule& slot, con
 /// measured where that was not whole, or why whole although over the room.
 inline measured_slot measure_slot_within(torch::nn::AnyModule& slot, const torch::Tensor& input, int passes,
                                          const memory_tracker::reporting_scope* reporting, bool products,
-                                         saved_compaction compaction, std::int64_t room, std::string& note) {
-  const auto whole = [&] { return measure_slot(slot, input, passes, reporting, products, compaction); };
+                                         saved_compaction compaction, std::int64_t room, std::string& note,
+                                         std::int64_t offload_min_bytes = -1) {
+  const auto whole = [&] { return measure_slot(slot, input, passes, reporting, products, compaction, offload_min_bytes); };
   if (room < 0 || input.dim() == 0) return whole();
   if (input.size(0) < min_cut_extent) {
     if (input.dim() == 3 && input.size(1) >= min_cut_extent)
-      return measure_slot_along_sequence(slot, input, passes, reporting, products, compaction, room, note);
+      return measure_slot_along_sequence(slot, input, passes, reporting, products, compaction, room, note,
+                                         offload_min_bytes);
     return whole();
   }
   const auto n = input.size(0), r = n / parts_per_whole;
   const auto part = [&](std::int64_t rows) {
-    return measure_slot(slot, input.narrow(0, 0, rows), passes, reporting, products, compaction);
+    return measure_slot(slot, input.narrow(0, 0, rows), passes, reporting, products, compaction, offload_min_bytes);
   };
   measured_slot p1, p2, p3;
   std::int64_t scaled = 0;
@@ -370,10 +374,11 @@ inline measured_slot measure_slot_within(torch::nn::AnyModule& slot, const torch
   auto& c = out.cost;
   for (auto field : {&slot_cost::saved_bytes, &slot_cost::workspace_bytes, &slot_cost::backward_workspace_bytes,
                      &slot_cost::replay_kept_bytes, &slot_cost::product_kept_bytes, &slot_cost::returned_product_bytes,
-                     &slot_cost::compact_bytes, &slot_cost::compact_transient_bytes})
+                     &slot_cost::compact_bytes, &slot_cost::compact_transient_bytes, &slot_cost::offload_kept_bytes})
     c.*field = extrapolate_rows(p1.cost.*field, c.*field, r, n);
   c.compact_bytes = std::min(c.compact_bytes, c.saved_bytes);
   c.compact_transient_bytes = std::min(c.compact_transient_bytes, c.compact_bytes);
+  c.offload_kept_bytes = std::min(c.offload_kept_bytes, c.saved_bytes);
   out.peak_bytes = extrapolate_rows(p1.peak_bytes, out.peak_bytes, r, n);
   p1 = p2 = measured_slot{};
   finish_from_parts(out, slot, input, 0, 3 * r, t / 3.0);  // three eighths of the rows at a time

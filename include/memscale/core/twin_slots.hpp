@@ -93,6 +93,7 @@ inline void pool_twins(chain_profile& profile, const std::vector<torch::nn::AnyM
     pooled.returned_product_bytes = std::min(median(&slot_cost::returned_product_bytes), pooled.product_kept_bytes);
     pooled.compact_bytes = std::min(median(&slot_cost::compact_bytes), pooled.saved_bytes);
     pooled.compact_transient_bytes = std::min(median(&slot_cost::compact_transient_bytes), pooled.compact_bytes);
+    pooled.offload_kept_bytes = std::min(median(&slot_cost::offload_kept_bytes), pooled.saved_bytes);
     std::string named;
     for (const auto k : members) named += (named.empty() ? "" : ", ") + std::to_string(k);
     for (const auto k : members) {

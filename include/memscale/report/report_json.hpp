@@ -36,9 +36,9 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(gpu_info, index, name, total_bytes, free_byte
 // With defaults: a report written before blas_core and blas_warning existed still reads.
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(HardwareInfo, host_total_bytes, host_available_bytes, cpu_threads, gpus,
                                                 blas_core, blas_warning)
-// With defaults: a report written before made_before_bytes existed still reads (as 0).
+// With defaults: a report written before made_before_bytes or offload_kept_bytes existed still reads (as 0).
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(slot_cost, input_bytes, made_before_bytes, output_bytes, output_is_view,
-                                                saved_bytes, saves_input, saves_output, mutates_input,
+                                                saved_bytes, offload_kept_bytes, saves_input, saves_output, mutates_input,
                                                 backward_from_input, workspace_bytes, backward_workspace_bytes,
                                                 forward_seconds, backward_seconds, replay_saved_seconds,
                                                 replay_kept_bytes, product_saved_seconds, product_kept_bytes,
@@ -192,7 +192,7 @@ inline void check_report_ranges(const Report& r) {
       const auto& s = slots[k];
       for (const auto b : {s.input_bytes, s.made_before_bytes, s.output_bytes, s.saved_bytes, s.workspace_bytes,
                            s.backward_workspace_bytes, s.replay_kept_bytes, s.product_kept_bytes,
-                           s.returned_product_bytes})
+                           s.returned_product_bytes, s.offload_kept_bytes})
         if (!bytes_ok(b)) refuse("a byte count of chain " + std::to_string(c) + " slot " + std::to_string(k));
       if (!seconds_ok(s.forward_seconds) || !seconds_ok(s.backward_seconds) || !seconds_ok(s.replay_saved_seconds) ||
           !seconds_ok(s.product_saved_seconds))
@@ -208,11 +208,12 @@ inline void check_report_ranges(const Report& r) {
 
 /// Fields schema version 1 gained after it was first written, read with
 /// defaults (Report::outside_units_bytes, engine_stats::served_before_written,
-/// slot_cost::made_before_bytes): wherever the document read lacks one, its
+/// slot_cost::made_before_bytes, slot_cost::offload_kept_bytes): wherever the document read lacks one, its
 /// rewrite `again` leaves it out too, so that reading it back compares.
 inline void drop_added_fields(const nlohmann::json& read, nlohmann::json& again) {
   if (read.is_object() && again.is_object()) {
-    for (const char* added : {"outside_units_bytes", "served_before_written", "made_before_bytes"})
+    for (const char* added :
+         {"outside_units_bytes", "served_before_written", "made_before_bytes", "offload_kept_bytes"})
       if (!read.contains(added)) again.erase(added);
     for (auto& item : again.items())
       if (const auto it = read.find(item.key()); it != read.end()) drop_added_fields(*it, item.value());

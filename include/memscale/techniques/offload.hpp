@@ -8,14 +8,17 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include <torch/torch.h>
 
+#include <memscale/detail/draw_replay.hpp>
 #include <memscale/detail/fault_injection.hpp>
 #include <memscale/detail/modules.hpp>
 #include <memscale/detail/step_gate.hpp>
@@ -89,6 +92,75 @@ inline std::shared_ptr<const storage_set> storages_of(const std::vector<torch::n
   return set;
 }
 
+/// Whether an offload scope keeps `t` on the device instead of handing it to
+/// its engine: not a dense tensor with storage, a leaf that needs a gradient
+/// (parameters, tied weights a checkpoint reads, a caller's input: they live on
+/// anyway, so moving them only costs copies), under `min_bytes` (the view's own
+/// bytes), or on one of the `keep` storages.
+inline bool offload_keeps(const at::Tensor& t, std::int64_t min_bytes, const storage_set* keep) {
+  return !t.defined() || t.layout() != c10::kStrided || !t.has_storage() || (t.is_leaf() && t.requires_grad()) ||
+         static_cast<std::int64_t>(t.nbytes()) < min_bytes ||
+         (keep != nullptr && keep->count(t.storage().unsafeGetStorageImpl()) != 0);
+}
+
+/// The profiler's dry run of an offload scope (measure_slot): while it is open,
+/// every tensor autograd saves on this thread is kept as it is (detached) and
+/// counted by storage: how many saved views it has, and whether the scope would
+/// keep one of them. Offloading frees a storage only when every saved view of it
+/// goes and nothing but those views holds it; a storage the slot's output, its
+/// input or another live tensor shares stays, and so does one a small view
+/// (an LSTM step's gate, a chunk of a larger tensor) keeps. freed_bytes() is
+/// what the scope would free, read while the forward's tensors are still held.
+class offload_census {
+ public:
+  offload_census(std::int64_t min_bytes, std::shared_ptr<const storage_set> keep)
+      : state_(std::make_shared<state>(min_bytes, std::move(keep))), hooks_(pack{state_}, unpack{}) {}
+
+  [[nodiscard]] std::int64_t freed_bytes() const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    std::int64_t freed = 0;
+    for (const auto& [impl, e] : state_->storages)
+      if (!e.stays && static_cast<std::int64_t>(e.storage.use_count()) == e.views) freed += e.bytes;
+    return freed;
+  }
+
+ private:
+  struct entry {
+    weak_storage storage = weak_storage_of({});
+    std::int64_t bytes = 0;
+    std::int64_t views = 0;  ///< saved views: each holds the storage once (pack's detached tensor)
+    bool stays = false;
+  };
+  struct state {
+    state(std::int64_t min, std::shared_ptr<const storage_set> k) : min_bytes(min), keep(std::move(k)) {}
+    std::mutex mutex;
+    std::int64_t min_bytes;
+    std::shared_ptr<const storage_set> keep;
+    std::unordered_map<const c10::StorageImpl*, entry> storages;
+  };
+  struct pack {
+    std::shared_ptr<state> s;
+    at::Tensor operator()(const at::Tensor& t) const {
+      if (!t.defined()) return t;
+      if (t.has_storage()) {
+        const bool stays = offload_keeps(t, s->min_bytes, s->keep.get());
+        std::lock_guard<std::mutex> lock(s->mutex);
+        auto& e = s->storages[t.storage().unsafeGetStorageImpl()];
+        if (e.storage.expired()) e = entry{weak_storage_of(t), static_cast<std::int64_t>(t.storage().nbytes())};
+        ++e.views;
+        e.stays = e.stays || stays;
+      }
+      return t.detach();  // as saved_storage_log does (offload/hooks.hpp)
+    }
+  };
+  struct unpack {
+    at::Tensor operator()(at::Tensor& t) const { return t; }
+  };
+
+  std::shared_ptr<state> state_;
+  offload::saved_tensors_hooks<pack, unpack> hooks_;
+};
+
 /// The pack side of an offload scope: what stays (leaves that need a gradient,
 /// small tensors, `keep` storages) and what goes to the engine. With
 /// `group_bytes`, a new prefetch group starts after that many bytes (a scope
@@ -100,13 +172,7 @@ struct offload_pack {
   std::shared_ptr<std::atomic<std::int64_t>> in_group = std::make_shared<std::atomic<std::int64_t>>(0);
 
   offload_packed operator()(const at::Tensor& t) const {
-    // Leaves that need a gradient (parameters, tied weights a checkpoint
-    // reads, a caller's input) live on anyway: moving them only costs copies.
-    const bool stays = !t.defined() || t.layout() != c10::kStrided || !t.has_storage() ||
-                       (t.is_leaf() && t.requires_grad()) ||
-                       static_cast<std::int64_t>(t.nbytes()) < engine->options().min_bytes ||
-                       (keep && keep->count(t.storage().unsafeGetStorageImpl()) != 0);
-    if (stays) return pack_for_offload(t, t.detach(), nullptr);
+    if (offload_keeps(t, engine->options().min_bytes, keep.get())) return pack_for_offload(t, t.detach(), nullptr);
     // A scope without layer boundaries (group_bytes > 0) has no end of group to
     // flush batched tensors at: each goes on its own, and groups end by size.
     auto packed = pack_for_offload(t, at::Tensor(), group_bytes <= 0 ? engine->store_or_defer(t) : engine->store(t));
