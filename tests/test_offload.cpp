@@ -1085,6 +1085,13 @@ TORCH_MODULE(LstmLanguageModel);
 TEST_CASE("offload is projected to free what it frees: an LSTM's small saved views keep their storages",
           "[offload][whole_model]") {
   memory_tracker::install();
+  // LibTorch 2.x may run a CPU LSTM through oneDNN, whose node saves whole
+  // tensors: the loop over the sequence, as LibTorch 1.13 runs it, is the case.
+  struct mkldnn_off {
+    bool was = at::globalContext().userEnabledMkldnn();
+    mkldnn_off() { at::globalContext().setUserEnabledMkldnn(false); }
+    ~mkldnn_off() { at::globalContext().setUserEnabledMkldnn(was); }
+  } const loop_lstm;
   torch::manual_seed(11);
   LstmLanguageModel model;
   const auto x = torch::randint(500, {32, 64});
@@ -1115,7 +1122,7 @@ TEST_CASE("offload is projected to free what it frees: an LSTM's small saved vie
   INFO(report.str());
   REQUIRE(report.chains.size() == 1);
   const auto& slot = report.chains[0].slots.at(0);
-  CHECK(slot.saved_bytes == kept);
+  CHECK(std::abs(slot.saved_bytes - kept) <= kept / 64);
   // The profile's census: what offloading leaves, to within a 64th of what the
   // graph holds; the old projection counted all of it as leaving.
   CHECK(std::abs((slot.saved_bytes - slot.offload_kept_bytes) - freed) <= kept / 64);
@@ -1124,4 +1131,25 @@ TEST_CASE("offload is projected to free what it frees: an LSTM's small saved vie
   CHECK(report.planned_peak_bytes() == report.baseline_peak_bytes());
   CHECK_THAT(report.str(), Catch::Contains("R6 keep-no-gain") && Catch::Contains("offloading would free"));
   CHECK_THAT(report.str(), Catch::Contains("of it would stay: small saved views keep their storages"));
+}
+
+TEST_CASE("the offload census counts a saved tensor while its saved variable lives", "[offload][whole_model]") {
+  auto w = torch::randn({256, 256}, torch::requires_grad());
+  const auto x = torch::randn({256, 256});
+  std::int64_t freed = 0;
+  torch::Tensor out;
+  {
+    const memscale::detail::offload_census census(0, nullptr);
+    auto h = x.mm(w).sigmoid();  // sigmoid saves h
+    {
+      const auto side = (h * w).sum();  // the product saves h too, and goes with this graph
+    }
+    out = h.sum();
+    h = torch::Tensor();  // only sigmoid's saved variable holds it now
+    freed = census.freed_bytes();
+  }
+  // h's storage, which offloading would free; x (held here) and w (a leaf) stay.
+  CHECK(freed == 256 * 256 * 4);
+  out.backward();  // the census's saved tensors serve backward as they are
+  CHECK(w.grad().defined());
 }

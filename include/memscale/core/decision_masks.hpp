@@ -58,7 +58,6 @@ inline std::vector<std::vector<slot_cost>> packed_costs(const std::vector<std::v
       const bool here = in_place.empty() || in_place[c][k];
       if (!here || s.compact_bytes <= 0) continue;
       s.saved_bytes -= std::min(s.compact_bytes, s.saved_bytes);
-      s.offload_kept_bytes = std::min(s.offload_kept_bytes, s.saved_bytes);
       s.compacts_saved = true;
     }
   return costs;

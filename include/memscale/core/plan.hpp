@@ -331,8 +331,8 @@ struct Report {
          << format_bytes(s.saved_bytes) << (s.saves_input ? "  +input" : "")
          << (s.saves_output ? "  +output" : "");
       if (s.offload_kept_bytes > 0)
-        os << "  (offloaded, " << format_bytes(s.offload_kept_bytes) << " of it would stay: small saved views "
-           << "keep their storages, or something else holds them)";
+        os << "  (if offloaded, " << format_bytes(s.offload_kept_bytes) << " of it would stay: small saved "
+           << "views keep their storages, or something else holds them)";
       os << "\n";
     }
     os << "  plan:\n";

@@ -216,6 +216,13 @@ inline double parabola_miss(std::int64_t a, std::int64_t b, std::int64_t c, std:
   return std::abs(at_s) * std::max(1.0, (t - 2.0) * (t - 3.0) * (t - 4.0) / 6.0);
 }
 
+/// The offload census's threshold for a part of `part` of `whole` rows: a saved
+/// view there is as many times smaller as in the whole slot.
+inline std::int64_t part_min_bytes(std::int64_t min_bytes, std::int64_t part, std::int64_t whole) {
+  if (min_bytes <= 0 || whole <= 0) return min_bytes;
+  return min_bytes * part / whole;
+}
+
 /// measure_slot_within for a slot whose first dimension is too few rows to cut
 /// (a few long sequences, as [batch, sequence, features]): measured on 1/8 to
 /// 4/8 of the sequence (the second dimension), where its output keeps it. The
@@ -232,11 +239,16 @@ inline measured_slot measure_slot_along_sequence(torch::nn::AnyModule& slot, con
                                                  const memory_tracker::reporting_scope* reporting, bool products,
                                                  saved_compaction compaction, std::int64_t room, std::string& note,
                                                  std::int64_t offload_min_bytes = -1) {
-  const auto whole = [&] { return measure_slot(slot, input, passes, reporting, products, compaction, offload_min_bytes); };
+  const auto whole = [&] {
+    return measure_slot(slot, input, passes, reporting, products, compaction, offload_min_bytes);
+  };
   const auto n = input.size(1), s = n / parts_per_whole;
   const double t = static_cast<double>(n) / static_cast<double>(s);
   const auto part = [&](std::int64_t positions) {
-    return measure_slot(slot, input.narrow(1, 0, positions), passes, reporting, products, compaction, offload_min_bytes);
+    // The census's threshold stays: a saved view need not span the sequence (a
+    // recurrent step's does not), while nearly every one spans the rows.
+    return measure_slot(slot, input.narrow(1, 0, positions), passes, reporting, products, compaction,
+                        offload_min_bytes);
   };
   std::vector<measured_slot> p;
   p.reserve(4);
@@ -316,7 +328,9 @@ inline measured_slot measure_slot_within(torch::nn::AnyModule& slot, const torch
                                          const memory_tracker::reporting_scope* reporting, bool products,
                                          saved_compaction compaction, std::int64_t room, std::string& note,
                                          std::int64_t offload_min_bytes = -1) {
-  const auto whole = [&] { return measure_slot(slot, input, passes, reporting, products, compaction, offload_min_bytes); };
+  const auto whole = [&] {
+    return measure_slot(slot, input, passes, reporting, products, compaction, offload_min_bytes);
+  };
   if (room < 0 || input.dim() == 0) return whole();
   if (input.size(0) < min_cut_extent) {
     if (input.dim() == 3 && input.size(1) >= min_cut_extent)
@@ -326,7 +340,8 @@ inline measured_slot measure_slot_within(torch::nn::AnyModule& slot, const torch
   }
   const auto n = input.size(0), r = n / parts_per_whole;
   const auto part = [&](std::int64_t rows) {
-    return measure_slot(slot, input.narrow(0, 0, rows), passes, reporting, products, compaction, offload_min_bytes);
+    return measure_slot(slot, input.narrow(0, 0, rows), passes, reporting, products, compaction,
+                        part_min_bytes(offload_min_bytes, rows, n));
   };
   measured_slot p1, p2, p3;
   std::int64_t scaled = 0;

@@ -155,7 +155,7 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
   const auto device = inputs[which.front()].device();
   bool training = true;
   if (auto root = root_.lock()) training = root->is_training();
-  auto options = profile_options_from(config_, training);
+  auto options = profile_options_from(config_, training, profile_batch_scale());
   options.room_bytes = profiling_room(which, inputs, out);
   if (options.room_bytes >= 0 && example_forward_transient_ > options.room_bytes)
     out.notes.push_back("the example forward, which records what each unit receives, held " +

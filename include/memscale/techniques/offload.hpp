@@ -105,12 +105,14 @@ inline bool offload_keeps(const at::Tensor& t, std::int64_t min_bytes, const sto
 
 /// The profiler's dry run of an offload scope (measure_slot): while it is open,
 /// every tensor autograd saves on this thread is kept as it is (detached) and
-/// counted by storage: how many saved views it has, and whether the scope would
-/// keep one of them. Offloading frees a storage only when every saved view of it
-/// goes and nothing but those views holds it; a storage the slot's output, its
-/// input or another live tensor shares stays, and so does one a small view
-/// (an LSTM step's gate, a chunk of a larger tensor) keeps. freed_bytes() is
-/// what the scope would free, read while the forward's tensors are still held.
+/// counted by storage while its saved variable lives: how many saved views it
+/// has, and how many of them the scope would keep. Offloading frees a storage
+/// only when every saved view of it goes and nothing but those views holds it;
+/// a storage the slot's output, its input or another live tensor shares stays,
+/// and so does one a small view keeps (an LSTM step's gate chunks, under
+/// min_bytes, of a larger tensor). freed_bytes() is what the scope would free,
+/// read while the forward's tensors are still held; a CUDA storage counts as
+/// the caching allocator's 512-byte blocks hold it.
 class offload_census {
  public:
   offload_census(std::int64_t min_bytes, std::shared_ptr<const storage_set> keep)
@@ -120,16 +122,17 @@ class offload_census {
     std::lock_guard<std::mutex> lock(state_->mutex);
     std::int64_t freed = 0;
     for (const auto& [impl, e] : state_->storages)
-      if (!e.stays && static_cast<std::int64_t>(e.storage.use_count()) == e.views) freed += e.bytes;
+      if (e.views > 0 && e.staying == 0 && static_cast<std::int64_t>(e.storage.use_count()) == e.views)
+        freed += e.bytes;
     return freed;
   }
 
  private:
   struct entry {
-    weak_storage storage = weak_storage_of({});
+    weak_storage storage = weak_storage_of({});  // keeps the StorageImpl's address from being reused
     std::int64_t bytes = 0;
-    std::int64_t views = 0;  ///< saved views: each holds the storage once (pack's detached tensor)
-    bool stays = false;
+    std::int64_t views = 0;    ///< saved views alive: each holds the storage once (its detached tensor)
+    std::int64_t staying = 0;  ///< ... of which the scope would keep on the device
   };
   struct state {
     state(std::int64_t min, std::shared_ptr<const storage_set> k) : min_bytes(min), keep(std::move(k)) {}
@@ -138,23 +141,44 @@ class offload_census {
     std::shared_ptr<const storage_set> keep;
     std::unordered_map<const c10::StorageImpl*, entry> storages;
   };
+  /// One saved variable's tensor; its death (a graph dropped in the forward) uncounts it.
+  struct view {
+    view(at::Tensor t, std::shared_ptr<state> st, bool keeps) : tensor(std::move(t)), s(std::move(st)), stays(keeps) {
+      if (!tensor.has_storage()) return;
+      storage = tensor.storage().unsafeGetStorageImpl();
+      std::lock_guard<std::mutex> lock(s->mutex);
+      auto& e = s->storages[storage];
+      if (e.views == 0) {
+        const auto bytes = static_cast<std::int64_t>(tensor.storage().nbytes());
+        e = entry{weak_storage_of(tensor), tensor.is_cuda() ? (bytes + 511) / 512 * 512 : bytes};
+      }
+      ++e.views;
+      e.staying += stays ? 1 : 0;
+    }
+    view(const view&) = delete;
+    view& operator=(const view&) = delete;
+    ~view() {
+      if (storage == nullptr) return;
+      std::lock_guard<std::mutex> lock(s->mutex);
+      if (const auto it = s->storages.find(storage); it != s->storages.end()) {
+        --it->second.views;
+        it->second.staying -= stays ? 1 : 0;
+      }
+    }
+    at::Tensor tensor;  // detached, as saved_storage_log keeps it (offload/hooks.hpp)
+    std::shared_ptr<state> s;
+    bool stays;
+    const c10::StorageImpl* storage = nullptr;
+  };
   struct pack {
     std::shared_ptr<state> s;
-    at::Tensor operator()(const at::Tensor& t) const {
-      if (!t.defined()) return t;
-      if (t.has_storage()) {
-        const bool stays = offload_keeps(t, s->min_bytes, s->keep.get());
-        std::lock_guard<std::mutex> lock(s->mutex);
-        auto& e = s->storages[t.storage().unsafeGetStorageImpl()];
-        if (e.storage.expired()) e = entry{weak_storage_of(t), static_cast<std::int64_t>(t.storage().nbytes())};
-        ++e.views;
-        e.stays = e.stays || stays;
-      }
-      return t.detach();  // as saved_storage_log does (offload/hooks.hpp)
+    std::shared_ptr<const view> operator()(const at::Tensor& t) const {
+      const bool stays = offload_keeps(t, s->min_bytes, s->keep.get());
+      return std::make_shared<const view>(t.defined() ? t.detach() : t, s, stays);
     }
   };
   struct unpack {
-    at::Tensor operator()(at::Tensor& t) const { return t; }
+    at::Tensor operator()(std::shared_ptr<const view>& v) const { return v->tensor; }
   };
 
   std::shared_ptr<state> state_;
