@@ -104,13 +104,14 @@ inline saved_compaction saved_compaction_of(const Config& config) {
 /// (memscale::predict's calibration): each saved view is as many times smaller,
 /// so the census compares it with the engine's min_bytes as many times smaller.
 inline profile_options profile_options_from(const Config& config, bool training, double batch_scale = 1.0) {
-  // As offload::options_from sets the engine's min_bytes.
-  const double min_bytes = config.async_config.value_or(AsyncOffloadConfig{}).min_offload_kb * 1024.0;
+  // As offload::options_from sets the engine's min_bytes (a threshold past int64's range offloads nothing).
+  const double min_bytes = std::min(config.async_config.value_or(AsyncOffloadConfig{}).min_offload_kb * 1024.0 /
+                                        (batch_scale > 0.0 ? batch_scale : 1.0),
+                                    9.0e18);
   return {config.use_static_profiling, config.use_empirical_fallback, std::max(1, config.warmup_steps), training,
           config.replay_random_draws, config.selective_recompute,
           saved_compaction_of(config), -1,
-          config.enable_offloading ? static_cast<std::int64_t>(min_bytes / (batch_scale > 0.0 ? batch_scale : 1.0))
-                                   : -1};
+          config.enable_offloading ? static_cast<std::int64_t>(min_bytes) : -1};
 }
 
 /// `rule`'s cost (its bytes from a static rule) with what only running the

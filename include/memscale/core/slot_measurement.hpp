@@ -105,8 +105,10 @@ inline const void* storage_of(const torch::Tensor& t) {
 /// costs (techniques/saved_compaction.hpp), where its bytes come from allocations.
 /// `offload_min_bytes` >= 0: also count what offloading its saved tensors would
 /// leave on the device (slot_cost::offload_kept_bytes; the engine's min_bytes),
-/// on the first pass (the census is a saved-tensor hook scope, as the
-/// compaction census is: one per pass; with one pass and compaction, one more).
+/// on the first of two or more passes (the census is a saved-tensor hook scope,
+/// as the compaction census is: one per pass), or on the only one without
+/// compaction. One pass with compaction (warmup_steps 1, or predict's 0) takes
+/// no census: rather than a second pass, offloading is counted to free it all.
 inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tensor& input, int passes,
                                   const memory_tracker::reporting_scope* reporting = nullptr, bool products = true,
                                   saved_compaction compaction = {}, std::int64_t offload_min_bytes = -1) {
@@ -116,9 +118,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
   double fastest_replay_saved = 0.0;  // from the pass with the fastest forward, which holds its draws
   double fastest_product_saved = 0.0;
   std::int64_t offload_freed = -1;  // what the offload census found offloading would free
-  // The census takes a pass of its own where the compaction census needs the only one.
-  const bool own_census_pass = offload_min_bytes >= 0 && passes < 2 && compaction.any();
-  for (int pass = 0; pass < std::max(1, passes) + (own_census_pass ? 1 : 0); ++pass) {
+  for (int pass = 0; pass < std::max(1, passes); ++pass) {
     slot_cost cost;
     const auto reported_before = reporting != nullptr ? reporting->allocated_bytes() : 0;
     // An owned, non-leaf copy (as inside a chain, where the input comes out of the
@@ -164,7 +164,7 @@ inline measured_slot measure_slot(torch::nn::AnyModule& slot, const torch::Tenso
       if (products) timed_products.emplace(draws, draw_mode::measure);
       const bool can_census = by_allocations && offload::hooks_engine_active() && !computing_nothing();
       std::optional<offload_census> offload_counted;
-      if (can_census && offload_min_bytes >= 0 && pass == 0)
+      if (can_census && offload_min_bytes >= 0 && pass == 0 && (passes >= 2 || !compaction.any()))
         offload_counted.emplace(offload_min_bytes, storages_of({slot}));
       std::optional<detail::saved_compaction_scope> census;
       if (compaction.any() && can_census && !offload_counted) census.emplace(compaction, /*dry=*/true);

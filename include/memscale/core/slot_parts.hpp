@@ -220,7 +220,8 @@ inline double parabola_miss(std::int64_t a, std::int64_t b, std::int64_t c, std:
 /// view there is as many times smaller as in the whole slot.
 inline std::int64_t part_min_bytes(std::int64_t min_bytes, std::int64_t part, std::int64_t whole) {
   if (min_bytes <= 0 || whole <= 0) return min_bytes;
-  return min_bytes * part / whole;
+  return static_cast<std::int64_t>(static_cast<double>(min_bytes) * static_cast<double>(part) /
+                                   static_cast<double>(whole));
 }
 
 /// measure_slot_within for a slot whose first dimension is too few rows to cut
