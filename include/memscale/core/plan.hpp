@@ -204,8 +204,7 @@ struct Report {
           os << "optimal schedule: kept, the budget holds without recomputing it";
         break;
       case core::rule_id::keep_no_gain:
-        if (d.chain == 0 && chain.slots.size() == 1 && chain.slot_names.front().find("memscale::WholeModel") !=
-                                                          std::string::npos) {
+        if (is_whole_model(chain)) {
           os << "offloading would free " << format_bytes(d.freed_bytes) << " of the "
              << format_bytes(chain.slots.front().saved_bytes)
              << " its forward saves, no more than backward would hold of them at once: the peak stays "
@@ -226,7 +225,7 @@ struct Report {
            << core::policy_for(mode).act_at_pressure << " (" << mode << "); force_optimize is off";
         break;
       case core::rule_id::checkpointing_disabled:
-        if (chain.slot_names.size() == 1 && chain.slot_names.front().find("memscale::WholeModel") != std::string::npos)
+        if (is_whole_model(chain))
           os << "no unit boundaries to recompute between (no Sequential, no memscale::forward call that is a unit): "
               "offload only";
         else
@@ -301,6 +300,11 @@ struct Report {
   }
 
   /// For a checkpointed run ending in a plain Linear: that its forward is not recomputed.
+  /// The one chain of a model with no unit boundaries (its slot: memscale::WholeModel).
+  static bool is_whole_model(const chain_profile& chain) {
+    return chain.slot_names.size() == 1 && chain.slot_names.front().find("memscale::WholeModel") != std::string::npos;
+  }
+
   static std::string linear_tail_note(const chain_profile& chain, const core::segment_decision& d) {
     if (d.last < 0 || static_cast<std::size_t>(d.last) >= chain.slots.size() ||
         !chain.slots[static_cast<std::size_t>(d.last)].backward_from_input)
