@@ -351,8 +351,10 @@ TEST_CASE("the hooks engine is installed at load, a plan without it says so and 
   CHECK(memscale::offload::hooks_engine_active());
   CHECK(memscale::offload::hooks_unavailable_reason(c10::Device(c10::kCPU)).empty());
 
-  auto model = test::flat_chain(4, 64, 256, 0.0);
-  const auto x = torch::randn({32, 64});
+  // Large enough that offloading a checkpoint's input lowers the projected peak
+  // (at 32 rows its 8 KiB did not, and Aggressive planned none).
+  auto model = test::flat_chain(4, 64, 256, 0.1);
+  const auto x = torch::randn({512, 64});
   memscale::AsyncOffloadConfig disk;
   disk.min_offload_kb = 1;
   const auto config = test::quiet({.mode = OptimizationMode::Aggressive, .async_config = disk});

@@ -71,6 +71,19 @@ struct chain_projection {
   return s.saves_output || s.output_is_view;
 }
 
+/// Bytes live while slot k, kept as it is, runs its backward, from `after`
+/// (live once its forward was done): its output's gradient, its input's, its
+/// workspace; its output itself only where it keeps it (saves it, or returns a
+/// view), or where it ends the chain (a caller may hold the model's output
+/// through backward). Else the slot after it saved it and has freed it by now,
+/// or never saved it: measured on a double-convolution block, one activation
+/// less than counting it.
+[[nodiscard]] constexpr std::int64_t kept_backward_peak(std::span<const slot_cost> s, int k, std::int64_t after) {
+  const auto& c = s[static_cast<std::size_t>(k)];
+  const bool output_held = keeps_output(c) || k + 1 == static_cast<int>(s.size());
+  return after - (output_held ? 0 : c.output_bytes) + c.output_bytes + c.input_bytes + c.backward_extra_bytes();
+}
+
 /// Live-memory figures of running slots [a, b] as a plain (un-checkpointed) chain
 /// starting at `live` bytes, with slot a's input held by someone else.
 struct range_projection {
@@ -234,8 +247,7 @@ struct step_point {
     } else {
       const int k = u.first;
       const std::int64_t after = (i + 1 < units.size()) ? before[i + 1] : forward_end;
-      peak = std::max(peak, after + returned[i] + prefetched + s[k].output_bytes + s[k].input_bytes +
-                                s[k].backward_extra_bytes());
+      peak = std::max(peak, kept_backward_peak(s, k, after) + returned[i] + prefetched);
     }
     if (trace) trace->push_back({static_cast<int>(i), true, peak, before[i]});
     peak = std::max(peak, peak_before_unit);

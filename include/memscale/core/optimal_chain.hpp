@@ -84,8 +84,7 @@ struct optimal_plan {
         const auto& slot = s[i];
         const std::int64_t after = live + slot.kept_bytes() - freed_input_bytes(s, i, keeps == 1);
         const std::int64_t keep_peak =
-            std::max(live + slot.kept_bytes() + slot.workspace_bytes,
-                     after + slot.output_bytes + slot.input_bytes + slot.backward_extra_bytes());
+            std::max(live + slot.kept_bytes() + slot.workspace_bytes, kept_backward_peak(s, i, after));
         if (keep_peak <= budget && after <= budget) {
           const double c = cost[index(i + 1, level_of(after), keeps_output(slot) ? 1 : 0)];
           if (c < best) {

@@ -116,9 +116,16 @@ inline profile_options profile_options_from(const Config& config, bool training,
 
 /// `rule`'s cost (its bytes from a static rule) with what only running the
 /// slot tells: its times, the draws and products a recompute keeps, what
-/// compacting its saved tensors frees (at most what it saves) and costs, and
-/// whether it writes its input.
-inline slot_cost with_measured(slot_cost rule, const slot_cost& measured) {
+/// compacting its saved tensors frees (at most what it saves) and costs,
+/// whether it writes its input, and, with `workspace_seen` (its allocations
+/// were), the larger of the rule's workspace and the measured one, forward
+/// and backward: a rule gives none for a convolution, whose backward on CPU
+/// holds one more input-sized buffer.
+inline slot_cost with_measured(slot_cost rule, const slot_cost& measured, bool workspace_seen = false) {
+  if (workspace_seen) {
+    rule.workspace_bytes = std::max(rule.workspace_bytes, measured.workspace_bytes);
+    rule.backward_workspace_bytes = std::max(rule.backward_workspace_bytes, measured.backward_workspace_bytes);
+  }
   rule.forward_seconds = measured.forward_seconds;
   rule.backward_seconds = measured.backward_seconds;
   rule.replay_saved_seconds = measured.replay_saved_seconds;
@@ -217,7 +224,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
                                                         options.passes, reporting ? &*reporting : nullptr,
                                                         options.products, options.compaction, options.room_bytes,
                                                         &over_room)) {
-          cost = with_measured(std::move(cost), timed->cost);
+          cost = with_measured(std::move(cost), timed->cost, timed->workspace_seen);
           note = timed->rows == (current.shape.empty() ? 0 : current.shape[0]) && timed->positions == 0
                      ? "static rule; times measured"
                      : "static rule; times measured on " + std::to_string(timed->rows) + " of " +

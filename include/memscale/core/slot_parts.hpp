@@ -31,12 +31,14 @@ inline constexpr std::int64_t min_cut_extent = 16;
 
 /// What timing a slot a static rule covers found (time_static_slot): the
 /// measured cost, its times and the bytes no rule gives (kept draws and
-/// products, compaction) scaled to the full input (its other bytes are the
+/// products, compaction, and where the allocations were seen the forward's and
+/// backward's workspace) scaled to the full input (its other bytes are the
 /// part's: the rule gives those), and the part it ran on.
 struct static_slot_times {
   slot_cost cost;
   std::int64_t rows = 0;       ///< the first extent it ran at
   std::int64_t positions = 0;  ///< the second, where it ran on fewer positions of a sequence (else 0)
+  bool workspace_seen = false;  ///< the workspace figures are measured (allocations seen), not 0 for want of them
 };
 
 /// Times a slot a static rule covers, the bytes being the rule's: forward and
@@ -145,7 +147,12 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
     };
     auto cost = timed.cost;
     scale_measured(cost, forward_scale, backward_scale, scaled);
-    return static_slot_times{cost, part.shape.empty() ? 0 : part.shape[0], along_sequence ? part.shape[1] : 0};
+    // Workspace grows with the input (a convolution's backward on CPU holds
+    // one more input-sized buffer, BatchNorm's an output-sized one, at any batch).
+    cost.workspace_bytes = scaled(cost.workspace_bytes);
+    cost.backward_workspace_bytes = scaled(cost.backward_workspace_bytes);
+    return static_slot_times{cost, part.shape.empty() ? 0 : part.shape[0], along_sequence ? part.shape[1] : 0,
+                             timed.bytes == byte_source::allocations};
   } catch (const std::exception&) {
     return std::nullopt;  // it cannot run on an input of that shape: the caller keeps the rates' times
   }
