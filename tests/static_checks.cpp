@@ -228,6 +228,21 @@ static_assert(checkpoint_backward_peak(std::array{pointwise, product}, 0, 1, 0) 
 // A run of the Linear alone is counted as holding what a recomputed one does: it frees nothing.
 static_assert(checkpoint_backward_peak(std::array{product}, 0, 0, 0) ==
               checkpoint_backward_peak(std::array{product_recomputed}, 0, 0, 0));
+// Nor before another slot, where neither holds the Linear's output in its
+// backward (the slot after it saved it and has freed it): 140 = gradients 100 + 40.
+static_assert(checkpoint_backward_peak(std::array{product, pointwise}, 0, 0, 0) == 140);
+static_assert(kept_backward_peak(std::array{product, pointwise}, 0, product.kept_bytes()) == 140);
+// A kept slot's output counts through its own backward where it saves it, where
+// it ends the chain, or where only views follow it (an in-place ReLU).
+constexpr slot_cost saves_out{.input_bytes = 40, .output_bytes = 40, .saves_output = true};
+constexpr slot_cost in_place{.input_bytes = 40, .output_bytes = 40, .output_is_view = true};
+static_assert(!output_held_in_backward(std::array{pointwise, pointwise}, 0));
+static_assert(output_held_in_backward(std::array{pointwise, pointwise}, 1));
+static_assert(output_held_in_backward(std::array{saves_out, pointwise}, 0));
+static_assert(output_held_in_backward(std::array{pointwise, in_place}, 0));
+static_assert(!output_held_in_backward(std::array{pointwise, in_place, pointwise}, 0));
+static_assert(kept_backward_peak(std::array{pointwise, pointwise}, 0, 40) == 80);  // 40 - 40 + 40 + 40
+static_assert(kept_backward_peak(std::array{pointwise, in_place}, 0, 40) == 120);
 
 // Below the lowest possible peak there is no plan.
 static_assert(!optimal_segmentation(chain_of(block, 4), 100, 100).feasible);

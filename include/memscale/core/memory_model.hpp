@@ -71,17 +71,26 @@ struct chain_projection {
   return s.saves_output || s.output_is_view;
 }
 
+/// Whether slot k's output is still live while k runs its backward: k keeps it
+/// (saves it, or returns a view), or it reaches the chain's end through views
+/// only (an in-place ReLU, a Flatten: a caller may hold the model's output
+/// through backward). Else the slot after it saved it and has freed it once its
+/// own backward was done, or never saved it.
+[[nodiscard]] constexpr bool output_held_in_backward(std::span<const slot_cost> s, int k) {
+  if (keeps_output(s[static_cast<std::size_t>(k)])) return true;
+  for (auto j = static_cast<std::size_t>(k) + 1; j < s.size(); ++j)
+    if (!s[j].output_is_view) return false;
+  return true;
+}
+
 /// Bytes live while slot k, kept as it is, runs its backward, from `after`
 /// (live once its forward was done): its output's gradient, its input's, its
-/// workspace; its output itself only where it keeps it (saves it, or returns a
-/// view), or where it ends the chain (a caller may hold the model's output
-/// through backward). Else the slot after it saved it and has freed it by now,
-/// or never saved it: measured on a double-convolution block, one activation
-/// less than counting it.
+/// workspace, and its output itself only where output_held_in_backward (on a
+/// double-convolution block, counting it always was one activation over).
 [[nodiscard]] constexpr std::int64_t kept_backward_peak(std::span<const slot_cost> s, int k, std::int64_t after) {
   const auto& c = s[static_cast<std::size_t>(k)];
-  const bool output_held = keeps_output(c) || k + 1 == static_cast<int>(s.size());
-  return after - (output_held ? 0 : c.output_bytes) + c.output_bytes + c.input_bytes + c.backward_extra_bytes();
+  return after - (output_held_in_backward(s, k) ? 0 : c.output_bytes) + c.output_bytes + c.input_bytes +
+         c.backward_extra_bytes();
 }
 
 /// Live-memory figures of running slots [a, b] as a plain (un-checkpointed) chain
@@ -155,9 +164,10 @@ struct range_projection {
       peak = std::max(peak, project_plain_range(s, a, b - 2, live).backward_peak + 2 * s[b].input_bytes);
     peak += output_grad;
   }
-  // Its own backward: counted as a kept slot's is (its output still held, as
-  // by a caller that keeps it), so a run of the Linear alone frees nothing.
-  return std::max(peak, end + s[b].output_bytes + output_grad + s[b].input_bytes + s[b].backward_extra_bytes());
+  // Its own backward: counted as a kept slot's is (its output held only where
+  // output_held_in_backward), so a run of the Linear alone frees nothing.
+  return std::max(peak, end + (output_held_in_backward(s, b) ? s[b].output_bytes : 0) + output_grad +
+                            s[b].input_bytes + s[b].backward_extra_bytes());
 }
 
 /// One unit's forward or backward in a projected step: the bytes live while it

@@ -209,7 +209,9 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
     std::optional<layer_estimate> estimate;
     if (options.use_static) estimate = estimate_layer(*slot.ptr(), current);
     if (estimate) {
-      // The rule gives the bytes. The times are measured where the slot may be
+      // The rule gives the bytes but the workspace, which that run measures
+      // where it runs (a rule gives a convolution none; with_measured). The
+      // times are measured where the slot may be
       // run (use_empirical_fallback), on a part of the batch where it is large:
       // they are what recomputing it costs, which the rates alone model no
       // better than within 2-6x per layer type (a GELU's arithmetic, a

@@ -41,7 +41,9 @@ struct static_slot_times {
   bool workspace_seen = false;  ///< the workspace figures are measured (allocations seen), not 0 for want of them
 };
 
-/// Times a slot a static rule covers, the bytes being the rule's: forward and
+/// Times a slot a static rule covers, the bytes being the rule's but for the
+/// workspace (measured, scaled as the input; where it does not run, the
+/// rule's, none for a convolution or a BatchNorm): forward and
 /// backward as measure_slot times them, on the input's first rows only where
 /// the input exceeds 1 MiB (an eighth of them, at least one), then scaled to
 /// the full input by the rule's work at both shapes (flops and bytes at the
