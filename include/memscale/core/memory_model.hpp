@@ -164,10 +164,9 @@ struct range_projection {
       peak = std::max(peak, project_plain_range(s, a, b - 2, live).backward_peak + 2 * s[b].input_bytes);
     peak += output_grad;
   }
-  // Its own backward: counted as a kept slot's is (its output held only where
-  // output_held_in_backward), so a run of the Linear alone frees nothing.
-  return std::max(peak, end + (output_held_in_backward(s, b) ? s[b].output_bytes : 0) + output_grad +
-                            s[b].input_bytes + s[b].backward_extra_bytes());
+  // Its own backward: a kept slot's, from its forward's end with the run's
+  // output made, so a run of the Linear alone frees nothing.
+  return std::max(peak, kept_backward_peak(s, b, end + s[b].output_bytes));
 }
 
 /// One unit's forward or backward in a projected step: the bytes live while it

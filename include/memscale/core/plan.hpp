@@ -299,12 +299,12 @@ struct Report {
     for (const auto& note : notes) os << "note: " << note << "\n";
   }
 
-  /// For a checkpointed run ending in a plain Linear: that its forward is not recomputed.
   /// The one chain of a model with no unit boundaries (its slot: memscale::WholeModel).
   static bool is_whole_model(const chain_profile& chain) {
     return chain.slot_names.size() == 1 && chain.slot_names.front().find("memscale::WholeModel") != std::string::npos;
   }
 
+  /// For a checkpointed run ending in a plain Linear: that its forward is not recomputed.
   static std::string linear_tail_note(const chain_profile& chain, const core::segment_decision& d) {
     if (d.last < 0 || static_cast<std::size_t>(d.last) >= chain.slots.size() ||
         !chain.slots[static_cast<std::size_t>(d.last)].backward_from_input)
