@@ -6,6 +6,7 @@
 
 #include <dlfcn.h>
 #include <functional>
+#include <tuple>
 
 #include <c10/core/CPUAllocator.h>
 
@@ -401,6 +402,60 @@ TEST_CASE("a convolution a static rule covers gets the backward workspace its ti
                                   << run_peak / static_cast<double>(activation) << " activations)");
   CHECK(static_cast<double>(projected_run) >= 0.98 * run_peak);
   CHECK(static_cast<double>(projected_run) <= 1.10 * run_peak);
+}
+
+TEST_CASE("a convolution timed on a part of the batch gets the workspace the whole batch's kernels hold, and its "
+          "rule's where it is not timed",
+          "[profiler]") {
+  // On CPU, LibTorch runs a 1x1 convolution with oneDNN from 16 rows (on one
+  // thread), with its native kernel, which holds no workspace, below; oneDNN's
+  // backward holds buffers of the input's and output's bytes, or of the
+  // weight's where that is larger, at any batch. An eighth of 64 rows timed
+  // the native kernel (workspace 0 for 48 MiB); a wide 3x3 layer's
+  // weight-sized buffer, scaled with the rows, came out 5.9x.
+  struct conv_case {
+    const char* name;
+    torch::nn::Conv2dOptions options;
+    std::vector<std::int64_t> input;
+  };
+  const std::vector<conv_case> cases{
+      {"1x1, 64 to 128, a bottleneck's widening", torch::nn::Conv2dOptions(64, 128, 1).bias(false), {64, 64, 32, 32}},
+      {"3x3, 512 wide on 7x7, a ResNet's last stage", torch::nn::Conv2dOptions(512, 512, 3).padding(1).bias(false),
+       {64, 512, 7, 7}},
+      {"3x3, stride 2", torch::nn::Conv2dOptions(64, 128, 3).stride(2).padding(1).bias(false), {64, 64, 32, 32}},
+  };
+  memscale::memory_tracker::install();
+  for (const auto& c : cases) {
+    INFO(c.name);
+    torch::nn::Conv2d conv(c.options);
+    std::vector<torch::nn::AnyModule> slots{torch::nn::AnyModule(conv)};
+    const auto x = torch::randn(c.input);
+    const auto profile = profile_chain("", slots, x, profile_options{true, true, 1, true});
+    REQUIRE(profile.sources[0] == memscale::profile_source::static_rule);
+    INFO(profile.notes[0]);
+    CHECK_THAT(profile.notes[0], Catch::Contains("scaled by its work"));  // timed on a part
+    const auto whole = memscale::detail::measure_slot(slots[0], x, 1);
+    const auto& part = profile.slots[0];
+    for (const auto& [what, profiled, measured] :
+         {std::tuple{"forward", part.workspace_bytes, whole.cost.workspace_bytes},
+          std::tuple{"backward", part.backward_workspace_bytes, whole.cost.backward_workspace_bytes}}) {
+      INFO(what << " workspace: profiled " << profiled << ", the whole batch " << measured);
+      CHECK(measured > 0);
+      CHECK(std::abs(static_cast<double>(profiled - measured)) <= 0.05 * static_cast<double>(measured));
+    }
+    CHECK(profile.caveats.empty());
+
+    // Not timed (the empirical fallback off): the rule's figures, and a caveat.
+    const auto rule_only = profile_chain("", slots, x, profile_options{true, false, 1, true});
+    INFO(rule_only.notes[0]);
+    CHECK_THAT(rule_only.notes[0], Catch::Contains("workspace the rule's"));
+    REQUIRE(rule_only.caveats.size() == 1);
+    CHECK_THAT(rule_only.caveats[0], Catch::Contains("workspace of slot(s) 0 (") && Catch::Contains("static rules"));
+    const auto rule_backward = rule_only.slots[0].backward_workspace_bytes;
+    INFO("rule's backward workspace " << rule_backward << ", measured " << whole.cost.backward_workspace_bytes);
+    CHECK(std::abs(static_cast<double>(rule_backward - whole.cost.backward_workspace_bytes)) <=
+          0.05 * static_cast<double>(whole.cost.backward_workspace_bytes));
+  }
 }
 
 namespace {

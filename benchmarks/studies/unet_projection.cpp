@@ -2,9 +2,10 @@
 // model's own code joins (max pools, transposed convolutions, torch::cat skips)?
 // (issue 13's "the projection stays honest"). Not built by CMake; build and run
 // as benchmarks/studies/README.md says:
-//   ./unet_projection MODE [BATCH] [SIDE] [--print]
+//   ./unet_projection MODE [BATCH] [SIDE] [--width C] [--print]
 // MODE: baseline, balanced (Balanced, force_optimize), ckpt (the same,
-// checkpointing only), aggressive. Prints the allocator's step growth
+// checkpointing only), aggressive. C: the first level's channels (16; the
+// bottom has 8 C, where at 64 a 3x3 layer's weight outweighs its input). Prints the allocator's step growth
 // (memory_tracker::peak_scope, the largest of 8 steps after 2), the process's
 // resident growth, the median step time; with memscale, the projected peaks
 // and, per unit boundary, the projected timeline (baseline and planned) beside
@@ -53,12 +54,21 @@ struct UNetImpl : nn::Module {
 TORCH_MODULE(UNet);
 
 int main(int argc, char** argv) {
-  const std::string mode = argc > 1 ? argv[1] : "balanced";
-  const int64_t batch = argc > 2 ? std::atoll(argv[2]) : 8;
-  const int64_t side = argc > 3 ? std::atoll(argv[3]) : 96;
+  std::vector<std::string> args;
+  bool print = false;
+  int64_t width = 16;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--print") print = true;
+    else if (a == "--width" && i + 1 < argc) width = std::atoll(argv[++i]);
+    else args.push_back(a);
+  }
+  const std::string mode = args.size() > 0 ? args[0] : "balanced";
+  const int64_t batch = args.size() > 1 ? std::atoll(args[1].c_str()) : 8;
+  const int64_t side = args.size() > 2 ? std::atoll(args[2].c_str()) : 96;
   memscale::memory_tracker::install();
   torch::manual_seed(1);
-  UNet model(16);
+  UNet model(width);
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
   auto x = torch::randn({batch, 3, side, side});
   auto t = torch::randint(2, {batch, side, side}, torch::kLong);
@@ -96,7 +106,7 @@ int main(int argc, char** argv) {
     auto r = guard->report();
     std::cout << "projected baseline " << r.baseline_peak_bytes() / 1048576.0 << " planned " << r.planned_peak_bytes() / 1048576.0
               << " static " << r.static_bytes() / 1048576.0 << " MiB; recompute " << r.recompute_seconds() * 1e3 << " ms\n";
-    if (argc > 4 && std::string(argv[4]) == "--print") std::cout << r << "\n";
+    if (print) std::cout << r << "\n";
     auto tr = guard->trace_step([&] { step(); });
     auto proj = memscale::html_detail::timeline(tr, true);
     auto base = memscale::html_detail::timeline(tr, false);

@@ -5,6 +5,7 @@
 // memscale::register_layer_rule<Impl>(...); a type with no rule is measured.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -45,6 +46,9 @@ struct layer_estimate {
   bool saves_input = false;
   bool saves_output = false;
   std::int64_t workspace_bytes = 0;
+  /// What its backward holds beyond the gradients it returns, where no run
+  /// measures it (a run's figure replaces it: profiler.hpp, with_measured).
+  std::int64_t backward_workspace_bytes = 0;
   double flops = 0.0;  ///< forward floating-point operations (recompute cost)
 
   [[nodiscard]] std::int64_t output_bytes() const {
@@ -100,7 +104,33 @@ std::optional<layer_estimate> conv_rule(const Impl& m, const layer_input& in) {
   for (std::size_t i = 0; i < D; ++i) kernel *= (*o.kernel_size())[i];
   e.flops = 2.0 * static_cast<double>(in.shape[0] * out_positions * o.out_channels() *
                                       (o.in_channels() / o.groups()) * kernel);
+  // oneDNN's on CPU (measured, 1.13): forward, the weight's bytes and the
+  // larger of the input's and output's; backward, the input's and output's, or
+  // the weight's where larger. cuDNN's on CUDA is not known here.
+  const auto weight = static_cast<std::int64_t>(m.weight.defined() ? m.weight.nbytes() : 0);
+  e.workspace_bytes = weight + std::max(in.bytes(), e.output_bytes());
+  e.backward_workspace_bytes = std::max(weight, in.bytes() + e.output_bytes());
   return e;
+}
+
+/// The fewest rows a part of a convolution's input keeps to run the whole's
+/// kernels: on CPU, LibTorch picks oneDNN's by the batch (use_mkldnn, 1.13 and
+/// 2.x: from 16 rows for an unstrided 1x1 kernel on one thread, else from 2).
+template <std::size_t D, class Impl>
+std::int64_t conv_kernel_rows(const Impl* m) {
+  bool pointwise = true;
+  for (std::size_t i = 0; i < D; ++i)
+    pointwise = pointwise && (*m->options.kernel_size())[i] == 1 && (*m->options.stride())[i] == 1 &&
+                (*m->options.dilation())[i] == 1;
+  return pointwise && at::get_num_threads() == 1 ? 16 : 2;
+}
+
+/// conv_kernel_rows for a convolution slot; 1 for any other.
+inline std::int64_t same_kernel_rows(const torch::nn::Module& m) {
+  if (const auto* c = dynamic_cast<const torch::nn::Conv1dImpl*>(&m)) return conv_kernel_rows<1>(c);
+  if (const auto* c = dynamic_cast<const torch::nn::Conv2dImpl*>(&m)) return conv_kernel_rows<2>(c);
+  if (const auto* c = dynamic_cast<const torch::nn::Conv3dImpl*>(&m)) return conv_kernel_rows<3>(c);
+  return 1;
 }
 
 template <std::size_t D, class Impl>
@@ -251,7 +281,10 @@ inline rule_registry::rule_registry() {
   auto batch_norm = [](std::int64_t features, const layer_input& in) -> std::optional<layer_estimate> {
     if (in.shape.size() < 2 || in.shape[1] != features) return std::nullopt;
     auto e = elementwise(in, true, false, 4.0);
-    if (in.training) e.saved_bytes = 2 * features * 4;  // save_mean, save_invstd (float)
+    if (in.training) {
+      e.saved_bytes = 2 * features * 4;  // save_mean, save_invstd (float)
+      e.backward_workspace_bytes = e.output_bytes();  // measured on CPU, at any batch
+    }
     return e;
   };
   builtin<nn::BatchNorm1dImpl>([batch_norm](const nn::BatchNorm1dImpl& m, const layer_input& in) {
@@ -356,6 +389,7 @@ inline std::optional<layer_estimate> estimate_sequential(const torch::nn::Sequen
     previous_keeps = e->saves_output || e->output_is_view;
     whole.saves_output = e->saves_output;
     whole.flops += e->flops;
+    whole.backward_workspace_bytes = std::max(whole.backward_workspace_bytes, e->backward_workspace_bytes);
     whole.output_shape = e->output_shape;
     whole.output_dtype = e->output_dtype;
     current = layer_input{e->output_shape, e->output_dtype, in.training, in.device};

@@ -118,13 +118,13 @@ inline profile_options profile_options_from(const Config& config, bool training,
 /// slot tells: its times, the draws and products a recompute keeps, what
 /// compacting its saved tensors frees (at most what it saves) and costs,
 /// whether it writes its input, and, with `workspace_seen` (its allocations
-/// were), the larger of the rule's workspace and the measured one, forward
-/// and backward: a rule gives none for a convolution, whose backward on CPU
-/// holds one more input-sized buffer.
+/// were, on the kernels the whole input runs), the measured workspace, forward
+/// and backward: a rule's (a convolution's, a BatchNorm's) is only a fallback,
+/// and a small batch's native convolution holds none.
 inline slot_cost with_measured(slot_cost rule, const slot_cost& measured, bool workspace_seen = false) {
   if (workspace_seen) {
-    rule.workspace_bytes = std::max(rule.workspace_bytes, measured.workspace_bytes);
-    rule.backward_workspace_bytes = std::max(rule.backward_workspace_bytes, measured.backward_workspace_bytes);
+    rule.workspace_bytes = measured.workspace_bytes;
+    rule.backward_workspace_bytes = measured.backward_workspace_bytes;
   }
   rule.forward_seconds = measured.forward_seconds;
   rule.backward_seconds = measured.backward_seconds;
@@ -162,6 +162,7 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
   std::optional<memory_tracker::reporting_scope> reporting;
   if (device.is_cpu() && options.use_empirical && !memory_tracker::installed()) reporting.emplace();
   std::vector<std::string> unmeasured;  // slots whose bytes no allocation source saw
+  std::string rule_workspace;           // slots whose workspace is the rule's, not measured
   const auto note_unmeasured = [&] {
     if (unmeasured.empty()) return;
     std::string slots_named;
@@ -220,12 +221,14 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
       // from the rates.
       auto cost = detail::static_cost(*estimate, current.bytes(), rates);
       std::string note = "static rule; times from measured compute rates";
+      bool workspace_seen = false;
       if (options.use_empirical && !detail::shape_only_dispatch()) {
         std::string over_room;
         if (const auto timed = detail::time_static_slot(slot, current, current_tensor, device, *estimate, rates,
                                                         options.passes, reporting ? &*reporting : nullptr,
                                                         options.products, options.compaction, options.room_bytes,
                                                         &over_room)) {
+          workspace_seen = timed->workspace_seen;
           cost = with_measured(std::move(cost), timed->cost, timed->workspace_seen);
           note = timed->rows == (current.shape.empty() ? 0 : current.shape[0]) && timed->positions == 0
                      ? "static rule; times measured"
@@ -239,6 +242,10 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
           note += " (" + over_room + ")";
           profile.caveats.push_back("slot " + profile.slot_names.back() + " timed by the compute rates: " + over_room);
         }
+      }
+      if (!workspace_seen && estimate->backward_workspace_bytes > 0) {
+        note += "; workspace the rule's";
+        rule_workspace += (rule_workspace.empty() ? "" : ", ") + profile.slot_names.back();
       }
       profile.slots.push_back(shape_facts(cost));
       profile.sources.push_back(profile_source::static_rule);
@@ -301,6 +308,11 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
     current_tensor = measured.output;
   }
   note_unmeasured();
+  if (!rule_workspace.empty())
+    profile.caveats.push_back("workspace of slot(s) " + rule_workspace + " from the static rules (a convolution's "
+                              "backward: its input's and output's bytes, or its weight's; a BatchNorm's: its "
+                              "output's; as oneDNN and LibTorch hold them on CPU), not measured on the kernels the "
+                              "whole batch runs");
   detail::pool_twins(profile, slots);  // the same computation, the same figures (core/twin_slots.hpp)
   return profile;
 }

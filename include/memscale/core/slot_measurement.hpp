@@ -4,11 +4,13 @@
 // backward time are measured (measure_slot); a slot a rule covers gets its bytes
 // from the rule's estimate (static_cost), and its times measured the same way
 // (core/slot_parts.hpp, time_static_slot), or from measured rates where the slot
-// may not be run. core/profiler.hpp puts them together.
+// may not be run; and the lines and parabolas that carry a figure measured on
+// parts to the whole. core/profiler.hpp puts them together.
 #pragma once
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -337,10 +339,37 @@ inline slot_cost static_cost(const layer_estimate& e, std::int64_t input_bytes, 
   cost.saves_input = e.saves_input;
   cost.saves_output = e.saves_output;
   cost.workspace_bytes = e.workspace_bytes;
+  cost.backward_workspace_bytes = e.backward_workspace_bytes;
   const rate_model_seconds seconds(e, input_bytes, rates);
   cost.forward_seconds = seconds.forward;
   cost.backward_seconds = seconds.backward;
   return cost;
+}
+
+/// A byte figure measured at `r` and `3r` rows, extrapolated to `n` rows along
+/// the line through them (never below the larger part's figure).
+inline std::int64_t extrapolate_rows(std::int64_t at_r, std::int64_t at_3r, std::int64_t r, std::int64_t n) {
+  const double slope = static_cast<double>(at_3r - at_r) / static_cast<double>(2 * r);
+  const auto v = static_cast<double>(at_3r) + slope * static_cast<double>(n - 3 * r);
+  return std::max(at_3r, static_cast<std::int64_t>(v));
+}
+
+/// A byte figure measured at 2s, 3s and 4s positions, extrapolated to t·s
+/// along the parabola through them (never below the largest part's figure).
+inline std::int64_t extrapolate_parabola(std::int64_t at_2s, std::int64_t at_3s, std::int64_t at_4s, double t) {
+  const double v = static_cast<double>(at_2s) * (t - 3.0) * (t - 4.0) / 2.0 -
+                   static_cast<double>(at_3s) * (t - 2.0) * (t - 4.0) +
+                   static_cast<double>(at_4s) * (t - 2.0) * (t - 3.0) / 2.0;
+  return std::max(at_4s, static_cast<std::int64_t>(v));
+}
+
+/// How far a figure measured at s, 2s, 3s and 4s positions may be off at t·s
+/// along the parabola through the last three: the first part's distance from
+/// that parabola, carried to t as a cubic term would carry it.
+inline double parabola_miss(std::int64_t a, std::int64_t b, std::int64_t c, std::int64_t d, double t) {
+  const double at_s = static_cast<double>(a) - (3.0 * static_cast<double>(b) - 3.0 * static_cast<double>(c) +
+                                                static_cast<double>(d));
+  return std::abs(at_s) * std::max(1.0, (t - 2.0) * (t - 3.0) * (t - 4.0) / 6.0);
 }
 
 }  // namespace memscale::detail

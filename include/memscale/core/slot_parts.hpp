@@ -1,10 +1,9 @@
 // memscale — profiler, measuring a slot on a part of its input and scaling the
 // figures up: a slot a static rule covers is timed on an eighth of its rows
 // (time_static_slot), and a slot that measure_slot would measure at more than
-// the room a budget leaves (its forward and backward at the full batch,
-// un-optimized) is measured on parts of the rows, or of the sequence where the
-// rows are too few to cut, and its figures extrapolated, so planning keeps to
-// the budget it plans for.
+// the room a budget leaves (its forward and backward at the full batch) is
+// measured on parts of the rows, or of the sequence where the rows are too few
+// to cut, its figures extrapolated: planning keeps to the budget it plans for.
 #pragma once
 
 #include <algorithm>
@@ -30,53 +29,58 @@ inline constexpr std::int64_t parts_per_whole = 8;
 inline constexpr std::int64_t min_cut_extent = 16;
 
 /// What timing a slot a static rule covers found (time_static_slot): the
-/// measured cost, its times and the bytes no rule gives (kept draws and
-/// products, compaction, and where the allocations were seen the forward's and
-/// backward's workspace) scaled to the full input (its other bytes are the
-/// part's: the rule gives those), and the part it ran on.
+/// measured cost, its times and the bytes a rule does not know (kept draws and
+/// products, compaction, the workspace where seen) scaled to the full input
+/// (its other bytes are the part's: the rule gives those), and its part.
 struct static_slot_times {
   slot_cost cost;
   std::int64_t rows = 0;       ///< the first extent it ran at
   std::int64_t positions = 0;  ///< the second, where it ran on fewer positions of a sequence (else 0)
-  bool workspace_seen = false;  ///< the workspace figures are measured (allocations seen), not 0 for want of them
+  bool workspace_seen = false;  ///< the workspace is measured: allocations seen, on the whole's kernels
 };
 
 /// Times a slot a static rule covers, the bytes being the rule's but for the
-/// workspace (measured, scaled as the input; where it does not run, the
-/// rule's, none for a convolution or a BatchNorm): forward and
-/// backward as measure_slot times them, on the input's first rows only where
-/// the input exceeds 1 MiB (an eighth of them, at least one), then scaled to
-/// the full input by the rule's work at both shapes (flops and bytes at the
-/// measured `rates`; quadratic where attention is). So timing costs about an
-/// eighth of a step's compute (times the passes) and allocates little. `input`
+/// workspace (measured, grown as the rule's or the input; where it does not
+/// run, the rule's): forward and backward as measure_slot times them, on the
+/// input's first rows where it exceeds 1 MiB (an eighth of them, at least one
+/// and the rows a convolution needs for the whole's kernels: same_kernel_rows),
+/// then scaled to the full input by the rule's work at both shapes (flops and
+/// bytes at the measured `rates`; quadratic where attention is): about an
+/// eighth of a step's compute (times the passes), and little memory. `input`
 /// is the real input, or undefined (a synthetic one of the shape is made).
 /// nullopt where the slot fails on that input or returns another shape than
 /// the rule says, and where the input it would run on still exceeds 32 MiB.
-/// Within `room` bytes (profile_options::room_bytes; negative: no limit): where
-/// the run would hold more by the rule's figures, it runs on an eighth of the
-/// rows, however small the input, then on half as many down to one row, then,
-/// for a sequence (`[rows, positions, features]`, or token ids `[rows,
+/// Within `room` bytes (profile_options::room_bytes; negative: no limit):
+/// where the run would hold more by the rule's figures, it runs on an eighth
+/// of the rows, however small the input, then on half as many down to one row,
+/// then, for a sequence (`[rows, positions, features]`, or token ids `[rows,
 /// positions]`), on half as many positions down to an eighth of them; where
 /// even that holds more, not at all (nullopt, `over_room` saying why): the
 /// caller keeps the rates' times. A part cut along the sequence scales the
-/// bytes it measured (masks, compaction) as the rule's saved bytes grow.
+/// bytes it measured (masks, compaction) as the rule's saved bytes grow; one
+/// of fewer rows than same_kernel_rows leaves the workspace unknown.
 inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& slot, const layer_input& in,
                                                          const torch::Tensor& input, const c10::Device& device,
                                                          const layer_estimate& full, const compute_rates& rates,
-                                                         int passes,
-                                                         const memory_tracker::reporting_scope* reporting,
+                                                         int passes, const memory_tracker::reporting_scope* reporting,
                                                          bool products = true, saved_compaction compaction = {},
                                                          std::int64_t room = -1, std::string* over_room = nullptr) {
   constexpr std::int64_t small_input_bytes = std::int64_t{1} << 20;
   constexpr std::int64_t large_part_bytes = std::int64_t{32} << 20;
   layer_input part = in;
   std::optional<layer_estimate> part_estimate;
-  if (!in.shape.empty() && in.shape[0] >= 2 && in.bytes() > small_input_bytes) {
-    part.shape[0] = std::max<std::int64_t>(1, in.shape[0] / parts_per_whole);
-    part_estimate = estimate_layer(*slot.ptr(), part);
+  // Rows enough for the whole's kernels, else an eighth where that is under 32 MiB.
+  const std::int64_t batch = in.shape.empty() ? 1 : in.shape[0];
+  const auto kernel_rows = std::min(batch, same_kernel_rows(*slot.ptr()));
+  if (batch >= 2 && in.bytes() > small_input_bytes) {
+    const auto eighth = std::max<std::int64_t>(1, batch / parts_per_whole);
+    part.shape[0] = std::max(eighth, kernel_rows);
+    if (part.shape[0] > eighth && part.bytes() > large_part_bytes) part.shape[0] = eighth;
+    if (part.shape[0] < batch) part_estimate = estimate_layer(*slot.ptr(), part);
+    else part.shape[0] = batch;
   }
-  // What the run holds at most by the rule: its input, workspace, what it
-  // saves and returns, and the backward's gradients of as much again.
+  // What the run holds at most by the rule: its input, workspace, what it saves
+  // and returns, and the backward's gradients of as much again.
   const auto run_bytes = [&] {
     const auto& e = part_estimate ? *part_estimate : full;
     return (part_estimate ? part : in).bytes() + e.workspace_bytes + 2 * (e.saved_bytes + e.output_bytes());
@@ -149,23 +153,22 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
     };
     auto cost = timed.cost;
     scale_measured(cost, forward_scale, backward_scale, scaled);
-    // Workspace grows with the input (a convolution's backward on CPU holds
-    // one more input-sized buffer, BatchNorm's an output-sized one, at any batch).
-    cost.workspace_bytes = scaled(cost.workspace_bytes);
-    cost.backward_workspace_bytes = scaled(cost.backward_workspace_bytes);
-    return static_slot_times{cost, part.shape.empty() ? 0 : part.shape[0], along_sequence ? part.shape[1] : 0,
-                             timed.bytes == byte_source::allocations};
+    // Workspace grows as the rule's does (a wide convolution's holds a part
+    // the weight's size at any batch), else with the input.
+    const auto grown = [&](std::int64_t measured, std::int64_t layer_estimate::*rule) {
+      const auto at_part = part_estimate ? (*part_estimate).*rule : 0;
+      return at_part > 0 ? static_cast<std::int64_t>(static_cast<double>(measured) * static_cast<double>(full.*rule) /
+                                                     static_cast<double>(at_part))
+                         : scaled(measured);
+    };
+    cost.workspace_bytes = grown(cost.workspace_bytes, &layer_estimate::workspace_bytes);
+    cost.backward_workspace_bytes = grown(cost.backward_workspace_bytes, &layer_estimate::backward_workspace_bytes);
+    const auto run = part.shape.empty() ? 0 : part.shape[0];
+    const bool seen = timed.bytes == byte_source::allocations && (part.shape.empty() || run >= kernel_rows);
+    return static_slot_times{cost, run, along_sequence ? part.shape[1] : 0, seen};
   } catch (const std::exception&) {
     return std::nullopt;  // it cannot run on an input of that shape: the caller keeps the rates' times
   }
-}
-
-/// A byte figure measured at `r` and `3r` rows, extrapolated to `n` rows along
-/// the line through them (never below the larger part's figure).
-inline std::int64_t extrapolate_rows(std::int64_t at_r, std::int64_t at_3r, std::int64_t r, std::int64_t n) {
-  const double slope = static_cast<double>(at_3r - at_r) / static_cast<double>(2 * r);
-  const auto v = static_cast<double>(at_3r) + slope * static_cast<double>(n - 3 * r);
-  return std::max(at_3r, static_cast<std::int64_t>(v));
 }
 
 /// The largest part's figures made the whole's, once its bytes are: its times
@@ -205,24 +208,6 @@ inline std::string part_failed_note(const std::exception& e, std::int64_t room, 
   if (is_out_of_memory(e)) throw;
   return "measured whole (over the room of " + format_bytes(room) + " the budget leaves): it fails on a part of " +
          what + " (" + message_of(e) + ")";
-}
-
-/// A byte figure measured at 2s, 3s and 4s positions, extrapolated to t·s
-/// along the parabola through them (never below the largest part's figure).
-inline std::int64_t extrapolate_parabola(std::int64_t at_2s, std::int64_t at_3s, std::int64_t at_4s, double t) {
-  const double v = static_cast<double>(at_2s) * (t - 3.0) * (t - 4.0) / 2.0 -
-                   static_cast<double>(at_3s) * (t - 2.0) * (t - 4.0) +
-                   static_cast<double>(at_4s) * (t - 2.0) * (t - 3.0) / 2.0;
-  return std::max(at_4s, static_cast<std::int64_t>(v));
-}
-
-/// How far a figure measured at s, 2s, 3s and 4s positions may be off at t·s
-/// along the parabola through the last three: the first part's distance from
-/// that parabola, carried to t as a cubic term would carry it.
-inline double parabola_miss(std::int64_t a, std::int64_t b, std::int64_t c, std::int64_t d, double t) {
-  const double at_s = static_cast<double>(a) - (3.0 * static_cast<double>(b) - 3.0 * static_cast<double>(c) +
-                                                static_cast<double>(d));
-  return std::abs(at_s) * std::max(1.0, (t - 2.0) * (t - 3.0) * (t - 4.0) / 6.0);
 }
 
 /// The offload census's threshold for a part of `part` of `whole` rows: a saved
