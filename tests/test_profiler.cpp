@@ -425,6 +425,15 @@ TEST_CASE("a convolution timed on a part of the batch gets the workspace the who
       {"3x3, stride 2", torch::nn::Conv2dOptions(64, 128, 3).stride(2).padding(1).bias(false), {64, 64, 32, 32}},
   };
   memscale::memory_tracker::install();
+  // The figures above are oneDNN's on one thread (LibTorch's kernels and their
+  // buffers depend on the thread count): the test runs there, whatever the machine.
+  struct one_thread {
+    int before = at::get_num_threads();
+    one_thread() { at::set_num_threads(1); }
+    one_thread(const one_thread&) = delete;
+    one_thread& operator=(const one_thread&) = delete;
+    ~one_thread() { at::set_num_threads(before); }
+  } pinned;
   for (const auto& c : cases) {
     INFO(c.name);
     torch::nn::Conv2d conv(c.options);
@@ -455,6 +464,20 @@ TEST_CASE("a convolution timed on a part of the batch gets the workspace the who
     INFO("rule's backward workspace " << rule_backward << ", measured " << whole.cost.backward_workspace_bytes);
     CHECK(std::abs(static_cast<double>(rule_backward - whole.cost.backward_workspace_bytes)) <=
           0.05 * static_cast<double>(whole.cost.backward_workspace_bytes));
+  }
+
+  // A profile at a batch of 2 read at 64 (predict's plan, core::scale_profile):
+  // the wide layer's weight-sized buffer is not multiplied by 32.
+  torch::nn::Conv2d wide(cases[1].options);
+  std::vector<torch::nn::AnyModule> slots{torch::nn::AnyModule(wide)};
+  auto small = profile_chain("", slots, torch::randn({2, 512, 7, 7}), profile_options{true, true, 1, true});
+  memscale::core::scale_profile(small, 32.0);
+  const auto whole = memscale::detail::measure_slot(slots[0], torch::randn(cases[1].input), 1);
+  for (const auto& [what, scaled, measured] :
+       {std::tuple{"forward", small.slots[0].workspace_bytes, whole.cost.workspace_bytes},
+        std::tuple{"backward", small.slots[0].backward_workspace_bytes, whole.cost.backward_workspace_bytes}}) {
+    INFO(what << " workspace: profiled at 2 rows and scaled " << scaled << ", measured at 64 " << measured);
+    CHECK(std::abs(static_cast<double>(scaled - measured)) <= 0.05 * static_cast<double>(measured));
   }
 }
 

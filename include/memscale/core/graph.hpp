@@ -38,6 +38,11 @@ struct slot_cost {
   /// unmeasured, and the forward's workspace stands in); a convolution's on CPU
   /// is several activations.
   std::int64_t backward_workspace_bytes = 0;
+  /// A part of that workspace the batch does not change: a convolution's
+  /// weight-sized buffer (oneDNN on CPU), beside the rest in its forward, the
+  /// floor of its backward's (core/layer_rules.hpp). Where a profile at a
+  /// small batch is read at a larger one (scale_profile), it is not scaled.
+  std::int64_t fixed_workspace_bytes = 0;
   double forward_seconds = 0.0;      ///< one forward
   double backward_seconds = 0.0;
   /// What a checkpoint's recompute of it saves by writing back the random masks

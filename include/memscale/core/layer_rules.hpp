@@ -49,6 +49,7 @@ struct layer_estimate {
   /// What its backward holds beyond the gradients it returns, where no run
   /// measures it (a run's figure replaces it: profiler.hpp, with_measured).
   std::int64_t backward_workspace_bytes = 0;
+  std::int64_t fixed_workspace_bytes = 0;  ///< slot_cost::fixed_workspace_bytes
   double flops = 0.0;  ///< forward floating-point operations (recompute cost)
 
   [[nodiscard]] std::int64_t output_bytes() const {
@@ -110,27 +111,8 @@ std::optional<layer_estimate> conv_rule(const Impl& m, const layer_input& in) {
   const auto weight = static_cast<std::int64_t>(m.weight.defined() ? m.weight.nbytes() : 0);
   e.workspace_bytes = weight + std::max(in.bytes(), e.output_bytes());
   e.backward_workspace_bytes = std::max(weight, in.bytes() + e.output_bytes());
+  e.fixed_workspace_bytes = weight;
   return e;
-}
-
-/// The fewest rows a part of a convolution's input keeps to run the whole's
-/// kernels: on CPU, LibTorch picks oneDNN's by the batch (use_mkldnn, 1.13 and
-/// 2.x: from 16 rows for an unstrided 1x1 kernel on one thread, else from 2).
-template <std::size_t D, class Impl>
-std::int64_t conv_kernel_rows(const Impl* m) {
-  bool pointwise = true;
-  for (std::size_t i = 0; i < D; ++i)
-    pointwise = pointwise && (*m->options.kernel_size())[i] == 1 && (*m->options.stride())[i] == 1 &&
-                (*m->options.dilation())[i] == 1;
-  return pointwise && at::get_num_threads() == 1 ? 16 : 2;
-}
-
-/// conv_kernel_rows for a convolution slot; 1 for any other.
-inline std::int64_t same_kernel_rows(const torch::nn::Module& m) {
-  if (const auto* c = dynamic_cast<const torch::nn::Conv1dImpl*>(&m)) return conv_kernel_rows<1>(c);
-  if (const auto* c = dynamic_cast<const torch::nn::Conv2dImpl*>(&m)) return conv_kernel_rows<2>(c);
-  if (const auto* c = dynamic_cast<const torch::nn::Conv3dImpl*>(&m)) return conv_kernel_rows<3>(c);
-  return 1;
 }
 
 template <std::size_t D, class Impl>
@@ -390,6 +372,7 @@ inline std::optional<layer_estimate> estimate_sequential(const torch::nn::Sequen
     whole.saves_output = e->saves_output;
     whole.flops += e->flops;
     whole.backward_workspace_bytes = std::max(whole.backward_workspace_bytes, e->backward_workspace_bytes);
+    whole.fixed_workspace_bytes = std::max(whole.fixed_workspace_bytes, e->fixed_workspace_bytes);
     whole.output_shape = e->output_shape;
     whole.output_dtype = e->output_dtype;
     current = layer_input{e->output_shape, e->output_dtype, in.training, in.device};

@@ -210,10 +210,10 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
     std::optional<layer_estimate> estimate;
     if (options.use_static) estimate = estimate_layer(*slot.ptr(), current);
     if (estimate) {
-      // The rule gives the bytes but the workspace, which that run measures
-      // where it runs (a rule gives a convolution none; with_measured). The
-      // times are measured where the slot may be
-      // run (use_empirical_fallback), on a part of the batch where it is large:
+      // The rule gives the bytes, and the workspace where that run does not
+      // measure it on the whole batch's kernels (with_measured). The times are
+      // measured where the slot may be run (use_empirical_fallback), on a part
+      // of the batch where it is large:
       // they are what recomputing it costs, which the rates alone model no
       // better than within 2-6x per layer type (a GELU's arithmetic, a
       // Dropout's random draws). Else, and under shape-only dispatch (predict:
@@ -243,7 +243,8 @@ inline chain_profile profile_chain(const std::string& path, std::vector<torch::n
           profile.caveats.push_back("slot " + profile.slot_names.back() + " timed by the compute rates: " + over_room);
         }
       }
-      if (!workspace_seen && estimate->backward_workspace_bytes > 0) {
+      // Under shape-only dispatch (predict) every rule's workspace is the rule's: no caveat.
+      if (!workspace_seen && estimate->backward_workspace_bytes > 0 && !detail::shape_only_dispatch()) {
         note += "; workspace the rule's";
         rule_workspace += (rule_workspace.empty() ? "" : ", ") + profile.slot_names.back();
       }

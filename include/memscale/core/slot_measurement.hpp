@@ -4,8 +4,8 @@
 // backward time are measured (measure_slot); a slot a rule covers gets its bytes
 // from the rule's estimate (static_cost), and its times measured the same way
 // (core/slot_parts.hpp, time_static_slot), or from measured rates where the slot
-// may not be run; and the lines and parabolas that carry a figure measured on
-// parts to the whole. core/profiler.hpp puts them together.
+// may not be run; how many rows a part keeps for the whole's kernels, and the
+// lines and parabolas that carry a figure measured on parts to the whole. core/profiler.hpp puts them together.
 #pragma once
 
 #include <algorithm>
@@ -340,10 +340,33 @@ inline slot_cost static_cost(const layer_estimate& e, std::int64_t input_bytes, 
   cost.saves_output = e.saves_output;
   cost.workspace_bytes = e.workspace_bytes;
   cost.backward_workspace_bytes = e.backward_workspace_bytes;
+  cost.fixed_workspace_bytes = e.fixed_workspace_bytes;
   const rate_model_seconds seconds(e, input_bytes, rates);
   cost.forward_seconds = seconds.forward;
   cost.backward_seconds = seconds.backward;
   return cost;
+}
+
+/// The fewest rows a part of a convolution's input keeps to run the whole's
+/// kernels: on CPU, LibTorch picks oneDNN's by the batch (use_mkldnn, 1.13 and
+/// 2.x: from 16 rows for an unstrided 1x1 kernel on one thread, else from 2).
+template <std::size_t D, class Impl>
+std::int64_t conv_kernel_rows(const Impl* m) {
+  bool pointwise = true;
+  for (std::size_t i = 0; i < D; ++i)
+    pointwise = pointwise && (*m->options.kernel_size())[i] == 1 && (*m->options.stride())[i] == 1 &&
+                (*m->options.dilation())[i] == 1;
+  return pointwise && at::get_num_threads() == 1 ? 16 : 2;
+}
+
+/// conv_kernel_rows for a convolution, the largest of its children's for a
+/// module that holds some (a nested Sequential), else 1.
+inline std::int64_t same_kernel_rows(const torch::nn::Module& m) {
+  if (const auto* c = dynamic_cast<const torch::nn::Conv1dImpl*>(&m)) return conv_kernel_rows<1>(c);
+  if (const auto* c = dynamic_cast<const torch::nn::Conv2dImpl*>(&m)) return conv_kernel_rows<2>(c);
+  std::int64_t rows = 1;
+  for (const auto& child : m.children()) rows = std::max(rows, same_kernel_rows(*child));
+  return rows;
 }
 
 /// A byte figure measured at `r` and `3r` rows, extrapolated to `n` rows along

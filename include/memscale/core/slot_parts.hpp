@@ -45,20 +45,21 @@ struct static_slot_times {
 /// input's first rows where it exceeds 1 MiB (an eighth of them, at least one
 /// and the rows a convolution needs for the whole's kernels: same_kernel_rows),
 /// then scaled to the full input by the rule's work at both shapes (flops and
-/// bytes at the measured `rates`; quadratic where attention is): about an
-/// eighth of a step's compute (times the passes), and little memory. `input`
-/// is the real input, or undefined (a synthetic one of the shape is made).
-/// nullopt where the slot fails on that input or returns another shape than
-/// the rule says, and where the input it would run on still exceeds 32 MiB.
-/// Within `room` bytes (profile_options::room_bytes; negative: no limit):
-/// where the run would hold more by the rule's figures, it runs on an eighth
-/// of the rows, however small the input, then on half as many down to one row,
-/// then, for a sequence (`[rows, positions, features]`, or token ids `[rows,
-/// positions]`), on half as many positions down to an eighth of them; where
-/// even that holds more, not at all (nullopt, `over_room` saying why): the
-/// caller keeps the rates' times. A part cut along the sequence scales the
-/// bytes it measured (masks, compaction) as the rule's saved bytes grow; one
-/// of fewer rows than same_kernel_rows leaves the workspace unknown.
+/// bytes at the measured `rates`; quadratic where attention is): an eighth of
+/// a step's compute (times the passes), more where a convolution's rows are
+/// over an eighth of the batch. `input` is the real input, or undefined (a
+/// synthetic one of the shape is made). nullopt where the slot fails on that
+/// input or returns another shape than the rule says, and where the input it
+/// would run on still exceeds 32 MiB. Within `room` bytes
+/// (profile_options::room_bytes; negative: no limit): where the run would hold
+/// more by the rule's figures, it runs on an eighth of the rows, however small
+/// the input, then on half as many down to one row, then, for a sequence
+/// (`[rows, positions, features]`, or token ids `[rows, positions]`), on half
+/// as many positions down to an eighth of them; where even that holds more,
+/// not at all (nullopt, `over_room` saying why): the caller keeps the rates'
+/// times. A part cut along the sequence scales the bytes it measured (masks,
+/// compaction) as the rule's saved bytes grow; one of fewer rows than
+/// same_kernel_rows leaves the workspace unknown.
 inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& slot, const layer_input& in,
                                                          const torch::Tensor& input, const c10::Device& device,
                                                          const layer_estimate& full, const compute_rates& rates,
@@ -83,7 +84,8 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
   // and returns, and the backward's gradients of as much again.
   const auto run_bytes = [&] {
     const auto& e = part_estimate ? *part_estimate : full;
-    return (part_estimate ? part : in).bytes() + e.workspace_bytes + 2 * (e.saved_bytes + e.output_bytes());
+    return (part_estimate ? part : in).bytes() + std::max(e.workspace_bytes, e.backward_workspace_bytes) +
+           2 * (e.saved_bytes + e.output_bytes());
   };
   bool along_sequence = false;
   if (room >= 0 && run_bytes() > room && !in.shape.empty()) {

@@ -104,18 +104,29 @@ class outside_allocator_probe {
 
 /// A profile measured at batch b, as the profile at batch b * scale would read:
 /// activation bytes and times scale with the batch (what the activations are),
-/// and so does the first extent of each shape.
+/// and so does the first extent of each shape. A workspace's fixed part (a
+/// convolution's weight-sized buffer) does not: the forward's is it plus the
+/// rest scaled, the backward's the larger of it and the rest scaled, the rest
+/// being, where the fixed part was all there was, the input's and output's
+/// bytes (the rule's: core/layer_rules.hpp).
 inline void scale_profile(chain_profile& profile, double scale) {
   const auto times = [scale](std::int64_t bytes) {
     return static_cast<std::int64_t>(std::llround(static_cast<double>(bytes) * scale));
   };
   for (auto& slot : profile.slots) {
+    if (const auto fixed = slot.fixed_workspace_bytes; fixed > 0) {
+      slot.workspace_bytes = fixed + times(std::max<std::int64_t>(0, slot.workspace_bytes - fixed));
+      slot.backward_workspace_bytes = std::max(
+          fixed, times(slot.backward_workspace_bytes > fixed ? slot.backward_workspace_bytes
+                                                              : slot.input_bytes + slot.output_bytes));
+    } else {
+      slot.workspace_bytes = times(slot.workspace_bytes);
+      slot.backward_workspace_bytes = times(slot.backward_workspace_bytes);
+    }
     slot.input_bytes = times(slot.input_bytes);
     slot.made_before_bytes = times(slot.made_before_bytes);
     slot.output_bytes = times(slot.output_bytes);
     slot.saved_bytes = times(slot.saved_bytes);
-    slot.workspace_bytes = times(slot.workspace_bytes);
-    slot.backward_workspace_bytes = times(slot.backward_workspace_bytes);
     scale_measured(slot, scale, scale, times);
     if (slot.input_extents[0] > 0) slot.input_extents[0] = std::max<std::int64_t>(1, times(slot.input_extents[0]));
   }

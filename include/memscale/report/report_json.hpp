@@ -36,11 +36,12 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(gpu_info, index, name, total_bytes, free_byte
 // With defaults: a report written before blas_core and blas_warning existed still reads.
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(HardwareInfo, host_total_bytes, host_available_bytes, cpu_threads, gpus,
                                                 blas_core, blas_warning)
-// With defaults: a report written before made_before_bytes or offload_kept_bytes existed still reads (as 0).
+// With defaults: a report written before made_before_bytes, offload_kept_bytes or fixed_workspace_bytes existed
+// still reads (as 0).
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(slot_cost, input_bytes, made_before_bytes, output_bytes, output_is_view,
                                                 saved_bytes, offload_kept_bytes, saves_input, saves_output, mutates_input,
                                                 backward_from_input, workspace_bytes, backward_workspace_bytes,
-                                                forward_seconds, backward_seconds, replay_saved_seconds,
+                                                fixed_workspace_bytes, forward_seconds, backward_seconds, replay_saved_seconds,
                                                 replay_kept_bytes, product_saved_seconds, product_kept_bytes,
                                                 returned_product_bytes, keeps_products, row_dims, input_extents)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(chain_profile, path, slot_names, slots, sources, notes, input_shape, supported,
