@@ -5,7 +5,8 @@
 // from the rule's estimate (static_cost), and its times measured the same way
 // (core/slot_parts.hpp, time_static_slot), or from measured rates where the slot
 // may not be run; how many rows a part keeps for the whole's kernels, and the
-// lines and parabolas that carry a figure measured on parts to the whole. core/profiler.hpp puts them together.
+// lines and parabolas that carry a figure measured on parts to the whole.
+// core/profiler.hpp puts them together.
 #pragma once
 
 #include <algorithm>

@@ -70,7 +70,7 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
   constexpr std::int64_t large_part_bytes = std::int64_t{32} << 20;
   layer_input part = in;
   std::optional<layer_estimate> part_estimate;
-  // Rows enough for the whole's kernels, else an eighth where that is under 32 MiB.
+  // Rows enough for the whole's kernels; an eighth where those would exceed 32 MiB.
   const std::int64_t batch = in.shape.empty() ? 1 : in.shape[0];
   const auto kernel_rows = std::min(batch, same_kernel_rows(*slot.ptr()));
   if (batch >= 2 && in.bytes() > small_input_bytes) {
@@ -78,7 +78,6 @@ inline std::optional<static_slot_times> time_static_slot(torch::nn::AnyModule& s
     part.shape[0] = std::max(eighth, kernel_rows);
     if (part.shape[0] > eighth && part.bytes() > large_part_bytes) part.shape[0] = eighth;
     if (part.shape[0] < batch) part_estimate = estimate_layer(*slot.ptr(), part);
-    else part.shape[0] = batch;
   }
   // What the run holds at most by the rule: its input, workspace, what it saves
   // and returns, and the backward's gradients of as much again.

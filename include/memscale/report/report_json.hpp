@@ -41,9 +41,10 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(HardwareInfo, host_total_bytes, 
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(slot_cost, input_bytes, made_before_bytes, output_bytes, output_is_view,
                                                 saved_bytes, offload_kept_bytes, saves_input, saves_output, mutates_input,
                                                 backward_from_input, workspace_bytes, backward_workspace_bytes,
-                                                fixed_workspace_bytes, forward_seconds, backward_seconds, replay_saved_seconds,
-                                                replay_kept_bytes, product_saved_seconds, product_kept_bytes,
-                                                returned_product_bytes, keeps_products, row_dims, input_extents)
+                                                fixed_workspace_bytes, forward_seconds, backward_seconds,
+                                                replay_saved_seconds, replay_kept_bytes, product_saved_seconds,
+                                                product_kept_bytes, returned_product_bytes, keeps_products, row_dims,
+                                                input_extents)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(chain_profile, path, slot_names, slots, sources, notes, input_shape, supported,
                                    unsupported_reason, caveats)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CorrectnessCheck, passed, tolerance, tolerance_reason, parameters, buffers,
