@@ -139,6 +139,11 @@ Built build(const std::string& name, i64 batch, torch::Device device) {
     const auto t = torch::randint(10, {batch}, torch::kLong);
     return finish(deep ? resnet::ResNet(8, 32) : resnet::ResNet(4, 64), x, t, cross_entropy, device);
   }
+  if (name == "resnet-bottleneck") {  // ResNet-50's blocks, 1x1 convolutions among them
+    const auto x = torch::randn({batch, 3, 16, 16});
+    const auto t = torch::randint(10, {batch}, torch::kLong);
+    return finish(resnet::ResNet(3, 256, 10, resnet::Block::bottleneck), x, t, cross_entropy, device);
+  }
   if (name == "mlp" || name == "mlp-bn") {
     const bool bn = name == "mlp-bn";
     const i64 width = bn ? 96 : 64, hidden = bn ? 384 : 256;
@@ -308,14 +313,14 @@ int main(int argc, char** argv) {
         for (std::string m; std::getline(list, m, ',');) models.push_back(m);
       } else {
         std::cerr << "usage: " << argv[0] << " [--default-malloc] [--device cpu|cuda] "
-                  << "[--models gpt,resnet,mlp,gpt-wide,cnn-deep,mlp-bn,gpt-large]\n";
+                  << "[--models gpt,resnet,mlp,gpt-wide,cnn-deep,mlp-bn,resnet-bottleneck,gpt-large]\n";
         return 2;
       }
     }
     const bool cuda = device.is_cuda();
     if (cuda && !torch::cuda::is_available()) throw std::runtime_error("--device cuda: no GPU is visible");
     if (models.empty()) {
-      models = {"gpt", "resnet", "mlp", "gpt-wide", "cnn-deep", "mlp-bn"};
+      models = {"gpt", "resnet", "mlp", "gpt-wide", "cnn-deep", "mlp-bn", "resnet-bottleneck"};
       if (cuda) models.push_back("gpt-large");
     }
     // On the GPU the same models at batches 4x larger (at the CPU's a 0.5 GiB
@@ -324,11 +329,12 @@ int main(int argc, char** argv) {
         cuda ? std::map<std::string, std::vector<i64>>{{"gpt", {32, 64, 128}},       {"resnet", {64, 128, 256}},
                                                        {"mlp", {4096, 16384, 65536}}, {"gpt-wide", {32, 64, 128}},
                                                        {"cnn-deep", {64, 128, 256}},  {"mlp-bn", {8192, 32768, 131072}},
+                                                       {"resnet-bottleneck", {64, 128, 256}},
                                                        {"gpt-large", {8, 16, 32}}}
              : std::map<std::string, std::vector<i64>>{{"gpt", {8, 16, 32}},      {"resnet", {16, 32, 64}},
                                                        {"mlp", {256, 1024, 4096}}, {"gpt-wide", {8, 16, 32}},
                                                        {"cnn-deep", {16, 32, 64}}, {"mlp-bn", {512, 2048, 8192}},
-                                                       {"gpt-large", {2, 4, 8}}};
+                                                       {"resnet-bottleneck", {16, 32, 64}}, {"gpt-large", {2, 4, 8}}};
     std::vector<Case> cases;
     for (const auto& m : models) {
       if (!batches.contains(m)) throw std::invalid_argument("unknown model " + m);

@@ -361,7 +361,8 @@ check_one() {
 # xargs runs check_one in child shells: hand them the function, the log dir, the
 # flags and the headers checked together.
 flags_serialized=$(printf '%q ' "${flags[@]}")
-together_serialized=$(printf '%q ' "${together[@]}")
+together_serialized=""
+((${#together[@]} == 0)) || together_serialized=$(printf '%q ' "${together[@]}")
 export -f check_one
 export logs CXX flags_serialized together_serialized check_sources repo cuda_include
 
