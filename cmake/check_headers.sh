@@ -83,8 +83,11 @@ fi
 # among them, and the benchmarks), each main() renamed by the preprocessor as
 # the build does. Each alone re-instantiated the same LibTorch and memscale
 # templates, about 15 s each; together they take about two of them.
+check_sources=1
 if [[ ${MEMSCALE_CHECK_SOURCES:-1} != 0 ]]; then
   headers+=("sources")
+else
+  check_sources=0
 fi
 if [[ -n "${MEMSCALE_CHECK_ONLY:-}" ]]; then
   mapfile -t headers < <(printf '%s\n' "${headers[@]}" | grep -E -- "$MEMSCALE_CHECK_ONLY" || true)
@@ -212,7 +215,9 @@ together=()
 if [[ ${MEMSCALE_CHECK_ALONE:-all} == versioned ]]; then
   alone=()
   for header in "${behind[@]}"; do
-    if [[ $header != memscale/* ]] || grep -qE 'TORCH_VERSION|__has_include' "$repo/include/$header"; then
+    # MEMSCALE_HAS_C10D_REDUCER() and its kin (distributed/c10d.hpp) come of __has_include.
+    if [[ $header != memscale/* ]] \
+       || grep -qE 'TORCH_VERSION|__has_include|MEMSCALE_HAS_(C10D_REDUCER|GLOO|NCCL)' "$repo/include/$header"; then
       alone+=("$header")
     else
       closure_of "$header"
@@ -221,19 +226,15 @@ if [[ ${MEMSCALE_CHECK_ALONE:-all} == versioned ]]; then
   done
   behind=("${alone[@]}")
   # Bottom-up: a header's closure holds only headers of smaller closures.
-  mapfile -t together < <(printf '%s\n' "${together[@]}" | LC_ALL=C sort -n -k1,1 -k2,2 | cut -d' ' -f2)
+  mapfile -t together < <(printf '%s\n' "${together[@]}" | LC_ALL=C sort -n -k1,1 -k2,2 | cut -d' ' -f2 | sed '/^$/d')
   if ((${#together[@]})) && [[ " ${behind[*]} " != *" sources "* ]]; then
-    behind+=("sources")  # the unit the together headers compile in, with or without the sources
+    behind+=("sources")  # the unit the together headers compile in, here without the sources
     headers+=("sources")
     check_sources=0
-  else
-    check_sources=${MEMSCALE_CHECK_SOURCES:-1}
   fi
 elif [[ ${MEMSCALE_CHECK_ALONE:-all} != all ]]; then
   echo "check-headers: MEMSCALE_CHECK_ALONE is '$MEMSCALE_CHECK_ALONE'; valid: all, versioned" >&2
   exit 2
-else
-  check_sources=${MEMSCALE_CHECK_SOURCES:-1}
 fi
 plain_headers=() plain_other=() behind_headers=() behind_other=()
 for header in "${plain[@]}"; do
@@ -302,7 +303,9 @@ check_one() {
     fi
     return
   fi
+  local unit_prefix=""  # how the together headers are checked alone, if the sources unit fails
   if [[ $header == pch:* ]]; then
+    unit_prefix=pch:
     header=${header#pch:}
     flock -s "$logs/pch.lock" true
     pch=(-include "$logs/torch_pch.hpp")
@@ -346,12 +349,19 @@ check_one() {
   if [[ $header == sources ]] && ((${#together[@]})); then
     printf '  %-4s %3ss  %s\n' "$status" "$((SECONDS - start))" \
       "$( ((check_sources)) && echo 'sources, behind ')${#together[@]} headers together, bottom-up (not alone on this LibTorch)"
-    # The together headers pass with the unit, or are checked alone, so that the report names them.
+    # The together headers pass with the unit. Where it fails or warns, those the
+    # compiler's messages point into are checked alone, so that the report names
+    # them; a fault in a source leaves them passed, and "sources" failed.
+    local named=" "
+    if [[ $status != ok ]]; then
+      named+=$(grep -oE "^$repo/include/memscale/[^:]+\.hpp:[0-9]+:([0-9]+:)? (error|warning)" "$log" \
+                 | sed -E "s|^$repo/include/||; s|:.*||" | sort -u | tr '\n' ' ')
+    fi
     for member in "${together[@]}"; do
-      if [[ $status != FAIL ]]; then
-        touch "$logs/$(echo "$member" | tr '/*' '_+').log.done"
+      if [[ $named == *" $member "* ]]; then
+        check_one "$unit_prefix$member"
       else
-        check_one "pch:$member"
+        touch "$logs/$(echo "$member" | tr '/*' '_+').log.done"
       fi
     done
     return
