@@ -133,16 +133,15 @@ Built build(const std::string& name, i64 batch, torch::Device device) {
       return gpt::loss(out, t);
     }, device);
   }
-  if (name == "resnet" || name == "cnn-deep") {
-    const bool deep = name == "cnn-deep";
-    const auto x = torch::randn({batch, 3, 32, 32});
+  if (name == "resnet" || name == "cnn-deep" || name == "resnet-bottleneck") {
+    const bool bottleneck = name == "resnet-bottleneck";  // ResNet-50's blocks, 1x1 convolutions among them
+    const i64 side = bottleneck ? 16 : 32;
+    const auto x = torch::randn({batch, 3, side, side});
     const auto t = torch::randint(10, {batch}, torch::kLong);
-    return finish(deep ? resnet::ResNet(8, 32) : resnet::ResNet(4, 64), x, t, cross_entropy, device);
-  }
-  if (name == "resnet-bottleneck") {  // ResNet-50's blocks, 1x1 convolutions among them
-    const auto x = torch::randn({batch, 3, 16, 16});
-    const auto t = torch::randint(10, {batch}, torch::kLong);
-    return finish(resnet::ResNet(3, 256, 10, resnet::Block::bottleneck), x, t, cross_entropy, device);
+    return finish(bottleneck             ? resnet::ResNet(3, 256, 10, resnet::Block::bottleneck)
+                  : name == "cnn-deep" ? resnet::ResNet(8, 32)
+                                       : resnet::ResNet(4, 64),
+                  x, t, cross_entropy, device);
   }
   if (name == "mlp" || name == "mlp-bn") {
     const bool bn = name == "mlp-bn";

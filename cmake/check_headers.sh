@@ -280,6 +280,9 @@ if ((use_pch && ${#behind[@]})); then
   exec 9>&-  # the lock is the background job's now: released when it ends
 fi
 
+log_of() {  # log_of <header or unit name>: its log file; "<log>.done" and "<log>.failed" mark its result
+  echo "$logs/$(echo "$1" | tr '/*' '_+').log"
+}
 check_one() {
   local header=$1 log start status pch=() member
   if [[ $header == *" "* ]]; then  # a chain: one unit, or header by header if it fails or warns
@@ -295,7 +298,7 @@ check_one() {
     if [[ ! -e "$logs/pch.failed" || -z $prefix ]] \
        && printf '#include <%s>\n' "${members[@]}" | "${CXX:-g++}" "${flags[@]}" "${pch[@]}" -x c++ - >"$log" 2>&1 \
        && [[ ! -s "$log" ]]; then
-      for member in "${members[@]}"; do touch "$logs/$(echo "$member" | tr '/*' '_+').log.done"; done
+      for member in "${members[@]}"; do touch "$(log_of "$member").done"; done
       printf '  %-4s %3ss  %s (and %d it includes: %s)\n' ok "$((SECONDS - start))" "${members[-1]}" \
         "$((${#members[@]} - 1))" "$(printf '%s ' "${members[@]:0:${#members[@]}-1}" | sed 's|memscale/||g; s/ $//')"
     else
@@ -310,7 +313,7 @@ check_one() {
     flock -s "$logs/pch.lock" true
     pch=(-include "$logs/torch_pch.hpp")
   fi
-  log="$logs/$(echo "$header" | tr '/*' '_+').log"
+  log=$(log_of "$header")
   touch "$log.done"
   start=$SECONDS
   if [[ -e "$logs/pch.failed" && ${#pch[@]} -gt 0 ]]; then
@@ -361,7 +364,7 @@ check_one() {
       if [[ $named == *" $member "* ]]; then
         check_one "$unit_prefix$member"
       else
-        touch "$logs/$(echo "$member" | tr '/*' '_+').log.done"
+        touch "$(log_of "$member").done"
       fi
     done
     return
@@ -373,7 +376,7 @@ check_one() {
 flags_serialized=$(printf '%q ' "${flags[@]}")
 together_serialized=""
 ((${#together[@]} == 0)) || together_serialized=$(printf '%q ' "${together[@]}")
-export -f check_one
+export -f log_of check_one
 export logs CXX flags_serialized together_serialized check_sources repo cuda_include
 
 # shellcheck disable=SC2016  # expanded by the child shell
@@ -384,7 +387,7 @@ wait  # the precompiling, when no entry needed it
 
 failed=0 warned=0
 for header in "${headers[@]}"; do
-  log="$logs/$(echo "$header" | tr '/*' '_+').log"
+  log=$(log_of "$header")
   if [[ ! -e "$log.done" ]]; then
     echo "not checked" > "$log"
     failed=$((failed + 1))

@@ -14,12 +14,17 @@
 
 namespace resnet {
 
+/// A convolution as ResNet's are: no bias (a BatchNorm follows), padded to keep the size at stride 1.
+inline torch::nn::Conv2dOptions conv(std::int64_t in, std::int64_t out, std::int64_t kernel) {
+  return torch::nn::Conv2dOptions(in, out, kernel).padding(kernel / 2).bias(false);
+}
+
 class BasicBlockImpl : public torch::nn::Module {
  public:
   explicit BasicBlockImpl(std::int64_t channels)
-      : conv1(register_module("conv1", torch::nn::Conv2d(conv3x3(channels)))),
+      : conv1(register_module("conv1", torch::nn::Conv2d(conv(channels, channels, 3)))),
         bn1(register_module("bn1", torch::nn::BatchNorm2d(channels))),
-        conv2(register_module("conv2", torch::nn::Conv2d(conv3x3(channels)))),
+        conv2(register_module("conv2", torch::nn::Conv2d(conv(channels, channels, 3)))),
         bn2(register_module("bn2", torch::nn::BatchNorm2d(channels))) {}
 
   torch::Tensor forward(torch::Tensor x) {
@@ -32,11 +37,6 @@ class BasicBlockImpl : public torch::nn::Module {
   torch::nn::BatchNorm2d bn1;
   torch::nn::Conv2d conv2;
   torch::nn::BatchNorm2d bn2;
-
- private:
-  static torch::nn::Conv2dOptions conv3x3(std::int64_t channels) {
-    return torch::nn::Conv2dOptions(channels, channels, 3).padding(1).bias(false);
-  }
 };
 TORCH_MODULE(BasicBlock);
 
@@ -46,11 +46,11 @@ TORCH_MODULE(BasicBlock);
 class BottleneckImpl : public torch::nn::Module {
  public:
   explicit BottleneckImpl(std::int64_t channels)
-      : conv1(register_module("conv1", torch::nn::Conv2d(options(channels, channels / 4, 1)))),
+      : conv1(register_module("conv1", torch::nn::Conv2d(conv(channels, channels / 4, 1)))),
         bn1(register_module("bn1", torch::nn::BatchNorm2d(channels / 4))),
-        conv2(register_module("conv2", torch::nn::Conv2d(options(channels / 4, channels / 4, 3)))),
+        conv2(register_module("conv2", torch::nn::Conv2d(conv(channels / 4, channels / 4, 3)))),
         bn2(register_module("bn2", torch::nn::BatchNorm2d(channels / 4))),
-        conv3(register_module("conv3", torch::nn::Conv2d(options(channels / 4, channels, 1)))),
+        conv3(register_module("conv3", torch::nn::Conv2d(conv(channels / 4, channels, 1)))),
         bn3(register_module("bn3", torch::nn::BatchNorm2d(channels))) {}
 
   torch::Tensor forward(torch::Tensor x) {
@@ -66,11 +66,6 @@ class BottleneckImpl : public torch::nn::Module {
   torch::nn::BatchNorm2d bn2;
   torch::nn::Conv2d conv3;
   torch::nn::BatchNorm2d bn3;
-
- private:
-  static torch::nn::Conv2dOptions options(std::int64_t in, std::int64_t out, std::int64_t kernel) {
-    return torch::nn::Conv2dOptions(in, out, kernel).padding(kernel / 2).bias(false);
-  }
 };
 TORCH_MODULE(Bottleneck);
 
@@ -80,7 +75,7 @@ enum class Block { basic, bottleneck };
 class ResNetImpl : public torch::nn::Module {
  public:
   ResNetImpl(int blocks, std::int64_t channels, std::int64_t classes = 10, Block block = Block::basic)
-      : stem(register_module("stem", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, channels, 3).padding(1).bias(false)))),
+      : stem(register_module("stem", torch::nn::Conv2d(conv(3, channels, 3)))),
         stem_bn(register_module("stem_bn", torch::nn::BatchNorm2d(channels))),
         layers(register_module("layers", torch::nn::ModuleList())),
         fc(register_module("fc", torch::nn::Linear(channels, classes))) {
