@@ -97,10 +97,8 @@ namespace memscale::core {
 
   // Greedy expansion; a second pass retries runs that gave nothing the first time
   // (the peak may have moved to them once others were checkpointed). A gain
-  // under a 1024th of the step's growth counts as none: a U-Net's BatchNorm-ReLU
-  // runs, whose input and output stay kept, freed 128 B each for milliseconds
-  // of recompute.
-  const std::int64_t least_gain = std::max<std::int64_t>(1, (plan.baseline_peak - in.static_bytes) / 1024);
+  // under least_gain counts as none.
+  const std::int64_t least = least_gain(plan, in);
   std::vector<bool> settled(candidates.size(), false);
   for (int pass = 0; pass < 2; ++pass) {
     const bool last_pass = pass == 1;
@@ -116,7 +114,7 @@ namespace memscale::core {
       auto trial = plan.units;
       trial[cand.chain] = with_checkpoint(plan.units[cand.chain], cand.first, cand.last);
       const auto peak = project_model_peak(chains, trial, in.static_bytes);
-      if (plan.planned_peak - peak >= least_gain) {
+      if (plan.planned_peak - peak >= least) {
         plan.decisions.push_back({cand.chain, cand.first, cand.last, true, rule_id::checkpoint_segment,
                                   cand.frees, cand.seconds, plan.planned_peak, peak});
         plan.units = std::move(trial);
@@ -151,7 +149,7 @@ namespace memscale::core {
           auto trial = plan.units;
           trial[c] = with_checkpoint(plan.units[c], u.first, last);
           const auto peak = project_model_peak(chains, trial, in.static_bytes);
-          if (plan.planned_peak - peak < least_gain) continue;
+          if (plan.planned_peak - peak < least) continue;
           const double seconds = checkpoint_recompute_seconds(s, u.first, last);
           const double score = static_cast<double>(plan.planned_peak - peak) / (seconds + 1e-12);
           if (score > best_score) {

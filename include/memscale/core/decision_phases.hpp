@@ -17,6 +17,23 @@
 
 namespace memscale::core {
 
+/// The least a checkpoint or an offload must lower the projected peak by to be
+/// taken: a 1024th of the step's growth (at least a byte). Less counts as none:
+/// a U-Net's BatchNorm-ReLU runs, whose input and output stay kept, freed 128 B
+/// each for milliseconds of recompute.
+[[nodiscard]] constexpr std::int64_t least_gain(const engine_plan& plan, const engine_input& in) {
+  return std::max<std::int64_t>(1, (plan.baseline_peak - in.static_bytes) / 1024);
+}
+
+/// The least an offload moving `moved` bytes must lower the projected peak by:
+/// least_gain, and a 16th of what it moves. Moving bytes costs transfer time
+/// (on a CPU host, disk traffic); a move that returns before the peak buys
+/// little: on a U-Net, a BatchNorm's saved input, 4.5 MiB a step, for 90 KiB.
+[[nodiscard]] constexpr std::int64_t least_offload_gain(const engine_plan& plan, const engine_input& in,
+                                                        std::int64_t moved) {
+  return std::max(least_gain(plan, in), moved / 16);
+}
+
 /// Forward bytes that slots [a, b] keep when run plainly, minus what a checkpoint
 /// of them keeps (its output and its random masks): what checkpointing the run frees.
 [[nodiscard]] constexpr std::int64_t checkpoint_frees(std::span<const slot_cost> s, int a, int b) {
@@ -194,8 +211,9 @@ constexpr void assign_tiling(const std::vector<std::vector<slot_cost>>& chains, 
 
 /// Offload phase: while the projected peak is above the target, offload the
 /// units (checkpointed runs or single slots) whose transfer is cheapest relative
-/// to the compute it can hide behind, as long as that lowers the peak and the
-/// tiers have room. Two passes, as for checkpointing.
+/// to the compute it can hide behind, as long as that lowers the peak (by
+/// least_offload_gain: R6 says where it would lower it by less) and the tiers
+/// have room. Two passes, as for checkpointing.
 constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains, const std::vector<bool>& supported,
                               const engine_input& in, engine_plan& plan) {
   if (!in.offload_allowed || plan.planned_peak <= plan.target_bytes) return;
@@ -236,9 +254,14 @@ constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains,
       auto trial = plan.units;
       trial[opt.chain][opt.index].offloaded = true;
       const auto peak = project_model_peak(chains, trial, in.static_bytes);
-      if (peak >= plan.planned_peak) continue;
       const auto total = offloaded_bytes(chains, trial);
       const auto moved = total - offloaded_bytes(chains, plan.units);
+      if (plan.planned_peak - peak < least_offload_gain(plan, in, moved)) {
+        if (pass == 1 && peak < plan.planned_peak)  // said once, where it would lower the peak at all
+          plan.decisions.push_back({opt.chain, u.first, u.last, u.checkpointed, rule_id::keep_no_gain, moved,
+                                    opt.transfer, plan.planned_peak, peak, false, opt.compute});
+        continue;
+      }
       settled[o] = true;
       if (total > in.offload_budget_bytes) {
         plan.decisions.push_back({opt.chain, u.first, u.last, u.checkpointed, rule_id::offload_no_room, moved,

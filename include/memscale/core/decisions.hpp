@@ -25,7 +25,7 @@ enum class rule_id : std::uint8_t {
   keep_fits,               ///< kept: the projected peak already fits the target
   keep_no_gain,            ///< kept: checkpointing it would not lower the projected peak (by a 1024th of the growth)
   refine_segment,          ///< checkpointed part of a kept run: the uniform segments were not enough
-  offload_segment,         ///< offloaded: cheapest transfer per compute second, lowers the projected peak
+  offload_segment,         ///< offloaded: cheapest transfer per compute second, lowers the peak by least_gain
   offload_no_room,         ///< would lower the peak, but the offload tiers' budget is spent
   tile_segment,            ///< a checkpointed run of row-independent slots runs over chunks
   optimal_schedule,        ///< checkpointed or kept by the optimal schedule, which replaced the greedy's segments

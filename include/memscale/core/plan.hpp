@@ -211,6 +211,15 @@ struct Report {
              << format_bytes(d.peak_before);
           break;
         }
+        if (d.compute_seconds > 0.0) {  // an offload the offload phase declined (checkpoints carry no compute)
+          os << "offloading would move " << format_bytes(d.freed_bytes) << " (" << std::setprecision(3)
+             << d.recompute_seconds * 1e3 << " ms transfer behind " << d.compute_seconds * 1e3
+             << " ms compute) for a fall of " << format_bytes(d.peak_before - d.peak_after) << " in the peak ("
+             << format_bytes(d.peak_before) << "), under "
+             << (16 * (d.peak_before - d.peak_after) < d.freed_bytes ? "a 16th of what it moves"
+                                                                     : "a 1024th of the step's growth");
+          break;
+        }
         os << "would free " << format_bytes(d.freed_bytes) << " but the peak stays "
            << format_bytes(d.peak_before);
         if (d.peak_after < d.peak_before)
