@@ -391,17 +391,60 @@ TEST_CASE("the planner budgets the disk tier at the rate measured here, once per
   REQUIRE(cached.has_value());
   // What the planner assumes for a CPU tensor's offload, and a CUDA tensor's without host room.
   auto options = quiet_options({.disk_bytes = std::int64_t{1} << 30, .disk_dir = dir->string()});
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options).second == *through);
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, true).second == *through);
+  // Where no plan could offload, the nominal rate stands, unmeasured.
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, false).second ==
+        memscale::core::nominal_disk_bytes_per_second);
   options.disk_write_through = false;
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options).second == *cached);
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, true).second == *cached);
   options.host_bytes = 0;
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCUDA, 0), options).second == *cached);
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCUDA, 0), options, true).second == *cached);
   options.host_bytes = std::int64_t{1} << 30;
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCUDA, 0), options).second ==
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCUDA, 0), options, true).second ==
         memscale::core::nominal_host_link_bytes_per_second);
   options.disk_bytes = 0;
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options).second ==
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, true).second ==
         memscale::core::nominal_disk_bytes_per_second);
+}
+
+TEST_CASE("planning measures the disk tier's rate only where a plan could offload", "[offload][engine]") {
+  // Measuring writes and reads back 16 MiB (0.1-0.2 s on a VM's disk: two
+  // thirds of a first predict() of the example GPT). A plan weighs the rate
+  // only where checkpointing leaves the projected peak above the target.
+  const auto dir = disk_backed_directory();
+  if (!dir) {
+    WARN("no disk-backed directory for the disk tier here: nothing to check");
+    return;
+  }
+  // A directory of its own: no rate measured for it yet in this process.
+  const auto fresh = *dir / ("memscale-test-rate-" + std::to_string(::getpid()));
+  fs::create_directories(fresh);
+  struct remove_after {
+    fs::path path;
+    ~remove_after() {
+      std::error_code ignored;
+      fs::remove_all(path, ignored);
+    }
+  } cleanup{fresh};
+  torch::manual_seed(3);
+  torch::nn::Sequential model(torch::nn::Linear(64, 256), torch::nn::GELU(), torch::nn::Linear(256, 64),
+                              torch::nn::GELU(), torch::nn::Linear(64, 64));
+  const auto x = torch::randn({512, 64});
+  auto config = test::quiet();
+  config.async_config = memscale::AsyncOffloadConfig{};
+  config.async_config->disk_dir = fresh.string();
+  const auto& measured = memscale::offload::disk_rate_measurements();
+  const int before = measured.load();
+  {  // Balanced with nothing pressing: no plan offloads
+    auto guard = memscale::optimize(model, x, config);
+    CHECK(guard.report().offloaded_units() == 0);
+  }
+  CHECK(measured.load() == before);
+  config.mode = memscale::OptimizationMode::Aggressive;  // its target is zero: the offload phase runs
+  {
+    auto guard = memscale::optimize(model, x, config);
+  }
+  CHECK(measured.load() == before + 1);
 }
 
 TEST_CASE("a full tier spills to the next, with all full the tensor stays", "[offload][engine]") {

@@ -217,4 +217,14 @@ namespace memscale::core {
   return plan;
 }
 
+/// Whether a plan of these chains could offload: checkpointing and tiling alone
+/// leave the projected peak above the target (the offload phase runs only
+/// then). Where not, no plan weighs an offload's transfer rate.
+[[nodiscard]] constexpr bool offload_may_engage(const std::vector<std::vector<slot_cost>>& chains,
+                                                const std::vector<bool>& supported, engine_input in) {
+  in.offload_allowed = false;
+  const auto plan = decide(chains, supported, in);
+  return plan.overall != rule_id::low_pressure_skip && plan.planned_peak > plan.target_bytes;
+}
+
 }  // namespace memscale::core

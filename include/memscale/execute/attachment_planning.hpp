@@ -46,16 +46,6 @@
 
 namespace memscale::core {
 
-/// Room in the offload tiers for tensors on `device` (the engine's caps, see
-/// offload::options_from), and the transfer rate to the tier they reach first:
-/// host tiers then disk for CUDA, disk only for CPU tensors (its rate measured).
-inline std::pair<std::int64_t, double> offload_room(const c10::Device& device, const offload::engine_options& o) {
-  const std::int64_t disk = o.disk_bytes.value_or(0), host = device.is_cuda() ? o.host_bytes.value_or(0) : 0;
-  if (host > 0) return {host + disk, nominal_host_link_bytes_per_second};
-  const auto rate = disk > 0 ? offload::measured_disk_bytes_per_second(o.disk_dir, o.disk_write_through) : std::nullopt;
-  return {host + disk, rate.value_or(nominal_disk_bytes_per_second)};
-}
-
 inline void attachment::choose_strategy(const std::vector<chain_profile>& profiles,
                                         const std::vector<std::vector<slot_cost>>& costs,
                                         const std::vector<bool>& supported, engine_input& in,
@@ -253,7 +243,8 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
   }
   if (in.offload_allowed) {
     const auto engine_options = offload::options_from(config_);
-    const auto tiers = offload_room(device, engine_options);
+    const auto tiers =
+        offload_room(device, engine_options, caller_config_.auto_policy || offload_may_engage(costs, supported, in));
     // Chains planned earlier (lazy planning) already use part of the room.
     std::int64_t used = 0;
     for (std::size_t c = 0; c < out.chains.size() && c < out.plan.units.size(); ++c)
