@@ -391,19 +391,19 @@ TEST_CASE("the planner budgets the disk tier at the rate measured here, once per
   REQUIRE(cached.has_value());
   // What the planner assumes for a CPU tensor's offload, and a CUDA tensor's without host room.
   auto options = quiet_options({.disk_bytes = std::int64_t{1} << 30, .disk_dir = dir->string()});
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, true).second == *through);
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return true; }).second == *through);
   // Where no plan could offload, the nominal rate stands, unmeasured.
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, false).second ==
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return false; }).second ==
         memscale::core::nominal_disk_bytes_per_second);
   options.disk_write_through = false;
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, true).second == *cached);
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return true; }).second == *cached);
   options.host_bytes = 0;
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCUDA, 0), options, true).second == *cached);
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCUDA, 0), options, [] { return true; }).second == *cached);
   options.host_bytes = std::int64_t{1} << 30;
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCUDA, 0), options, true).second ==
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCUDA, 0), options, [] { return true; }).second ==
         memscale::core::nominal_host_link_bytes_per_second);
   options.disk_bytes = 0;
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, true).second ==
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return true; }).second ==
         memscale::core::nominal_disk_bytes_per_second);
 }
 

@@ -25,13 +25,17 @@ namespace memscale::core {
   return std::max<std::int64_t>(1, (plan.baseline_peak - in.static_bytes) / 1024);
 }
 
+/// An offload must lower the projected peak by at least this fraction (1/n) of what it moves.
+inline constexpr std::int64_t offload_gain_divisor = 16;
+
 /// The least an offload moving `moved` bytes must lower the projected peak by:
-/// least_gain, and a 16th of what it moves. Moving bytes costs transfer time
-/// (on a CPU host, disk traffic); a move that returns before the peak buys
-/// little: on a U-Net, a BatchNorm's saved input, 4.5 MiB a step, for 90 KiB.
+/// least_gain, and a 16th of what it moves (offload_gain_divisor). Moving bytes
+/// costs transfer time (on a CPU host, disk traffic); a move that returns before
+/// the peak buys little: on a U-Net, a BatchNorm's saved input, 4.5 MiB a step,
+/// for 96 KiB.
 [[nodiscard]] constexpr std::int64_t least_offload_gain(const engine_plan& plan, const engine_input& in,
                                                         std::int64_t moved) {
-  return std::max(least_gain(plan, in), moved / 16);
+  return std::max(least_gain(plan, in), moved / offload_gain_divisor);
 }
 
 /// Forward bytes that slots [a, b] keep when run plainly, minus what a checkpoint

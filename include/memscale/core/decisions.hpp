@@ -23,9 +23,9 @@ enum class rule_id : std::uint8_t {
   unsupported_chain,       ///< a slot is not Tensor -> Tensor; chain left alone
   checkpoint_segment,      ///< checkpointed: it lowers the projected peak
   keep_fits,               ///< kept: the projected peak already fits the target
-  keep_no_gain,            ///< kept: checkpointing it would not lower the projected peak (by a 1024th of the growth)
+  keep_no_gain,            ///< kept: checkpointing (or offloading) it would not lower the peak by least_gain
   refine_segment,          ///< checkpointed part of a kept run: the uniform segments were not enough
-  offload_segment,         ///< offloaded: cheapest transfer per compute second, lowers the peak by least_gain
+  offload_segment,         ///< offloaded: cheapest transfer per compute second, lowers the peak enough
   offload_no_room,         ///< would lower the peak, but the offload tiers' budget is spent
   tile_segment,            ///< a checkpointed run of row-independent slots runs over chunks
   optimal_schedule,        ///< checkpointed or kept by the optimal schedule, which replaced the greedy's segments

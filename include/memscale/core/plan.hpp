@@ -216,8 +216,9 @@ struct Report {
              << d.recompute_seconds * 1e3 << " ms transfer behind " << d.compute_seconds * 1e3
              << " ms compute) for a fall of " << format_bytes(d.peak_before - d.peak_after) << " in the peak ("
              << format_bytes(d.peak_before) << "), under "
-             << (16 * (d.peak_before - d.peak_after) < d.freed_bytes ? "a 16th of what it moves"
-                                                                     : "a 1024th of the step's growth");
+             << (core::offload_gain_divisor * (d.peak_before - d.peak_after) < d.freed_bytes
+                     ? "a 16th of what it moves"
+                     : "a 1024th of the step's growth");
           break;
         }
         os << "would free " << format_bytes(d.freed_bytes) << " but the peak stays "

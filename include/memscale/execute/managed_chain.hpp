@@ -47,15 +47,18 @@ inline constexpr double nominal_disk_bytes_per_second = 1e9;        // a local S
 /// Room in the offload tiers for tensors on `device` (the engine's caps, see
 /// offload::options_from), and the transfer rate to the tier they reach first:
 /// host tiers then disk for CUDA, disk only for CPU tensors. The disk's rate is
-/// measured where `measure` says a plan could weigh it (16 MiB written and read
-/// back, once per process: 0.1-0.2 s on a VM's disk, two thirds of a first
+/// measured where `may_offload()` says a plan could weigh it (16 MiB written and
+/// read back, once per process: 0.1-0.2 s on a VM's disk, two thirds of a first
 /// predict() of the example GPT); elsewhere the nominal rate stands, unused.
-inline std::pair<std::int64_t, double> offload_room(const c10::Device& device, const offload::engine_options& o,
-                                                    bool measure) {
+/// `may_offload` is asked only where the disk's rate is what would be used.
+template <class MayOffload>
+std::pair<std::int64_t, double> offload_room(const c10::Device& device, const offload::engine_options& o,
+                                             MayOffload&& may_offload) {
   const std::int64_t disk = o.disk_bytes.value_or(0), host = device.is_cuda() ? o.host_bytes.value_or(0) : 0;
   if (host > 0) return {host + disk, nominal_host_link_bytes_per_second};
-  const auto rate = disk > 0 && measure ? offload::measured_disk_bytes_per_second(o.disk_dir, o.disk_write_through)
-                                        : std::nullopt;
+  const auto rate = disk > 0 && may_offload()
+                        ? offload::measured_disk_bytes_per_second(o.disk_dir, o.disk_write_through)
+                        : std::nullopt;
   return {host + disk, rate.value_or(nominal_disk_bytes_per_second)};
 }
 
