@@ -304,8 +304,11 @@ int launch(int argc, char** argv, const Args& args) {
   struct removed_at_exit {
     fs::path dir;
     ~removed_at_exit() {
+      // The store's one file, then the directory: not fs::remove_all, which the PyTorch wheel's libtorch.so
+      // exports from a static libstdc++ and which crashed there (pytorch/pytorch#133437).
       std::error_code ignored;
-      fs::remove_all(dir, ignored);
+      fs::remove(dir / "store", ignored);
+      fs::remove(dir, ignored);
     }
   } scratch{pattern};
   const auto store = (scratch.dir / "store").string();

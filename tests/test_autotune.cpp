@@ -31,8 +31,7 @@ struct temporary_directory {
     std::filesystem::create_directories(path);
   }
   ~temporary_directory() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
+    memscale::detail::remove_tree(path);
   }
   static int& counter() {
     static int n = 0;

@@ -110,8 +110,7 @@ class scratch_dir {
   scratch_dir(const scratch_dir&) = delete;
   scratch_dir& operator=(const scratch_dir&) = delete;
   ~scratch_dir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
+    memscale::detail::remove_tree(path_);
   }
   [[nodiscard]] const fs::path& path() const { return path_; }
 

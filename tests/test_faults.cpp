@@ -75,7 +75,7 @@ struct scratch_dir {
   ~scratch_dir() {
     std::error_code ignored;
     fs::permissions(path, fs::perms::owner_all, fs::perm_options::add, ignored);
-    fs::remove_all(path, ignored);
+    memscale::detail::remove_tree(path);
   }
 };
 
@@ -449,7 +449,7 @@ TEST_CASE("an unwritable offload directory keeps the tensors in memory, the step
     CHECK(files_under(run.disk.path) == 1);  // the regular file, nothing else
   }
   fs::remove(file);
-  fs::remove_all(read_only);
+  memscale::detail::remove_tree(read_only);
   run.check_nothing_left();
 }
 

@@ -205,8 +205,7 @@ TEST_CASE("fuzzed: the AutoTuner's cache file and results are read or ignored wi
   struct removed_at_end {
     std::filesystem::path dir;
     ~removed_at_end() {
-      std::error_code ec;
-      std::filesystem::remove_all(dir, ec);
+      memscale::detail::remove_tree(dir);
     }
   } cleanup{dir};
   const auto path = (dir / "cache.json").string();

@@ -196,7 +196,7 @@ TEST_CASE("metrics endpoint: a real Prometheus server scrapes it and answers a q
   int prometheus_port = 0;
   ::close(listen_somewhere(&prometheus_port));  // a free port for the server
   const auto dir = fs::temp_directory_path() / ("memscale_prometheus_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
+  memscale::detail::remove_tree(dir);
   fs::create_directories(dir);
   std::ofstream(dir / "prometheus.yml") << "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
                                         << "scrape_configs:\n  - job_name: memscale\n    static_configs:\n"
@@ -243,7 +243,7 @@ TEST_CASE("metrics endpoint: a real Prometheus server scrapes it and answers a q
   std::ifstream log(dir / "prometheus.log");
   INFO(std::string((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>()));
   CHECK(steps >= 1.0);
-  fs::remove_all(dir);
+  memscale::detail::remove_tree(dir);
 }
 
 TEST_CASE("metrics endpoint: a busy port or a foreign address is a warning, training goes on",

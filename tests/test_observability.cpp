@@ -31,7 +31,7 @@ using memscale::Config;
 
 fs::path fresh_dir(const std::string& name) {
   auto dir = fs::temp_directory_path() / ("memscale_obs_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
+  memscale::detail::remove_tree(dir);
   fs::create_directories(dir);
   return dir;
 }
@@ -114,7 +114,7 @@ TEST_CASE("log: a summary at info, the plan at debug in log_file, nothing with e
   { auto guard = memscale::optimize(model, x, silent); }
   CHECK(log.text().size() == before);
   CHECK_FALSE(fs::exists(dir / "silent.log"));
-  fs::remove_all(dir);
+  memscale::detail::remove_tree(dir);
 }
 
 TEST_CASE("log: an unwritable log_file is a ConfigError naming it, and the model is untouched",
@@ -136,7 +136,7 @@ TEST_CASE("log: an unwritable log_file is a ConfigError naming it, and the model
   }
   CHECK_FALSE(memscale::is_optimized(model));
   CHECK(test::slot_identity(*model) == slots);
-  fs::remove_all(dir);
+  memscale::detail::remove_tree(dir);
 }
 
 TEST_CASE("log: warnings reach the program's own logger at warn", "[observability][log]") {

@@ -422,8 +422,7 @@ TEST_CASE("planning measures the disk tier's rate only where a plan could offloa
   struct remove_after {
     fs::path path;
     ~remove_after() {
-      std::error_code ignored;
-      fs::remove_all(path, ignored);
+      memscale::detail::remove_tree(path);
     }
   } cleanup{fresh};
   torch::manual_seed(3);
@@ -563,7 +562,27 @@ TEST_CASE("the disk tier's directory is removed once the engine and its tensors 
   CHECK(fs::is_directory(dir));  // a tensor still lives there
   survivor.reset();
   CHECK_FALSE(fs::exists(dir));
-  fs::remove_all(parent);
+  memscale::detail::remove_tree(parent);
+}
+
+TEST_CASE("remove_tree removes a tree, and a symbolic link in it but not what the link points to",
+          "[offload][engine]") {
+  // The disk tier removes its directory with it, not with std::filesystem::remove_all: a test binary linked
+  // against the PyTorch wheel's libtorch.so (2.11.0+cu130) bound remove_all to the wheel's own copy and crashed.
+  const auto root = fs::temp_directory_path() / ("memscale-test-remove-tree-" + std::to_string(::getpid()));
+  const auto outside = fs::temp_directory_path() / ("memscale-test-remove-tree-kept-" + std::to_string(::getpid()));
+  fs::create_directories(root / "a" / "b");
+  fs::create_directories(outside);
+  std::ofstream(root / "a" / "b" / "file") << "bytes";
+  std::ofstream(root / "top") << "bytes";
+  std::ofstream(outside / "kept") << "bytes";
+  fs::create_directory_symlink(outside, root / "a" / "link");
+  CHECK(memscale::detail::remove_tree(root));
+  CHECK_FALSE(fs::exists(root));
+  CHECK(fs::exists(outside / "kept"));
+  CHECK(memscale::detail::remove_tree(root));  // gone already: nothing to do
+  CHECK(memscale::detail::remove_tree(outside));
+  CHECK_FALSE(fs::exists(outside));
 }
 
 namespace {
@@ -672,7 +691,7 @@ TEST_CASE("without a disk_dir the disk tier honours $TMPDIR, else prefers a dire
     REQUIRE(sized);
     CHECK(std::abs(*sized - free_half) < (std::int64_t{1} << 30));  // other processes write meanwhile
   }
-  fs::remove_all(chosen);
+  memscale::detail::remove_tree(chosen);
 }
 
 TEST_CASE("small tensors travel together in one staging buffer and come back bit-identical",

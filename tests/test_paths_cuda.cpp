@@ -145,11 +145,14 @@ TEST_CASE("predict on CUDA leaves parameters, gradients, buffers, optimizer stat
           "[.cuda][predict]") {
   require_cuda();
   torch::manual_seed(11);
-  torch::nn::Sequential model(torch::nn::Linear(32, 64), torch::nn::BatchNorm1d(64), torch::nn::GELU(),
-                              torch::nn::Dropout(0.2), torch::nn::Linear(64, 8));
+  // Activations of 4 MiB each, so that Aggressive's plan applies. At batch 24 and width 64 (17.5 KiB of them)
+  // the H200 run of 2026-11-30 planned nothing: a checkpoint must lower the peak by a 1024th of the step's
+  // growth, and there the growth was cuBLAS's workspace (65 MiB) more than the activations.
+  torch::nn::Sequential model(torch::nn::Linear(32, 256), torch::nn::BatchNorm1d(256), torch::nn::GELU(),
+                              torch::nn::Dropout(0.2), torch::nn::Linear(256, 8));
   model->to(torch::kCUDA);
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3).amsgrad(true));
-  const auto x = torch::randn({24, 32}, gpu);
+  const auto x = torch::randn({4096, 32}, gpu);
   for (int s = 0; s < 2; ++s) {  // state exists, gradients are set
     optimizer.zero_grad();
     squared_mean(model->forward(x)).backward();
@@ -429,6 +432,14 @@ TEST_CASE("predict's CUDA calibration recorded for study off the GPU: each step'
     const auto x = torch::randn({128, 3, 32, 32}, gpu);
     const auto t = torch::randint(10, {128}, torch::kLong).to(gpu);
     study(deep ? "cnn-deep" : "resnet", model, x, t, cross_entropy, {2, 3, 4, 5, 32, 48, 64, 128});
+  }
+  {  // memscale_bench_predict's "resnet-bottleneck": 11-12% over at batches 128 and 256 on the H200 (2026-11-30)
+    torch::manual_seed(5);
+    auto model = resnet::ResNet(3, 256, 10, resnet::Block::bottleneck);
+    model->to(torch::kCUDA);
+    const auto x = torch::randn({256, 3, 16, 16}, gpu);
+    const auto t = torch::randint(10, {256}, torch::kLong).to(gpu);
+    study("resnet-bottleneck", model, x, t, cross_entropy, {2, 3, 4, 5, 32, 48, 64, 96, 128, 192, 256});
   }
   if (const char* dir = std::getenv("MEMSCALE_GPU_OUT"); dir != nullptr && *dir != '\0') {
     std::ofstream(std::filesystem::path(dir) / "cuda_calibration_study.json") << all.dump();

@@ -69,7 +69,7 @@ TEST_CASE("Report::to_html: headless Chromium renders it, its script runs, and a
   REQUIRE(std::system("command -v chromium > /dev/null 2>&1") == 0);  // scripts/setup-deps.sh --tests
   const auto report = trained_report();
   const auto dir = fs::temp_directory_path() / ("memscale_html_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
+  memscale::detail::remove_tree(dir);
   fs::create_directories(dir);
   const auto page = dir / "report.html";
   std::ofstream(page) << report.to_html();
@@ -100,7 +100,7 @@ TEST_CASE("Report::to_html: headless Chromium renders it, its script runs, and a
   const auto png = slurp(shot);
   REQUIRE(png.size() > 10000);
   CHECK(png.compare(0, 8, "\x89PNG\r\n\x1a\n") == 0);
-  fs::remove_all(dir);
+  memscale::detail::remove_tree(dir);
 }
 
 TEST_CASE("trace_step: one step measured at every unit's boundary, the plan left as it was", "[report][trace]") {

@@ -46,7 +46,7 @@ Config telemetry_on(const fs::path& file) {
 
 fs::path fresh(const std::string& name) {
   auto p = fs::temp_directory_path() / ("memscale_tel_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
+  memscale::detail::remove_tree(p);
   return p;
 }
 
@@ -174,7 +174,7 @@ TEST_CASE("telemetry: the events of a wrap, a plan, Stage 1, a detach and the Au
   for (const std::string& secret : {std::string("secret_block_name_4711"), std::string(host), dir.string(),
                                    std::string("Linear"), std::string("256")})
     CHECK(text.find(secret) == std::string::npos);
-  fs::remove_all(dir);
+  memscale::detail::remove_tree(dir);
 }
 
 TEST_CASE("telemetry: MEMSCALE_TELEMETRY=1 turns it on, MEMSCALE_TELEMETRY_FILE names the file", "[telemetry]") {
@@ -188,7 +188,7 @@ TEST_CASE("telemetry: MEMSCALE_TELEMETRY=1 turns it on, MEMSCALE_TELEMETRY_FILE 
   const auto events = events_in(file);
   REQUIRE(events.size() == 3);
   for (const auto& e : events) check_event(e);
-  fs::remove_all(file.parent_path());
+  memscale::detail::remove_tree(file.parent_path());
 }
 
 #if MEMSCALE_HAS_HTTP()
@@ -288,5 +288,5 @@ TEST_CASE("telemetry: a sink that throws or blocks costs events, never a wrap or
     sink->release();
     CHECK(tel::emitter::global().flush(std::chrono::seconds(10)));
   }
-  fs::remove_all(fresh("faults"));
+  memscale::detail::remove_tree(fresh("faults"));
 }

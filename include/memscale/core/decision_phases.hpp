@@ -123,7 +123,9 @@ inline constexpr int max_tiles = 64;
 /// of the most any count saves (more chunks add per-chunk overhead for little).
 /// Then each unit, first to last, takes the fewest chunks that keep that peak (or
 /// the target): the peak is a maximum, and most units do not set it. Nothing is
-/// tiled when it would save under 1% of the peak.
+/// tiled when it would save under 1% of the step's growth (the peak less the
+/// static bytes, as for least_gain: on CUDA those hold the context, 0.8 GiB,
+/// which no plan changes).
 constexpr void assign_tiling(const std::vector<std::vector<slot_cost>>& chains, const std::vector<bool>& supported,
                              const engine_input& in, engine_plan& plan) {
   if (!in.tiling_allowed || plan.planned_peak <= plan.target_bytes) return;
@@ -171,7 +173,7 @@ constexpr void assign_tiling(const std::vector<std::vector<slot_cost>>& chains, 
     lowest = std::min(lowest, peaks[n]);
   }
   const auto most = plan.planned_peak - lowest;
-  if (100 * most < plan.planned_peak) return;
+  if (100 * most < plan.planned_peak - in.static_bytes) return;
   int pick = -1;
   for (int j = 0; j < n && pick < 0; ++j)
     if (peaks[j] <= plan.target_bytes) pick = j;

@@ -30,6 +30,7 @@
 #include <torch/torch.h>
 
 #include <memscale/detail/fault_injection.hpp>
+#include <memscale/detail/files.hpp>
 
 namespace memscale::offload {
 
@@ -243,8 +244,7 @@ class disk_store {
   disk_store& operator=(const disk_store&) = delete;
   ~disk_store() {
     if (dir_.empty()) return;
-    std::error_code ignored;
-    std::filesystem::remove_all(dir_, ignored);
+    memscale::detail::remove_tree(dir_);
   }
 
   /// Creates the directory if needed; on failure returns why (empty: ready).
