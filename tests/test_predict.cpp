@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include <torch/library.h>
 
 #include <memscale/predict/blas_workspace.hpp>
 #include <memscale/predict/calibration.hpp>
@@ -365,6 +366,81 @@ TEST_CASE("off the CPU, predict calibrates near the example's batch: as measured
     BentBuffer model;
     (void)fits_48_and_64(model);
   }
+}
+
+namespace {
+
+/// An operator whose scratch buffer is no line in the batch, as a cuDNN
+/// convolution's workspace is not (its algorithm changes with the shape): 64 KiB
+/// a row up to 128 rows, 1 MiB beyond. Its output is a copy of its input.
+at::Tensor bent_workspace(const at::Tensor& x) {
+  const auto rows = x.size(0);
+  const std::int64_t bytes = rows <= 128 ? rows * (64 << 10) : (1 << 20);
+  (void)at::empty({bytes}, x.options().dtype(at::kByte));  // made and freed within the call
+  return x.clone();
+}
+
+TORCH_LIBRARY(memscale_test, m) { m.def("bent_workspace(Tensor x) -> Tensor", &bent_workspace); }
+
+struct BentWorkspaceImpl : torch::nn::Module {
+  BentWorkspaceImpl()
+      : in(register_module("in", torch::nn::Linear(64, 256))),
+        out(register_module("out", torch::nn::Linear(256, 64))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("memscale_test::bent_workspace", "")
+                               .typed<at::Tensor(const at::Tensor&)>();
+    return out->forward(op.call(torch::gelu(in->forward(x))));
+  }
+  torch::nn::Linear in, out;
+};
+TORCH_MODULE(BentWorkspace);
+
+/// Adds an operator to those whose calls predict measures alone at the batch, while it lives.
+struct measured_operator {
+  explicit measured_operator(std::string name) : name_(std::move(name)) {
+    memscale::predictor::detail::workspace_operators()[name_] = {0};
+  }
+  ~measured_operator() { memscale::predictor::detail::workspace_operators().erase(name_); }
+  measured_operator(const measured_operator&) = delete;
+  measured_operator& operator=(const measured_operator&) = delete;
+
+ private:
+  std::string name_;
+};
+
+}  // namespace
+
+TEST_CASE("off the CPU, predict measures an operator's workspace at the batch where it is no line in the batch "
+          "(the scheme run on the CPU)",
+          "[predict]") {
+  memory_tracker::install();
+  torch::manual_seed(14);
+  const auto loss = [](const torch::Tensor& y) { return y.pow(2).mean(); };
+  BentWorkspace model;
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+  const auto x = torch::randn({256, 64});
+  const auto predicted = [&](bool measuring) {
+    std::optional<measured_operator> measured;
+    if (measuring) measured.emplace("memscale_test::bent_workspace");
+    near_target_scope near;
+    return memscale::predict(model, x, optimizer, loss, test::quiet());
+  };
+  const auto with = predicted(true), without = predicted(false);
+  (void)measured_step(model, optimizer, x, loss);
+  const auto step = measured_step(model, optimizer, x, loss);
+  INFO(with << "\nwithout measuring:\n" << without << "\nmeasured step: " << step);
+  // Steps at 128, 64 and 96: the workspace is a line there, 8 MiB at 128, so 16 MiB at 256 where it is 1 MiB.
+  CHECK(with.calibration_batches == std::vector<std::int64_t>{128, 64, 96});
+  CHECK(with.fitted_batches == std::pair<std::int64_t, std::int64_t>{64, 128});
+  CHECK(predicted_growth(with.baseline) == Approx(step).epsilon(0.01));
+  CHECK(predicted_growth(without.baseline) > step + (12 << 20));
+  const auto noted = std::any_of(with.notes.begin(), with.notes.end(), [](const auto& n) {
+    return n.find("(workspaces) of 1 call(s)") != std::string::npos &&
+           n.find("measured alone at batch 256: the largest 1.00 MiB where the extrapolation gave 16.00 MiB") !=
+               std::string::npos;
+  });
+  CHECK(noted);
 }
 
 TEST_CASE("predict's largest batch fits under the hard limit, and one batch more does not", "[predict][oom]") {

@@ -27,6 +27,7 @@
 #include <memscale/errors.hpp>
 #include <memscale/execute/verify.hpp>
 #include <memscale/predict/blas_workspace.hpp>
+#include <memscale/predict/op_workspace.hpp>
 #include <memscale/predict/shape_only_scope.hpp>
 #include <memscale/predict/timeline.hpp>
 
@@ -67,6 +68,11 @@ struct calibration {
   /// (for the BLAS workspace probe, predict/blas_workspace.hpp).
   std::map<std::int64_t, std::vector<matrix_product>> products{};
 
+  /// The batch whose real step records its calls of workspace_operators() into
+  /// op_calls (0: none), for measure_workspaces.
+  std::int64_t op_batch = 0;
+  std::vector<op_call> op_calls{};
+
   timeline run(std::int64_t batch) {
     box->reset();
     if (gradients_kept) {
@@ -83,6 +89,8 @@ struct calibration {
     {
       std::optional<shape_only_scope> shapes_only;
       if (how != execution::real) shapes_only.emplace(how == execution::census);
+      std::optional<op_call_recorder> calls;
+      if (batch == op_batch && how == execution::real) calls.emplace(recorder, batch);
       torch::AutoGradMode grad_on(true);
       auto output = forward(x);
       recorder.mark();
@@ -96,6 +104,7 @@ struct calibration {
         throw Error("the step reads tensor values (item(), a data-dependent shape), which shape-only execution "
                     "leaves uninitialised");
       if (shapes_only && device.is_cpu()) products[batch] = shapes_only->tally().products;
+      if (calls) op_calls = calls->take();
     }
     auto recorded = recorder.finish();
     if (products_seen) products[batch] = products_seen->take();
@@ -187,9 +196,19 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
   // workspaces, for the caller's thread and autograd's) is then not in one timeline
   // of a pair only. Where even it runs out of memory, the steps below say so.
   (void)step_at(first_calibration_batch);
+  // The calls whose workspaces are measured at the example's batch, from the step at `high` (predict/op_workspace.hpp).
+  std::vector<op_call> calls;
+  const auto measured = [&](timeline_fit fit, const timeline& top) {
+    note = said(measure_workspaces(fit, top, calls, c.example.size(0), c.device));
+    return fit;
+  };
   for (std::int64_t high = c.example.size(0) / 2; high / 2 >= smallest_near_batch; high /= 2) {
     const auto ran_before = batches.size();
+    c.op_batch = workspace_operators().empty() ? 0 : high;
     const auto top = run(high);
+    c.op_batch = 0;
+    calls = std::move(c.op_calls);
+    c.op_calls.clear();
     if (!top) continue;
     const auto low = run(high / 2);
     const auto mid_batch = 3 * high / 4;
@@ -197,15 +216,9 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
     const bool mid_aligned = mid && aligned(*mid, *top);
     if (low && aligned(*low, *top)) {
       timeline_fit wide(*low, high / 2, *top, high);
-      if (!mid_aligned || wide.gives(*mid, mid_batch, 0.01)) {
-        note = said("");
-        return wide;
-      }
+      if (!mid_aligned || wide.gives(*mid, mid_batch, 0.01)) return measured(std::move(wide), *top);
     }
-    if (mid_aligned) {
-      note = said("");
-      return timeline_fit(*mid, mid_batch, *top, high);
-    }
+    if (mid_aligned) return measured(timeline_fit(*mid, mid_batch, *top, high), *top);
     if (!mid && !low) {  // only the step at `high` ran: not a pair
       batches.resize(ran_before);
       continue;

@@ -84,8 +84,26 @@ class timeline_fit {
   [[nodiscard]] double value(std::size_t event, std::int64_t batch) const {
     const double v1 = static_cast<double>(t1_.live[event]);
     const double v2 = static_cast<double>(t2_.live[event]);
-    return v1 + (v2 - v1) * static_cast<double>(batch - b1_) / static_cast<double>(b2_ - b1_);
+    const double line = v1 + (v2 - v1) * static_cast<double>(batch - b1_) / static_cast<double>(b2_ - b1_);
+    return batch == corrected_batch_ && !correction_.empty() ? line + correction_[event] : line;
   }
+  /// At batch `batch` only, the block allocated at event `from` and freed at
+  /// event `to` holds `bytes`, not what the line between the two calibrations
+  /// gives: a size measured there (a cuDNN workspace, whose algorithm changes
+  /// with the batch: predict/op_workspace.hpp). Corrections are for one batch;
+  /// one for another batch is ignored.
+  void set_bytes(std::int64_t batch, std::size_t from, std::size_t to, std::int64_t bytes) {
+    if (from >= to || to > t1_.live.size()) return;
+    if (correction_.empty()) {
+      correction_.assign(t1_.live.size(), 0.0);
+      corrected_batch_ = batch;
+    }
+    if (batch != corrected_batch_) return;
+    const double delta = static_cast<double>(bytes - this->bytes(from, batch));
+    for (std::size_t e = from; e < to; ++e) correction_[e] += delta;
+  }
+  /// The batch set_bytes corrected (0: none).
+  [[nodiscard]] std::int64_t corrected_batch() const noexcept { return correction_.empty() ? 0 : corrected_batch_; }
   [[nodiscard]] std::int64_t peak(std::int64_t batch) const {
     double best = 0.0;
     for (std::size_t e = 0; e < t1_.live.size(); ++e) best = std::max(best, value(e, batch));
@@ -121,6 +139,8 @@ class timeline_fit {
  private:
   timeline t1_, t2_;
   std::int64_t b1_ = 0, b2_ = 1;
+  std::vector<double> correction_;  // per event, at corrected_batch_ (set_bytes)
+  std::int64_t corrected_batch_ = 0;
 };
 
 namespace detail {
@@ -164,6 +184,10 @@ class timeline_reporter final : public c10::MemoryReportingInfoBase {
   void mark() {
     std::lock_guard<std::mutex> lock(mutex_);
     trace_.marks.push_back(trace_.live.size());
+  }
+  [[nodiscard]] std::size_t events() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return trace_.live.size();
   }
   timeline close() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -221,6 +245,8 @@ class timeline_scope {
 
   /// Marks the current point of the timeline (phase boundaries).
   void mark() { reporter_->mark(); }
+  /// The events recorded so far (any thread).
+  [[nodiscard]] std::size_t events() const { return reporter_->events(); }
   /// Stops recording and returns the timeline; the scope stays installed until
   /// destroyed, passing reports on.
   timeline finish() {
