@@ -420,11 +420,11 @@ TEST_CASE("off the CPU, predict measures an operator's workspace at the batch wh
   BentWorkspace model;
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
   const auto x = torch::randn({256, 64});
-  const auto predicted = [&](bool measuring) {
+  const auto predicted = [&](bool measuring, std::optional<double> budget_gb = std::nullopt) {
     std::optional<measured_operator> measured;
     if (measuring) measured.emplace("memscale_test::bent_workspace");
     near_target_scope near;
-    return memscale::predict(model, x, optimizer, loss, test::quiet());
+    return memscale::predict(model, x, optimizer, loss, test::quiet({.memory_budget_gb = budget_gb}));
   };
   const auto with = predicted(true), without = predicted(false);
   (void)measured_step(model, optimizer, x, loss);
@@ -441,6 +441,16 @@ TEST_CASE("off the CPU, predict measures an operator's workspace at the batch wh
                std::string::npos;
   });
   CHECK(noted);
+  // A budget between the two: the batch fits, and the largest batch that fits agrees (the line alone, 16 MiB of
+  // workspace at 256 rows, would put it near 150).
+  const auto budget = static_cast<double>(with.baseline_peak_bytes + without.baseline_peak_bytes) / 2.0;
+  const auto tight = predicted(true, budget / static_cast<double>(1 << 30));
+  INFO(tight);
+  CHECK(tight.baseline_fits);
+  CHECK(tight.baseline_max_batch_size >= 256);
+  const auto over = predicted(false, budget / static_cast<double>(1 << 30));
+  CHECK_FALSE(over.baseline_fits);
+  CHECK(over.baseline_max_batch_size < 256);
 }
 
 TEST_CASE("predict's largest batch fits under the hard limit, and one batch more does not", "[predict][oom]") {

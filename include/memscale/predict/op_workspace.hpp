@@ -21,7 +21,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -84,46 +83,73 @@ struct op_call {
 /// Records the calls of workspace_operators() while it lives, on this thread and
 /// the threads that inherit its state (autograd's), with the events of `scope`
 /// they span; calls whose batched arguments do not start with `batch` rows are
-/// left out. One at a time in the process (a second records nothing).
+/// left out. One at a time in the process (a second records nothing). What the
+/// callbacks write lives in a shared state that each call's context holds, and
+/// the scope is dropped from it when the recorder ends: a device thread still
+/// ending an operator then writes into that state, not into a freed recorder.
 class op_call_recorder {
  public:
-  op_call_recorder(const timeline_scope& scope, std::int64_t batch) : scope_(scope), batch_(batch) {
-    op_call_recorder* none = nullptr;
-    if (!active().compare_exchange_strong(none, this)) return;
+  op_call_recorder(const timeline_scope& scope, std::int64_t batch) : state_(std::make_shared<state>()) {
+    state_->scope = &scope;
+    state_->batch = batch;
+    std::lock_guard<std::mutex> lock(active_mutex());
+    if (active()) return;
     handle_ = at::addThreadLocalCallback(at::RecordFunctionCallback(&on_start, &on_end).needsInputs(true).scopes(
         {at::RecordScope::FUNCTION}));
+    active() = state_;
   }
   op_call_recorder(const op_call_recorder&) = delete;
   op_call_recorder& operator=(const op_call_recorder&) = delete;
   ~op_call_recorder() {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->scope = nullptr;
+    }
     if (handle_ == 0) return;
     at::removeCallback(handle_);
-    active() = nullptr;
+    std::lock_guard<std::mutex> lock(active_mutex());
+    active().reset();
   }
   [[nodiscard]] std::vector<op_call> take() {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(state_->mutex);
     std::vector<op_call> done;
-    for (auto& c : calls_)
+    for (auto& c : state_->calls)
       if (c.last > c.first) done.push_back(std::move(c));
-    calls_.clear();
+    state_->calls.clear();
     return done;
   }
 
  private:
+  struct state {
+    std::mutex mutex;
+    const timeline_scope* scope = nullptr;  // null once the recorder has ended
+    std::int64_t batch = 0;
+    std::vector<op_call> calls;
+  };
   struct context final : at::ObserverContext {
-    explicit context(std::size_t i) : index(i) {}
+    context(std::shared_ptr<state> s, std::size_t i) : owner(std::move(s)), index(i) {}
+    std::shared_ptr<state> owner;
     std::size_t index;
   };
-  static std::atomic<op_call_recorder*>& active() {
-    static std::atomic<op_call_recorder*> one{nullptr};
+  static std::mutex& active_mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::shared_ptr<state>& active() {
+    static std::shared_ptr<state> one;
     return one;
   }
   static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
-    auto* self = active().load();
-    if (self == nullptr || fn.name() == nullptr) return nullptr;
+    if (fn.name() == nullptr) return nullptr;
     const auto named = workspace_operators().find(fn.name());
     const auto op = fn.operator_name();
     if (named == workspace_operators().end() || !op) return nullptr;
+    std::shared_ptr<state> self;
+    {
+      std::lock_guard<std::mutex> lock(active_mutex());
+      self = active();
+    }
+    if (!self) return nullptr;
     op_call call;
     call.name = *op;
     for (const auto& a : fn.inputs()) {
@@ -136,25 +162,24 @@ class op_call_recorder {
       if (!t.defined()) continue;
       const auto position = call.arguments.size() - 1;
       const bool batched = std::find(named->second.begin(), named->second.end(), position) != named->second.end();
-      if (batched && (t.dim() == 0 || t.size(0) != self->batch_)) return nullptr;  // not the batch's rows
+      if (batched && (t.dim() == 0 || t.size(0) != self->batch)) return nullptr;  // not the batch's rows
       call.tensors.push_back({position, t.sizes().vec(), t.strides().vec(), t.options(), batched});
     }
-    std::lock_guard<std::mutex> lock(self->mutex_);
-    call.first = self->scope_.events();
-    self->calls_.push_back(std::move(call));
-    return std::make_unique<context>(self->calls_.size() - 1);
+    std::lock_guard<std::mutex> lock(self->mutex);
+    if (self->scope == nullptr) return nullptr;
+    call.first = self->scope->events();
+    self->calls.push_back(std::move(call));
+    return std::make_unique<context>(self, self->calls.size() - 1);
   }
   static void on_end(const at::RecordFunction&, at::ObserverContext* ctx) {
-    auto* self = active().load();
-    if (self == nullptr || ctx == nullptr) return;
-    std::lock_guard<std::mutex> lock(self->mutex_);
-    self->calls_[static_cast<context*>(ctx)->index].last = self->scope_.events();
+    if (ctx == nullptr) return;
+    const auto& c = *static_cast<context*>(ctx);
+    std::lock_guard<std::mutex> lock(c.owner->mutex);
+    if (c.owner->scope != nullptr && c.index < c.owner->calls.size())
+      c.owner->calls[c.index].last = c.owner->scope->events();
   }
 
-  const timeline_scope& scope_;
-  std::int64_t batch_;
-  std::mutex mutex_;
-  std::vector<op_call> calls_;
+  std::shared_ptr<state> state_;
   at::CallbackHandle handle_ = 0;
 };
 
@@ -178,35 +203,52 @@ struct transient {
 }
 
 /// The call run alone with its batched arguments at `batch` rows, recorded on
-/// `device`: its transient allocations in order; nothing where it cannot run so
-/// (out of memory, a layout whose rows are not outermost, an operator error).
-[[nodiscard]] inline std::optional<std::vector<std::int64_t>> probe_transients(const op_call& call, std::int64_t batch,
-                                                                              c10::Device device) {
+/// `device`: its transient allocations in order, for each of `runs` runs
+/// (cuDNN's benchmark mode searches at a shape's first call, with workspaces of
+/// its own, and not at the next); nothing where it cannot run so (out of memory,
+/// a layout whose rows are not outermost, an operator that refuses the shapes).
+[[nodiscard]] inline std::optional<std::vector<std::vector<std::int64_t>>> probe_transients(const op_call& call,
+                                                                                          std::int64_t batch,
+                                                                                          c10::Device device,
+                                                                                          int runs) {
   const auto handle = c10::Dispatcher::singleton().findSchema(call.name);
   if (!handle) return std::nullopt;
+  for (const auto& t : call.tensors)
+    if (t.batched && std::any_of(t.strides.begin() + 1, t.strides.end(), [&](auto s) { return s > t.strides.front(); }))
+      return std::nullopt;
   try {
-    torch::NoGradGuard no_grad;
-    std::vector<c10::IValue> stack = call.arguments;
-    for (const auto& t : call.tensors) {
-      auto sizes = t.sizes;
-      if (t.batched) {
-        if (std::any_of(t.strides.begin() + 1, t.strides.end(), [&](auto s) { return s > t.strides.front(); }))
-          return std::nullopt;
-        sizes.front() = batch;
+    std::vector<std::vector<std::int64_t>> found;
+    for (int run = 0; run < runs; ++run) {
+      torch::NoGradGuard no_grad;
+      std::vector<c10::IValue> stack = call.arguments;
+      for (const auto& t : call.tensors) {
+        auto sizes = t.sizes;
+        if (t.batched) sizes.front() = batch;
+        stack[t.position] = at::empty_strided(sizes, t.strides, t.options);
       }
-      stack[t.position] = at::empty_strided(sizes, t.strides, t.options);
+      timeline_scope scope(device);
+      handle->callBoxed(&stack);
+      const auto recorded = scope.finish();
+      auto& sizes = found.emplace_back();
+      for (const auto& tr : transients(recorded, 0, recorded.live.size())) sizes.push_back(tr.bytes);
     }
-    timeline_scope scope(device);
-    handle->callBoxed(&stack);
-    const auto recorded = scope.finish();
-    std::vector<std::int64_t> sizes;
-    for (const auto& tr : transients(recorded, 0, recorded.live.size())) sizes.push_back(tr.bytes);
-    return sizes;
-  } catch (const c10::Error&) {  // out of memory, or the operator refuses the shapes
-  } catch (const std::bad_alloc&) {
+    return found;
+  } catch (const std::exception&) {  // out of memory (c10::Error, std::bad_alloc), or the shapes refused
   }
-  memscale::detail::release_cached_device_memory(device);
+  try {
+    memscale::detail::release_cached_device_memory(device);
+  } catch (const std::exception&) {  // the next step meets what made this fail
+  }
   return std::nullopt;
+}
+
+/// The largest batch that fits, `largest` (from the line at every batch),
+/// made to agree with the answer at `batch` where measure_workspaces corrected
+/// the fit there: the workspaces are measured at that batch only.
+[[nodiscard]] inline std::int64_t agreeing(const timeline_fit& fit, bool fits, std::int64_t batch,
+                                           std::int64_t largest) {
+  if (fit.corrected_batch() != batch) return largest;
+  return fits ? std::max(largest, batch) : std::min(largest, batch - 1);
 }
 
 /// Puts into `fit` (whose second timeline is `top`, at the batch the calls were
@@ -216,7 +258,8 @@ struct transient {
                                                     const std::vector<op_call>& calls, std::int64_t batch,
                                                     c10::Device device) {
   if (calls.empty() || top.block.size() != top.live.size()) return {};
-  std::map<std::string, std::optional<std::vector<std::int64_t>>> probed;
+  std::map<std::string, std::optional<std::vector<std::vector<std::int64_t>>>> probed;
+  const int runs = device.is_cuda() && at::globalContext().benchmarkCuDNN() ? 2 : 1;
   int measured = 0, skipped = 0;
   std::int64_t was = 0, now = 0;
   for (const auto& call : calls) {
@@ -224,16 +267,21 @@ struct transient {
     if (in_step.empty()) continue;
     const auto key = call.key();
     auto it = probed.find(key);
-    if (it == probed.end()) it = probed.emplace(key, probe_transients(call, batch, device)).first;
-    if (!it->second || it->second->size() != in_step.size()) {
+    if (it == probed.end()) it = probed.emplace(key, probe_transients(call, batch, device, runs)).first;
+    // The last run's list (a steady step's), else the first's (a call that searched in the step too).
+    const std::vector<std::int64_t>* sizes = nullptr;
+    if (it->second)
+      for (auto run = it->second->rbegin(); run != it->second->rend() && sizes == nullptr; ++run)
+        if (run->size() == in_step.size()) sizes = &*run;
+    if (sizes == nullptr) {
       ++skipped;
       continue;
     }
     ++measured;
     for (std::size_t i = 0; i < in_step.size(); ++i) {
       was = std::max(was, fit.bytes(in_step[i].allocated, batch));
-      fit.set_bytes(batch, in_step[i].allocated, in_step[i].freed, (*it->second)[i]);
-      now = std::max(now, (*it->second)[i]);
+      fit.set_bytes(batch, in_step[i].allocated, in_step[i].freed, (*sizes)[i]);
+      now = std::max(now, (*sizes)[i]);
     }
   }
   if (measured == 0 && skipped == 0) return {};
@@ -241,7 +289,7 @@ struct transient {
   said << "the transient allocations (workspaces) of " << measured << " call(s) of " << probed.size()
        << " kind(s) of operator call (cuDNN's convolutions) measured alone at batch " << batch
        << ": the largest " << memscale::detail::format_bytes(now) << " where the extrapolation gave "
-        << memscale::detail::format_bytes(was);
+       << memscale::detail::format_bytes(was);
   if (skipped > 0) said << "; " << skipped << " call(s) left to the extrapolation (out of memory, or another count)";
   return said.str();
 }

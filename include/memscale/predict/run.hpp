@@ -33,6 +33,7 @@
 #include <memscale/execute/verify.hpp>
 #include <memscale/predict/calibration.hpp>
 #include <memscale/predict/cuda_reserve.hpp>
+#include <memscale/predict/op_workspace.hpp>
 #include <memscale/predict/optimizer_state.hpp>
 #include <memscale/predict/outside_memo.hpp>
 #include <memscale/predict/prediction.hpp>
@@ -371,10 +372,10 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   out.headroom_bytes = out.budget_bytes - out.peak_bytes;
   out.baseline_fits = out.baseline_headroom_bytes >= 0;
   out.fits = out.headroom_bytes >= 0;
-  out.baseline_max_batch_size = detail::largest_fitting(
-      [&](std::int64_t n) { return breakdown(base_fit, own, n).total_bytes(); }, out.budget_bytes);
-  out.max_batch_size = detail::largest_fitting(
-      [&](std::int64_t n) { return breakdown(plan_fit, planned_optimizer, n).total_bytes(); }, out.budget_bytes);
+  out.baseline_max_batch_size = detail::agreeing(base_fit, out.baseline_fits, out.batch_size, detail::largest_fitting(
+      [&](std::int64_t n) { return breakdown(base_fit, own, n).total_bytes(); }, out.budget_bytes));
+  out.max_batch_size = detail::agreeing(plan_fit, out.fits, out.batch_size, detail::largest_fitting(
+      [&](std::int64_t n) { return breakdown(plan_fit, planned_optimizer, n).total_bytes(); }, out.budget_bytes));
 
   std::ostringstream method;
   method << "the step (forward, loss, backward) ran at batches";

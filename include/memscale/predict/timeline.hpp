@@ -99,7 +99,8 @@ class timeline_fit {
       corrected_batch_ = batch;
     }
     if (batch != corrected_batch_) return;
-    const double delta = static_cast<double>(bytes - this->bytes(from, batch));
+    const double step = value(from, batch) - (from == 0 ? 0.0 : value(from - 1, batch));  // signed: the line's
+    const double delta = static_cast<double>(bytes) - step;
     for (std::size_t e = from; e < to; ++e) correction_[e] += delta;
   }
   /// The batch set_bytes corrected (0: none).
