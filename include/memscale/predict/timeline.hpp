@@ -99,8 +99,7 @@ class timeline_fit {
       corrected_batch_ = batch;
     }
     if (batch != corrected_batch_) return;
-    const double step = value(from, batch) - (from == 0 ? 0.0 : value(from - 1, batch));  // signed: the line's
-    const double delta = static_cast<double>(bytes) - step;
+    const double delta = static_cast<double>(bytes) - step(from, batch);
     for (std::size_t e = from; e < to; ++e) correction_[e] += delta;
   }
   /// The batch set_bytes corrected (0: none).
@@ -133,8 +132,12 @@ class timeline_fit {
   }
   [[nodiscard]] std::uint32_t block(std::size_t event) const { return t2_.block[event]; }
   [[nodiscard]] std::int64_t bytes(std::size_t event, std::int64_t batch) const {
-    const double before = event == 0 ? 0.0 : value(event - 1, batch);
-    return static_cast<std::int64_t>(std::abs(value(event, batch) - before) + 0.5);
+    return static_cast<std::int64_t>(std::abs(step(event, batch)) + 0.5);
+  }
+  /// Event `event`'s change of the live bytes at `batch`, signed (a line
+  /// extrapolated far can take an allocation below zero).
+  [[nodiscard]] double step(std::size_t event, std::int64_t batch) const {
+    return value(event, batch) - (event == 0 ? 0.0 : value(event - 1, batch));
   }
 
  private:
