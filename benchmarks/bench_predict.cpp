@@ -15,7 +15,11 @@
 // an MLP of other widths with BatchNorm). Each runs baseline (the default Config,
 // which on a roomy host applies nothing) and, for the GPT, with the Aggressive plan.
 //
-//   memscale_bench_predict [--default-malloc] [--device cuda] [--models gpt,resnet,...]
+//   memscale_bench_predict [--default-malloc] [--max-batch] [--device cuda] [--models gpt,resnet,...]
+//
+// With --max-batch it checks max_batch_size instead, per model at its middle
+// batch (max_batch_table below): under a budget of 1.3x the predicted total,
+// the largest batch predict names, trained, and one batch more, against the budget.
 //
 // With --device cuda (a CUDA build on a GPU) the models, their inputs and AdamW live
 // on the GPU, and what is compared is what the device holds: the prediction's total
@@ -34,6 +38,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -52,129 +57,27 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
-#include "gpt.hpp"
-#include "resnet.hpp"
+#include "bench_predict_models.hpp"
 
 namespace {
-
-using i64 = std::int64_t;
-constexpr double MiB = 1024.0 * 1024.0;
-
-struct Case {
-  std::string model;
-  i64 batch;
-  bool aggressive;
-  torch::Device device = torch::kCPU;
-};
-
-/// A model, its example input at `batch`, its loss (taking the first rows of its
-/// targets) and how one step's input is drawn.
-struct Built {
-  std::shared_ptr<torch::nn::Module> root;
-  std::function<torch::Tensor(const torch::Tensor&)> forward;
-  std::function<torch::Tensor(const torch::Tensor&)> loss;
-  torch::Tensor input;
-  std::function<memscale::Prediction(torch::optim::Optimizer&, const memscale::Config&)> predict;
-  std::function<memscale::OptimizationGuard(const memscale::Config&)> optimize;
-};
-
-template <class M>
-Built finish(M model, torch::Tensor input, torch::Tensor targets,
-             std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss, torch::Device device) {
-  model->to(device);
-  input = input.to(device);
-  targets = targets.to(device);
-  Built b;
-  b.root = model.ptr();
-  b.forward = [model](const torch::Tensor& x) mutable { return model->forward(x); };
-  b.loss = [targets, loss](const torch::Tensor& out) { return loss(out, targets.narrow(0, 0, out.size(0))); };
-  b.input = input;
-  b.predict = [model, input, l = b.loss](torch::optim::Optimizer& opt, const memscale::Config& c) mutable {
-    return memscale::predict(model, input, opt, l, c);
-  };
-  b.optimize = [model, input](const memscale::Config& c) mutable { return memscale::optimize(model, input, c); };
-  return b;
-}
-
-torch::nn::Sequential mlp(int blocks, i64 width, i64 hidden, bool batchnorm) {
-  torch::nn::Sequential seq;
-  for (int i = 0; i < blocks; ++i) {
-    seq->push_back(torch::nn::Linear(width, hidden));
-    if (batchnorm) seq->push_back(torch::nn::BatchNorm1d(hidden));
-    seq->push_back(torch::nn::GELU());
-    seq->push_back(torch::nn::Linear(hidden, width));
-    seq->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
-  }
-  return seq;
-}
-
-Built build(const std::string& name, i64 batch, torch::Device device) {
-  torch::manual_seed(7);
-  const auto cross_entropy = [](const torch::Tensor& out, const torch::Tensor& t) {
-    return torch::cross_entropy_loss(out, t);
-  };
-  const auto mse = [](const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out, t); };
-  if (name == "gpt" || name == "gpt-wide" || name == "gpt-large") {
-    gpt::Options o;  // train_gpt's defaults
-    if (name == "gpt-wide") {
-      o.d_model = 256;
-      o.layers = 2;
-      o.context = 64;
-      o.heads = 8;
-    } else if (name == "gpt-large") {  // memscale_bench_gpu's
-      o.d_model = 768;
-      o.layers = 12;
-      o.context = 256;
-      o.heads = 12;
-    }
-    const auto tokens = torch::randint(0, o.vocab, {batch, o.context}, torch::kLong);
-    const auto targets = torch::randint(0, o.vocab, {batch, o.context}, torch::kLong);
-    return finish(gpt::GPT(o), tokens, targets, [](const torch::Tensor& out, const torch::Tensor& t) {
-      return gpt::loss(out, t);
-    }, device);
-  }
-  if (name == "resnet" || name == "cnn-deep" || name == "resnet-bottleneck") {
-    const bool bottleneck = name == "resnet-bottleneck";  // ResNet-50's blocks, 1x1 convolutions among them
-    const i64 side = bottleneck ? 16 : 32;
-    const auto x = torch::randn({batch, 3, side, side});
-    const auto t = torch::randint(10, {batch}, torch::kLong);
-    return finish(bottleneck             ? resnet::ResNet(3, 256, 10, resnet::Block::bottleneck)
-                  : name == "cnn-deep" ? resnet::ResNet(8, 32)
-                                       : resnet::ResNet(4, 64),
-                  x, t, cross_entropy, device);
-  }
-  if (name == "mlp" || name == "mlp-bn") {
-    const bool bn = name == "mlp-bn";
-    const i64 width = bn ? 96 : 64, hidden = bn ? 384 : 256;
-    const auto x = torch::randn({batch, width});
-    const auto t = torch::randn({batch, width});
-    return finish(mlp(bn ? 6 : 8, width, hidden, bn), x, t, mse, device);
-  }
-  throw std::invalid_argument("unknown model " + name);
-}
-
-memscale::Config config_for(bool aggressive) {
-  memscale::Config c;
-  c.enable_logging = false;
-  if (aggressive) c.mode = memscale::OptimizationMode::Aggressive;
-  return c;
-}
 
 int child_predict(const Case& k) {
   const auto b = build(k.model, k.batch, k.device);
   torch::optim::AdamW opt(b.root->parameters(), torch::optim::AdamWOptions(3e-4));
-  const auto p = b.predict(opt, config_for(k.aggressive));
+  const auto p = b.predict(opt, config_for(k));
   if (std::getenv("MEMSCALE_BENCH_SHOW") != nullptr) std::cerr << p << "\n";
   // The same call again: what predict costs once the process has done its one-time set-up (CUDA's context,
   // cuBLAS's handles, kernels loaded at first use), which a first training step pays too.
-  const auto again = b.predict(opt, config_for(k.aggressive)).seconds;
+  const auto again = b.predict(opt, config_for(k)).seconds;
   const auto& used = k.aggressive ? p.planned : p.baseline;
   const auto total = k.aggressive ? p.peak_bytes : p.baseline_peak_bytes;
   // CPU: the process's growth from once the model is built; CUDA: what the device holds.
   const auto weights = k.device.is_cpu() ? used.parameter_bytes + used.buffer_bytes : i64{0};
   std::cout << "RESULT growth=" << total - weights << " allocator=" << used.allocator_bytes() - weights
             << " outside=" << used.outside_allocator_bytes << " seconds=" << p.seconds << " again=" << again
-            << " calib=" << p.fitted_batches.first << "," << p.fitted_batches.second << "\n";
+            << " calib=" << p.fitted_batches.first << "," << p.fitted_batches.second
+            << " weights=" << weights << " budget=" << p.budget_bytes
+            << " max=" << (k.aggressive ? p.max_batch_size : p.baseline_max_batch_size) << "\n";
   return 0;
 }
 
@@ -190,7 +93,7 @@ int child_measure_cuda(const Case& k) {
   namespace cca = c10::cuda::CUDACachingAllocator;
   cca::resetPeakStats(index);
   std::optional<memscale::OptimizationGuard> guard;
-  if (k.aggressive) guard.emplace(b.optimize(config_for(true)));
+  if (k.aggressive) guard.emplace(b.optimize(config_for(k)));
   std::vector<double> times;
   i64 first = 0;
   for (int s = 0; s < 4; ++s) {
@@ -243,7 +146,7 @@ int child_measure(const Case& k) {
   const auto built = memscale::detail::read_process_memory();
   memscale::memory_tracker::process_peak_scope process;
   std::optional<memscale::OptimizationGuard> guard;
-  if (k.aggressive) guard.emplace(b.optimize(config_for(true)));
+  if (k.aggressive) guard.emplace(b.optimize(config_for(k)));
   std::vector<double> times;
   i64 allocator_peak = 0;
   std::optional<memscale::memory_tracker::process_peak_scope> steady;
@@ -270,7 +173,7 @@ std::map<std::string, std::string> run_child(const std::string& self, const std:
                                              bool default_malloc) {
   std::ostringstream cmd;
   cmd << "'" << self << "' " << role << " " << k.model << " " << k.batch << " " << (k.aggressive ? 1 : 0) << " "
-      << (default_malloc ? 1 : 0) << " " << k.device.str();
+      << (default_malloc ? 1 : 0) << " " << k.device.str() << " " << k.budget;
   std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.str().c_str(), "r"), pclose);
   if (!pipe) throw std::runtime_error("cannot run " + cmd.str());
   std::map<std::string, std::string> out;
@@ -288,21 +191,93 @@ std::map<std::string, std::string> run_child(const std::string& self, const std:
   return out;
 }
 
+/// --max-batch: does predict's largest batch fit its budget when trained, and one
+/// batch more not? Per case (a model at its example batch, with or without the
+/// Aggressive plan), in fresh processes: predict without a budget; a budget of
+/// 1.3x that total (whole MiB); predict under it for the largest batch M; predict
+/// at M; train at M and at M + 1 (the measure role, the plan made under the same
+/// budget). The totals compared with the budget are the process's growth plus the
+/// weights on CPU (Prediction::peak_bytes' terms), the device's total on CUDA.
+int max_batch_table(const std::vector<Case>& cases, const std::string& self, bool default_malloc) {
+  std::cout << "predict's largest batch under a budget, trained (each figure from a fresh process; budget = 1.3x "
+               "the total predicted at the example batch; M = max_batch_size, or baseline_max_batch_size without "
+               "the plan; under/over: the measured total against the budget)\n"
+            << std::left << std::setw(18) << "model" << std::setw(12) << "plan" << std::right << std::setw(7)
+            << "batch" << std::setw(13) << "budget" << std::setw(7) << "M" << std::setw(13) << "pred at M"
+            << std::setw(13) << "meas at M" << std::setw(13) << "meas at M+1" << "   verdict\n";
+  int failed = 0;
+  for (const auto& example : cases) {
+    const auto row = [&]() -> std::ostream& {
+      return std::cout << std::left << std::setw(18) << example.model << std::setw(12)
+                       << (example.aggressive ? "Aggressive" : "none") << std::right << std::setw(7)
+                       << example.batch;
+    };
+    try {
+      const auto total = [](const std::map<std::string, std::string>& r, double weights) {
+        return std::stod(r.at("growth")) + weights;
+      };
+      const auto free_run = run_child(self, "predict", example, default_malloc);
+      Case k = example;
+      k.budget = static_cast<i64>(std::ceil(1.3 * total(free_run, std::stod(free_run.at("weights"))) / MiB)) *
+                 static_cast<i64>(MiB);
+      const auto under = run_child(self, "predict", k, default_malloc);
+      const double weights = std::stod(under.at("weights")), budget = std::stod(under.at("budget"));
+      const i64 m = std::stoll(under.at("max"));
+      if (m < 1) {
+        row() << std::fixed << std::setprecision(1) << std::setw(9) << budget / MiB << " MiB"
+              << "   fits no batch\n";
+        continue;
+      }
+      k.batch = m;
+      const double predicted = total(run_child(self, "predict", k, default_malloc), weights);
+      const double at_m = total(run_child(self, "measure", k, default_malloc), weights);
+      k.batch = m + 1;
+      const double at_next = total(run_child(self, "measure", k, default_malloc), weights);
+      // A gap in rows, by the predicted bytes per row between the example batch and M.
+      const double per_row = m != example.batch ? (predicted - total(under, weights)) / static_cast<double>(m - example.batch)
+                                                : 0.0;
+      const auto rows = [per_row](double bytes) {
+        std::ostringstream b;
+        if (per_row > 0) b << ", about " << std::llround(bytes / per_row) << " row(s) at the predicted " << std::fixed
+                           << std::setprecision(1) << per_row / 1024.0 << " KiB a row";
+        return b.str();
+      };
+      std::ostringstream verdict;
+      verdict << std::fixed << std::setprecision(1);
+      if (at_m <= budget && at_next > budget)
+        verdict << "M fits (" << (budget - at_m) / MiB << " MiB under), M+1 does not";
+      else if (at_m <= budget)
+        verdict << "M+1 fits too: " << (budget - at_m) / MiB << " MiB left at M" << rows(budget - at_m);
+      else
+        verdict << "M does not fit: " << (at_m - budget) / MiB << " MiB over" << rows(at_m - budget);
+      row() << std::fixed << std::setprecision(1) << std::setw(9) << budget / MiB << " MiB" << std::setw(7) << m
+            << std::setw(9) << predicted / MiB << " MiB" << std::setw(9) << at_m / MiB << " MiB" << std::setw(9)
+            << at_next / MiB << " MiB   " << verdict.str() << std::endl;
+    } catch (const std::exception& e) {  // the row says so; the others still run
+      ++failed;
+      row() << "  failed: " << e.what() << "\n";
+    }
+  }
+  return failed > 0 ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
-    if (argc == 7 && (std::string(argv[1]) == "predict" || std::string(argv[1]) == "measure")) {
+    if (argc == 8 && (std::string(argv[1]) == "predict" || std::string(argv[1]) == "measure")) {
       if (std::string(argv[5]) != "1") memscale::fix_malloc_mmap_threshold();
-      const Case k{argv[2], std::stoll(argv[3]), std::string(argv[4]) == "1", torch::Device(argv[6])};
+      const Case k{argv[2], std::stoll(argv[3]), std::string(argv[4]) == "1", torch::Device(argv[6]),
+                   std::stoll(argv[7])};
       return std::string(argv[1]) == "predict" ? child_predict(k) : child_measure(k);
     }
-    bool default_malloc = false;
+    bool default_malloc = false, max_batch = false;
     torch::Device device = torch::kCPU;
     std::vector<std::string> models;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--default-malloc") default_malloc = true;
+      else if (a == "--max-batch") max_batch = true;
       else if (a == "--device" && i + 1 < argc && (std::string(argv[i + 1]) == "cpu" ||
                                                    std::string(argv[i + 1]) == "cuda"))
         device = torch::Device(argv[++i]);
@@ -311,7 +286,7 @@ int main(int argc, char** argv) {
         std::stringstream list(argv[++i]);
         for (std::string m; std::getline(list, m, ',');) models.push_back(m);
       } else {
-        std::cerr << "usage: " << argv[0] << " [--default-malloc] [--device cpu|cuda] "
+        std::cerr << "usage: " << argv[0] << " [--default-malloc] [--max-batch] [--device cpu|cuda] "
                   << "[--models gpt,resnet,mlp,gpt-wide,cnn-deep,mlp-bn,resnet-bottleneck,gpt-large]\n";
         return 2;
       }
@@ -337,11 +312,15 @@ int main(int argc, char** argv) {
     std::vector<Case> cases;
     for (const auto& m : models) {
       if (!batches.contains(m)) throw std::invalid_argument("unknown model " + m);
-      for (auto b : batches.at(m)) cases.push_back({m, b, false, device});
+      const auto& list = batches.at(m);
+      // --max-batch: one case per model and plan, at its middle batch.
+      const auto at = max_batch ? std::vector<i64>{list[list.size() / 2]} : list;
+      for (auto b : at) cases.push_back({m, b, false, device});
       if (m == "gpt" || m == "gpt-large")
-        for (auto b : batches.at(m)) cases.push_back({m, b, true, device});
+        for (auto b : at) cases.push_back({m, b, true, device});
     }
     const std::string self = "/proc/" + std::to_string(getpid()) + "/exe";
+    if (max_batch) return max_batch_table(cases, self, default_malloc);
     const auto kind = memscale::process_malloc();
     const std::string malloc_used = kind != memscale::malloc_kind::glibc ? memscale::to_string(kind)
                                     : default_malloc                     ? "glibc's default malloc"

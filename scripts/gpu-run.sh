@@ -12,7 +12,8 @@
 #     and full batches, written to $OUT/cuda_calibration_study.json for study on a
 #     CPU; the engine-order test alone, in a process of its own),
 #   - the OOM predictor against measured steps on the GPU (memscale_bench_predict
-#     --device cuda: peak reserved bytes plus the context),
+#     --device cuda: peak reserved bytes plus the context), and its largest batch
+#     under a budget trained, with one batch more (--max-batch),
 #   - the GPU benchmark (bandwidth; GPT baseline / checkpoint / + offload; the
 #     fused 8-bit AdamW step against LibTorch's AdamW),
 #   - autotune's CPU cases on the wheel's LibTorch (a backtrace where they fail).
@@ -64,6 +65,10 @@ step cuda_tests "${MEMSCALE_GPU_TESTS_LIMIT:-240}" env MEMSCALE_GPU_OUT="$out" \
 # MEMSCALE_GPU_PREDICT_MODELS names others.
 step bench_predict "${MEMSCALE_GPU_PREDICT_LIMIT:-240}" ./build-gpu/benchmarks/memscale_bench_predict --device cuda \
   --models "${MEMSCALE_GPU_PREDICT_MODELS:-gpt,resnet,resnet-bottleneck,mlp,gpt-wide,cnn-deep,mlp-bn,gpt-large}"
+# max_batch_size trained at a budget, and one batch more: the GPT (with and without the plan) and the two
+# CNNs whose cuDNN workspaces change with the batch (predict measures them at the example's batch only).
+step bench_predict_max_batch "${MEMSCALE_GPU_MAX_BATCH_LIMIT:-120}" ./build-gpu/benchmarks/memscale_bench_predict \
+  --device cuda --max-batch --models "${MEMSCALE_GPU_MAX_BATCH_MODELS:-gpt,resnet-bottleneck,cnn-deep}"
 step bench_gpu "${MEMSCALE_GPU_BENCH_LIMIT:-180}" ./build-gpu/benchmarks/memscale_bench_gpu \
   --steps "${MEMSCALE_GPU_STEPS:-5}"
 # autotune's CPU cases on LibTorch 2.x's wheel: the first run (2026-11-28) crashed (SIGSEGV) while training

@@ -11,7 +11,7 @@
 //
 // So predict records the calibration's matrix products (product_recorder), and
 // extrapolates their shapes to other batches from two calibration batches
-// (products_at). It then runs each distinct product for real (probe_products),
+// (products_at). It then runs each distinct product for real (probe_product_runs),
 // with n cut to 16 columns, at half the batch and at the batch, and reads the
 // resident size just before and after each, its operands already in place.
 // The growth is what those batches' products add. This is measured, not
@@ -189,68 +189,99 @@ struct workspace_probe {
   return zero_page_reads_are_free() ? std::int64_t{1} << 30 : std::int64_t{64} << 20;
 }
 
-/// Runs each distinct product of `products` (by element type and k: the
-/// largest m) once for real with 16 columns, and sums the resident size's
-/// growth across each call, its operands in place first (the left one
-/// zero_pages). A product whose left operand would exceed
-/// `operand_cap` bytes runs on half, then all of the rows the cap allows, and
-/// its growth is extended to all rows at the rate of that second step (linear
-/// in the rows, as measured; an under-estimate where the pages of those rows
-/// were held already). Only float and double, which the BLAS computes.
-[[nodiscard]] inline workspace_probe probe_products(const std::vector<matrix_product>& products,
-                                                    std::int64_t operand_cap = probe_operand_cap()) {
-  std::map<std::pair<c10::ScalarType, std::int64_t>, std::int64_t> rows;  // (dtype, k) -> largest m
-  for (const auto& p : products)
-    if (p.dtype == c10::ScalarType::Float || p.dtype == c10::ScalarType::Double) {
-      auto& m = rows[{p.dtype, p.k}];
-      m = std::max(m, p.m);
-    }
-  workspace_probe out;
+/// Runs each distinct product of each list of `runs` (by element type and k: the
+/// largest m), list after list, once for real with 16 columns, and sums, per
+/// list, the resident size's growth across each call, its operands in place
+/// first (the left one zero_pages). The operands are made once for all the
+/// lists, sized for the largest product: each buffer made costs its pages'
+/// faults (on the 2-CPU VM of 2026-11-30, 48 ms of a 69 ms predict() went on
+/// the buffers the two lists of the example GPT made each for itself). A
+/// product whose left operand would exceed `operand_cap` bytes runs on half,
+/// then all of the rows the cap allows, and its growth is extended to all rows
+/// at the rate of that second step (linear in the rows, as measured; an
+/// under-estimate where the pages of those rows were held already). Only float
+/// and double, which the BLAS computes. A list whose growth could not be read
+/// gets an empty probe.
+[[nodiscard]] inline std::vector<workspace_probe> probe_product_runs(
+    const std::vector<std::vector<matrix_product>>& runs, std::int64_t operand_cap = probe_operand_cap()) {
+  using distinct = std::map<std::pair<c10::ScalarType, std::int64_t>, std::int64_t>;  // (dtype, k) -> largest m
+  std::vector<distinct> rows(runs.size());
+  for (std::size_t i = 0; i < runs.size(); ++i)
+    for (const auto& p : runs[i])
+      if (p.dtype == c10::ScalarType::Float || p.dtype == c10::ScalarType::Double) {
+        auto& m = rows[i][{p.dtype, p.k}];
+        m = std::max(m, p.m);
+      }
   torch::NoGradGuard no_grad;
   constexpr std::int64_t columns = 16;
   const auto rows_run = [&](c10::ScalarType dtype, std::int64_t k, std::int64_t m) {
     const auto element = static_cast<std::int64_t>(c10::elementSize(dtype));
     return std::clamp<std::int64_t>(operand_cap / std::max<std::int64_t>(1, k * element), 1, m);
   };
-  // The operands are views of one buffer per type, sized for the largest.
-  std::map<c10::ScalarType, std::pair<torch::Tensor, torch::Tensor>> buffers;  // left, right
-  for (const auto& [key, m] : rows) {
-    auto& [left, right] = buffers[key.first];
-    const auto options = torch::TensorOptions().dtype(key.first).device(c10::kCPU);
-    const auto left_elements = rows_run(key.first, key.second, m) * key.second;
-    if (!left.defined() || left.numel() < left_elements) left = zero_pages(left_elements, options);
-    if (!right.defined() || right.numel() < key.second * columns) right = torch::zeros({key.second * columns}, options);
+  // The operands and the result are views of one buffer each per type, sized
+  // for the largest.
+  struct operands {
+    std::int64_t left = 0, right = 0, result = 0;  // elements
+    torch::Tensor left_buffer, right_buffer, result_buffer;
+  };
+  std::map<c10::ScalarType, operands> buffers;
+  for (const auto& run : rows)
+    for (const auto& [key, m] : run) {
+      auto& o = buffers[key.first];
+      const auto r = rows_run(key.first, key.second, m);
+      o.left = std::max(o.left, r * key.second);
+      o.right = std::max(o.right, key.second * columns);
+      o.result = std::max(o.result, r * columns);
+    }
+  for (auto& [dtype, o] : buffers) {
+    const auto options = torch::TensorOptions().dtype(dtype).device(c10::kCPU);
+    o.left_buffer = zero_pages(o.left, options);
+    o.right_buffer = torch::zeros({o.right}, options);
+    o.result_buffer = torch::zeros({o.result}, options);
   }
   // The resident growth of one product of `r` rows; -1 where it cannot be read.
   const auto growth_of = [&](c10::ScalarType dtype, std::int64_t k, std::int64_t r) -> std::int64_t {
-    const auto& [left_buffer, right_buffer] = buffers[dtype];
-    const auto left = left_buffer.narrow(0, 0, r * k).view({r, k});
-    const auto right = right_buffer.narrow(0, 0, k * columns).view({k, columns});
-    auto result = torch::zeros({r, columns}, left_buffer.options());
+    const auto& o = buffers.at(dtype);
+    const auto left = o.left_buffer.narrow(0, 0, r * k).view({r, k});
+    const auto right = o.right_buffer.narrow(0, 0, k * columns).view({k, columns});
+    auto result = o.result_buffer.narrow(0, 0, r * columns).view({r, columns});
     const auto before = memscale::detail::read_process_memory();
     at::mm_out(result, left, right);
     const auto after = memscale::detail::read_process_memory();
     if (!before || !after) return -1;
     return std::max<std::int64_t>(0, after->resident_bytes - before->resident_bytes);
   };
-  for (const auto& [key, m] : rows) {
-    const auto [dtype, k] = key;
-    const auto r = rows_run(dtype, k, m);
-    if (r == m || r < 2) {
-      const auto g = growth_of(dtype, k, r);
-      if (g < 0) return {};
-      out.bytes += g;
-    } else {
-      const auto first = growth_of(dtype, k, r / 2);
-      const auto second = growth_of(dtype, k, r);
-      if (first < 0 || second < 0) return {};
-      const double per_row = static_cast<double>(second) / static_cast<double>(r - r / 2);
-      out.bytes += first + second + static_cast<std::int64_t>(per_row * static_cast<double>(m - r));
-      out.scaled = true;
+  const auto probe = [&](const distinct& run) -> workspace_probe {
+    workspace_probe out;
+    for (const auto& [key, m] : run) {
+      const auto [dtype, k] = key;
+      const auto r = rows_run(dtype, k, m);
+      if (r == m || r < 2) {
+        const auto g = growth_of(dtype, k, r);
+        if (g < 0) return {};
+        out.bytes += g;
+      } else {
+        const auto first = growth_of(dtype, k, r / 2);
+        const auto second = growth_of(dtype, k, r);
+        if (first < 0 || second < 0) return {};
+        const double per_row = static_cast<double>(second) / static_cast<double>(r - r / 2);
+        out.bytes += first + second + static_cast<std::int64_t>(per_row * static_cast<double>(m - r));
+        out.scaled = true;
+      }
+      ++out.products;
     }
-    ++out.products;
-  }
+    return out;
+  };
+  std::vector<workspace_probe> out;
+  out.reserve(rows.size());
+  for (const auto& run : rows) out.push_back(probe(run));
   return out;
+}
+
+/// probe_product_runs for one list of products.
+[[nodiscard]] inline workspace_probe probe_products(const std::vector<matrix_product>& products,
+                                                    std::int64_t operand_cap = probe_operand_cap()) {
+  return probe_product_runs({products}, operand_cap).front();
 }
 
 }  // namespace memscale::predictor::detail

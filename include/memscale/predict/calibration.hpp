@@ -358,8 +358,10 @@ inline blas_growth_result blas_growth(calibration& c, const timeline_fit& fit, s
   }
   try {
     const auto half = batch / 2;
-    const auto at_half = half > real_batch ? probe_products(at(half)).bytes : std::int64_t{0};
-    const auto probe = probe_products(full);
+    // Both batches' products on one set of operands (probe_product_runs), half first.
+    auto runs = half > real_batch ? probe_product_runs({at(half), full}) : probe_product_runs({full});
+    const auto at_half = runs.size() == 2 ? runs.front().bytes : std::int64_t{0};
+    const auto probe = runs.back();
     out.points = {{real_batch, 0}};
     if (half > real_batch) out.points.emplace_back(half, at_half);
     out.points.emplace_back(batch, at_half + probe.bytes);

@@ -1,0 +1,127 @@
+// memscale_bench_predict's models (bench_predict.cpp's only includer): the example
+// GPT and the harness's ResNet-style CNN and MLP, three models the predictor was
+// not developed on, each built with its example input, loss and targets at a
+// batch, and the Config each row predicts and trains with.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include <torch/torch.h>
+
+#include <memscale/memscale.hpp>
+
+#include "gpt.hpp"
+#include "resnet.hpp"
+
+namespace {
+
+using i64 = std::int64_t;
+constexpr double MiB = 1024.0 * 1024.0;
+
+struct Case {
+  std::string model;
+  i64 batch;
+  bool aggressive;
+  torch::Device device = torch::kCPU;
+  i64 budget = 0;  ///< Config::memory_budget_gb in bytes (0: unset)
+};
+
+/// A model, its example input at `batch`, its loss (taking the first rows of its
+/// targets) and how one step's input is drawn.
+struct Built {
+  std::shared_ptr<torch::nn::Module> root;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::function<torch::Tensor(const torch::Tensor&)> loss;
+  torch::Tensor input;
+  std::function<memscale::Prediction(torch::optim::Optimizer&, const memscale::Config&)> predict;
+  std::function<memscale::OptimizationGuard(const memscale::Config&)> optimize;
+};
+
+template <class M>
+Built finish(M model, torch::Tensor input, torch::Tensor targets,
+             std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss, torch::Device device) {
+  model->to(device);
+  input = input.to(device);
+  targets = targets.to(device);
+  Built b;
+  b.root = model.ptr();
+  b.forward = [model](const torch::Tensor& x) mutable { return model->forward(x); };
+  b.loss = [targets, loss](const torch::Tensor& out) { return loss(out, targets.narrow(0, 0, out.size(0))); };
+  b.input = input;
+  b.predict = [model, input, l = b.loss](torch::optim::Optimizer& opt, const memscale::Config& c) mutable {
+    return memscale::predict(model, input, opt, l, c);
+  };
+  b.optimize = [model, input](const memscale::Config& c) mutable { return memscale::optimize(model, input, c); };
+  return b;
+}
+
+torch::nn::Sequential mlp(int blocks, i64 width, i64 hidden, bool batchnorm) {
+  torch::nn::Sequential seq;
+  for (int i = 0; i < blocks; ++i) {
+    seq->push_back(torch::nn::Linear(width, hidden));
+    if (batchnorm) seq->push_back(torch::nn::BatchNorm1d(hidden));
+    seq->push_back(torch::nn::GELU());
+    seq->push_back(torch::nn::Linear(hidden, width));
+    seq->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+  }
+  return seq;
+}
+
+Built build(const std::string& name, i64 batch, torch::Device device) {
+  torch::manual_seed(7);
+  const auto cross_entropy = [](const torch::Tensor& out, const torch::Tensor& t) {
+    return torch::cross_entropy_loss(out, t);
+  };
+  const auto mse = [](const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out, t); };
+  if (name == "gpt" || name == "gpt-wide" || name == "gpt-large") {
+    gpt::Options o;  // train_gpt's defaults
+    if (name == "gpt-wide") {
+      o.d_model = 256;
+      o.layers = 2;
+      o.context = 64;
+      o.heads = 8;
+    } else if (name == "gpt-large") {  // memscale_bench_gpu's
+      o.d_model = 768;
+      o.layers = 12;
+      o.context = 256;
+      o.heads = 12;
+    }
+    const auto tokens = torch::randint(0, o.vocab, {batch, o.context}, torch::kLong);
+    const auto targets = torch::randint(0, o.vocab, {batch, o.context}, torch::kLong);
+    return finish(gpt::GPT(o), tokens, targets, [](const torch::Tensor& out, const torch::Tensor& t) {
+      return gpt::loss(out, t);
+    }, device);
+  }
+  if (name == "resnet" || name == "cnn-deep" || name == "resnet-bottleneck") {
+    const bool bottleneck = name == "resnet-bottleneck";  // ResNet-50's blocks, 1x1 convolutions among them
+    const i64 side = bottleneck ? 16 : 32;
+    const auto x = torch::randn({batch, 3, side, side});
+    const auto t = torch::randint(10, {batch}, torch::kLong);
+    return finish(bottleneck             ? resnet::ResNet(3, 256, 10, resnet::Block::bottleneck)
+                  : name == "cnn-deep" ? resnet::ResNet(8, 32)
+                                       : resnet::ResNet(4, 64),
+                  x, t, cross_entropy, device);
+  }
+  if (name == "mlp" || name == "mlp-bn") {
+    const bool bn = name == "mlp-bn";
+    const i64 width = bn ? 96 : 64, hidden = bn ? 384 : 256;
+    const auto x = torch::randn({batch, width});
+    const auto t = torch::randn({batch, width});
+    return finish(mlp(bn ? 6 : 8, width, hidden, bn), x, t, mse, device);
+  }
+  throw std::invalid_argument("unknown model " + name);
+}
+
+memscale::Config config_for(const Case& k) {
+  memscale::Config c;
+  c.enable_logging = false;
+  if (k.aggressive) c.mode = memscale::OptimizationMode::Aggressive;
+  if (k.budget > 0) c.memory_budget_gb = static_cast<double>(k.budget) / (1024.0 * 1024.0 * 1024.0);
+  return c;
+}
+
+}  // namespace
