@@ -615,7 +615,12 @@ int main(int argc, char** argv) {
   try {
     const auto args = program::parse_args(argc, argv);
     if (args.world_size > 1 && !args.rank) return program::launch(argc, argv, args);
-    if (args.rank) who += " (rank " + std::to_string(*args.rank) + ")";
+    if (args.rank) {
+      who += " (rank " + std::to_string(*args.rank) + ")";
+      // Gloo writes to the other ranks with writev(2), which raises SIGPIPE where
+      // one is gone: ignored (as Python does), the write fails and Gloo throws.
+      ::signal(SIGPIPE, SIG_IGN);
+    }
     return program::run(args);
   } catch (const std::invalid_argument& e) {
     std::cerr << who << ": " << e.what() << "\n";

@@ -883,6 +883,21 @@ TEST_CASE("the BLAS probe measures the buffers a product touches once, as runnin
   }
   constexpr double mib = 1 << 20;
   const auto whole_40000 = static_cast<double>(fresh_product_bytes(40000, 384, 8));
+  if (memscale::predictor::detail::openblas_threads() == 1) {
+    // On one thread OpenBLAS packs no left operand for 8 columns: what the
+    // product touches does not grow with its rows (1.1 MiB at 40000 and 60000
+    // rows, 2026-11-30), and there is nothing per row to extend. The probe runs
+    // it on its own 8 columns (probe_columns), whole under the default cap. The
+    // fresh process's figure also holds what its first product paged in of
+    // the kernels' code (1.125 MiB there, 1 MiB probed here, 2026-11-30).
+    const auto probe = probe_products({{40000, 384, 8}});
+    INFO("run whole in a fresh process: " << whole_40000 / mib << " MiB; probed: "
+                                          << static_cast<double>(probe.bytes) / mib << " MiB");
+    CHECK(probe.products == 1);
+    CHECK(static_cast<double>(probe.bytes) >= whole_40000 - 256 * 1024);
+    CHECK(static_cast<double>(probe.bytes) <= 1.15 * whole_40000);
+    return;
+  }
   const auto whole_60000 = static_cast<double>(fresh_product_bytes(60000, 384, 8));
   INFO("run whole in a fresh process: 40000 rows " << whole_40000 / mib << " MiB, 60000 rows " << whole_60000 / mib
                                                    << " MiB");

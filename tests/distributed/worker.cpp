@@ -18,6 +18,7 @@
 //   die        rank 1 exits after its second step: rank 0 must fail, not hang.
 // Exit status: 0 done; 1 an error (the message on stderr); 3 rank 1 exiting on purpose.
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -148,6 +149,10 @@ int memscale_dp_worker_main(int argc, char** argv) {
                  " [--scenario train|structure|die] [--timeout-ms T]\n";
     return 2;
   }
+  // Gloo writes to its peers with writev(2), which raises SIGPIPE where a peer
+  // is gone: ignored, as Python ignores it, so that the write fails with EPIPE
+  // and Gloo throws (in CI, 2026-11-30, rank 0 of "die" once ended by SIGPIPE).
+  ::signal(SIGPIPE, SIG_IGN);
   try {
     auto group = make_group(args);
     if (args.scenario == "structure") {

@@ -104,7 +104,10 @@ inline c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, std::u
 #if MEMSCALE_HAS_GLOO()
 /// Gloo over `store`, bound to `host` (an address of this machine the other ranks
 /// reach: "127.0.0.1" when every rank runs here; "" for Gloo's default, the
-/// address of this machine's host name).
+/// address of this machine's host name). Gloo writes to its peers with
+/// writev(2), which raises SIGPIPE where a peer is gone, and that ends the
+/// process: ignore SIGPIPE in a rank's program (`signal(SIGPIPE, SIG_IGN)`, as
+/// Python does) for the collective to fail with an error instead.
 inline process_group gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
                                 std::chrono::milliseconds timeout = default_timeout,
                                 const std::string& host = "127.0.0.1") {

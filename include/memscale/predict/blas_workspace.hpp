@@ -12,7 +12,8 @@
 // So predict records the calibration's matrix products (product_recorder), and
 // extrapolates their shapes to other batches from two calibration batches
 // (products_at). It then runs each distinct product for real (probe_product_runs),
-// with n cut to 16 columns, at half the batch and at the batch, and reads the
+// with n cut to 16 columns (on one OpenBLAS thread, to 512: probe_columns),
+// at half the batch and at the batch, and reads the
 // resident size just before and after each, its operands already in place.
 // The growth is what those batches' products add. This is measured, not
 // modelled: another BLAS (MKL, or OpenBLAS built otherwise) shows what it does.
@@ -189,8 +190,26 @@ struct workspace_probe {
   return zero_page_reads_are_free() ? std::int64_t{1} << 30 : std::int64_t{64} << 20;
 }
 
+/// OpenBLAS's thread count where its symbols are in the process, else 0
+/// (another BLAS, taken as threaded).
+[[nodiscard]] inline int openblas_threads() {
+  auto* threads = memscale::detail::process_symbol<int()>("openblas_get_num_threads");
+  return threads != nullptr ? threads() : 0;
+}
+
+/// The columns a probe runs a product of at most `n` columns on. Threaded,
+/// OpenBLAS packs the left operand (m x min(k, 384) floats) whatever n is: 16.
+/// On one thread it packs it only for products of more than about 400 columns
+/// (8192 x 384 left operands, OpenBLAS 0.3.21, 2026-11-30: 1.2 MiB touched at 16
+/// columns, 1.7 at 384, 13.5 at 512, 13.8 at 1536): n, up to 512.
+[[nodiscard]] inline std::int64_t probe_columns(std::int64_t n, int blas_threads) {
+  constexpr std::int64_t threaded = 16, one_thread_most = 512;
+  return blas_threads == 1 ? std::clamp<std::int64_t>(n, 1, one_thread_most) : threaded;
+}
+
 /// Runs each distinct product of each list of `runs` (by element type and k: the
-/// largest m), list after list, once for real with 16 columns, and sums, per
+/// largest m and n), list after list, once for real on probe_columns(n)
+/// columns, and sums, per
 /// list, the resident size's growth across each call, its operands in place
 /// first (the left one zero_pages). The operands are made once for all the
 /// lists, sized for the largest product: each buffer made costs its pages'
@@ -204,16 +223,18 @@ struct workspace_probe {
 /// gets an empty probe.
 [[nodiscard]] inline std::vector<workspace_probe> probe_product_runs(
     const std::vector<std::vector<matrix_product>>& runs, std::int64_t operand_cap = probe_operand_cap()) {
-  using distinct = std::map<std::pair<c10::ScalarType, std::int64_t>, std::int64_t>;  // (dtype, k) -> largest m
+  // (dtype, k) -> the largest m, and the columns to run on
+  using distinct = std::map<std::pair<c10::ScalarType, std::int64_t>, std::pair<std::int64_t, std::int64_t>>;
+  const int threads = openblas_threads();
   std::vector<distinct> rows(runs.size());
   for (std::size_t i = 0; i < runs.size(); ++i)
     for (const auto& p : runs[i])
       if (p.dtype == c10::ScalarType::Float || p.dtype == c10::ScalarType::Double) {
-        auto& m = rows[i][{p.dtype, p.k}];
+        auto& [m, columns] = rows[i][{p.dtype, p.k}];
         m = std::max(m, p.m);
+        columns = std::max(columns, probe_columns(p.n, threads));
       }
   torch::NoGradGuard no_grad;
-  constexpr std::int64_t columns = 16;
   const auto rows_run = [&](c10::ScalarType dtype, std::int64_t k, std::int64_t m) {
     const auto element = static_cast<std::int64_t>(c10::elementSize(dtype));
     return std::clamp<std::int64_t>(operand_cap / std::max<std::int64_t>(1, k * element), 1, m);
@@ -226,7 +247,8 @@ struct workspace_probe {
   };
   std::map<c10::ScalarType, operands> buffers;
   for (const auto& run : rows)
-    for (const auto& [key, m] : run) {
+    for (const auto& [key, shape] : run) {
+      const auto [m, columns] = shape;
       auto& o = buffers[key.first];
       const auto r = rows_run(key.first, key.second, m);
       o.left = std::max(o.left, r * key.second);
@@ -240,7 +262,8 @@ struct workspace_probe {
     o.result_buffer = torch::zeros({o.result}, options);
   }
   // The resident growth of one product of `r` rows; -1 where it cannot be read.
-  const auto growth_of = [&](c10::ScalarType dtype, std::int64_t k, std::int64_t r) -> std::int64_t {
+  const auto growth_of = [&](c10::ScalarType dtype, std::int64_t k, std::int64_t r,
+                             std::int64_t columns) -> std::int64_t {
     const auto& o = buffers.at(dtype);
     const auto left = o.left_buffer.narrow(0, 0, r * k).view({r, k});
     const auto right = o.right_buffer.narrow(0, 0, k * columns).view({k, columns});
@@ -253,16 +276,17 @@ struct workspace_probe {
   };
   const auto probe = [&](const distinct& run) -> workspace_probe {
     workspace_probe out;
-    for (const auto& [key, m] : run) {
+    for (const auto& [key, shape] : run) {
       const auto [dtype, k] = key;
+      const auto [m, columns] = shape;
       const auto r = rows_run(dtype, k, m);
       if (r == m || r < 2) {
-        const auto g = growth_of(dtype, k, r);
+        const auto g = growth_of(dtype, k, r, columns);
         if (g < 0) return {};
         out.bytes += g;
       } else {
-        const auto first = growth_of(dtype, k, r / 2);
-        const auto second = growth_of(dtype, k, r);
+        const auto first = growth_of(dtype, k, r / 2, columns);
+        const auto second = growth_of(dtype, k, r, columns);
         if (first < 0 || second < 0) return {};
         const double per_row = static_cast<double>(second) / static_cast<double>(r - r / 2);
         out.bytes += first + second + static_cast<std::int64_t>(per_row * static_cast<double>(m - r));
