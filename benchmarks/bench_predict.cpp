@@ -234,8 +234,8 @@ int max_batch_table(const std::vector<Case>& cases, const std::string& self, boo
       k.batch = m + 1;
       const double at_next = total(run_child(self, "measure", k, default_malloc), weights);
       // A gap in rows, by the predicted bytes per row between the example batch and M.
-      const double per_row = m != example.batch ? (predicted - total(under, weights)) / static_cast<double>(m - example.batch)
-                                                : 0.0;
+      const double per_row =
+          m != example.batch ? (predicted - total(under, weights)) / static_cast<double>(m - example.batch) : 0.0;
       const auto rows = [per_row](double bytes) {
         std::ostringstream b;
         if (per_row > 0) b << ", about " << std::llround(bytes / per_row) << " row(s) at the predicted " << std::fixed

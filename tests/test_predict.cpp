@@ -883,7 +883,7 @@ TEST_CASE("the BLAS probe measures the buffers a product touches once, as runnin
   }
   constexpr double mib = 1 << 20;
   const auto whole_40000 = static_cast<double>(fresh_product_bytes(40000, 384, 8));
-  if (memscale::predictor::detail::openblas_threads() == 1) {
+  if (memscale::openblas_threads() == 1) {
     // On one thread OpenBLAS packs no left operand for 8 columns: what the
     // product touches does not grow with its rows (1.1 MiB at 40000 and 60000
     // rows, 2026-11-30), and there is nothing per row to extend. The probe runs

@@ -112,6 +112,12 @@ inline std::string openblas_core() {
   return name != nullptr ? std::string(name) : std::string();
 }
 
+/// OpenBLAS's thread count when its symbols are in the process, else 0.
+inline int openblas_threads() {
+  auto* fn = detail::process_symbol<int()>("openblas_get_num_threads");
+  return fn != nullptr ? fn() : 0;
+}
+
 /// Detects the host and, when LibTorch has CUDA, every visible GPU.
 inline HardwareInfo detect_hardware() {
   HardwareInfo info;

@@ -41,6 +41,7 @@
 #include <ATen/record_function.h>
 #include <torch/torch.h>
 
+#include <memscale/device/hardware.hpp>
 #include <memscale/device/process_memory.hpp>
 
 namespace memscale::predictor::detail {
@@ -190,14 +191,8 @@ struct workspace_probe {
   return zero_page_reads_are_free() ? std::int64_t{1} << 30 : std::int64_t{64} << 20;
 }
 
-/// OpenBLAS's thread count where its symbols are in the process, else 0
-/// (another BLAS, taken as threaded).
-[[nodiscard]] inline int openblas_threads() {
-  auto* threads = memscale::detail::process_symbol<int()>("openblas_get_num_threads");
-  return threads != nullptr ? threads() : 0;
-}
-
-/// The columns a probe runs a product of at most `n` columns on. Threaded,
+/// The columns a probe runs a product of at most `n` columns on, given
+/// memscale::openblas_threads() (0: another BLAS, taken as threaded). Threaded,
 /// OpenBLAS packs the left operand (m x min(k, 384) floats) whatever n is: 16.
 /// On one thread it packs it only for products of more than about 400 columns
 /// (8192 x 384 left operands, OpenBLAS 0.3.21, 2026-11-30: 1.2 MiB touched at 16
@@ -225,7 +220,7 @@ struct workspace_probe {
     const std::vector<std::vector<matrix_product>>& runs, std::int64_t operand_cap = probe_operand_cap()) {
   // (dtype, k) -> the largest m, and the columns to run on
   using distinct = std::map<std::pair<c10::ScalarType, std::int64_t>, std::pair<std::int64_t, std::int64_t>>;
-  const int threads = openblas_threads();
+  const int threads = memscale::openblas_threads();
   std::vector<distinct> rows(runs.size());
   for (std::size_t i = 0; i < runs.size(); ++i)
     for (const auto& p : runs[i])

@@ -369,7 +369,8 @@ inline blas_growth_result blas_growth(calibration& c, const timeline_fit& fit, s
                " at batch " + std::to_string(batch) + " that the BLAS library's buffers hold beyond the " +
                "calibration's: the " + std::to_string(probe.products) + " distinct matrix product(s) of the step, " +
                "run once for real on " +
-               (openblas_threads() == 1 ? "their columns (up to 512: OpenBLAS runs on one thread)" : "16 columns") +
+               (memscale::openblas_threads() == 1 ? "their columns (up to 512: OpenBLAS runs on one thread)"
+                                                  : "16 columns") +
                " at half the batch and at the batch" +
                (probe.scaled ? " (those over the operand cap on fewer rows, extended to all)" : "") +
                "; for other batches, linear between those and beyond at the rate of the last two (an over-estimate "
