@@ -20,6 +20,9 @@
 # Device time is short: only the test files with CUDA cases are compiled, and
 # each step has a time limit. MEMSCALE_GPU_CPU_SUITE=1 compiles every test file
 # and runs the whole CPU suite on LibTorch 2.x too (minutes more).
+# MEMSCALE_GPU_PREDICT_ONLY=1, for a change to predict() alone: builds only
+# memscale_bench_predict (152 s on the H200) and runs its two tables, each
+# prediction printed (models: MEMSCALE_GPU_PREDICT_MODELS, default gpt,gpt-large).
 # Output goes to $OUT (or ./gpu-out): summary.txt, device.txt, steps.log (every step's output) and the
 # calibration study. Exit status: the first failing step's.
 set -uo pipefail
@@ -45,6 +48,7 @@ prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)') || exi
 { nvidia-smi; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } \
   >"$out/device.txt" 2>&1
 cpu_suite=${MEMSCALE_GPU_CPU_SUITE:-0}
+predict_only=${MEMSCALE_GPU_PREDICT_ONLY:-0}
 tests_regex='/test_(optim8bit|autotune|[a-z_]*_cuda)\.cpp$'
 [[ $cpu_suite == 1 ]] && tests_regex=''
 # The GPU image's own spdlog (1.12) does not compile against its fmt (12): the vendored one is used.
@@ -52,6 +56,14 @@ step configure 120 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_PR
   -DMEMSCALE_THIRD_PARTY_DIR="$PWD/third_party" -DMEMSCALE_CUDA_ARCHITECTURES="${MEMSCALE_CUDA_ARCHITECTURES:-90}" \
   -DMEMSCALE_BUILD_EXAMPLES=ON -DMEMSCALE_BUILD_BENCHMARKS=ON -DMEMSCALE_BUILD_TESTS=ON -DMEMSCALE_UNITY_PROGRAMS=OFF \
   -DMEMSCALE_TEST_SOURCES_REGEX="$tests_regex" -DCMAKE_DISABLE_FIND_PACKAGE_spdlog=ON || exit "$status"
+if [[ $predict_only == 1 ]]; then
+  step build 300 cmake --build build-gpu -j "$(nproc)" --target memscale_bench_predict || exit "$status"
+  step bench_predict "${MEMSCALE_GPU_PREDICT_LIMIT:-120}" env MEMSCALE_BENCH_SHOW=1 \
+    ./build-gpu/benchmarks/memscale_bench_predict --device cuda --models "${MEMSCALE_GPU_PREDICT_MODELS:-gpt,gpt-large}"
+  step bench_predict_max_batch "${MEMSCALE_GPU_MAX_BATCH_LIMIT:-120}" ./build-gpu/benchmarks/memscale_bench_predict \
+    --device cuda --max-batch --models "${MEMSCALE_GPU_MAX_BATCH_MODELS:-gpt,resnet-bottleneck,cnn-deep}"
+  exit "$status"
+fi
 step build 600 cmake --build build-gpu -j "$(nproc)" --target memscale_tests memscale_cuda_tests \
   memscale_cuda_adamw8bit_tests memscale_bench_predict memscale_bench_gpu || exit "$status"
 step kernel_test 60 ./build-gpu/tests/memscale_cuda_tests

@@ -6,6 +6,7 @@
 // step (predict/shape_only.hpp) against the real one, and the model of CUDA's
 // caching allocator (predict/cuda_reserve.hpp) against its rules and a real trace.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -224,19 +225,21 @@ struct near_target_scope {
   near_target_scope& operator=(const near_target_scope&) = delete;
 };
 
-/// A chain whose forward makes one tensor more from batch 41 on: an operator
+/// A chain whose forward makes one tensor more from batch 41 (or `from`) on: an operator
 /// that takes another path at larger batches, as CUDA's reductions and cuDNN's
 /// algorithms do.
 struct WiderPathImpl : torch::nn::Module {
-  WiderPathImpl()
+  explicit WiderPathImpl(std::int64_t from = 41)
       : in(register_module("in", torch::nn::Linear(64, 512))),
-        out(register_module("out", torch::nn::Linear(512, 64))) {}
+        out(register_module("out", torch::nn::Linear(512, 64))),
+        from(from) {}
   torch::Tensor forward(const torch::Tensor& x) {
     auto h = torch::gelu(in->forward(x));
-    if (x.size(0) > 40) h = h * torch::sigmoid(h);  // kept for backward: 2 more blocks of [batch, 512]
+    if (x.size(0) >= from) h = h * torch::sigmoid(h);  // kept for backward: 2 more blocks of [batch, 512]
     return out->forward(h);
   }
   torch::nn::Linear in, out;
+  std::int64_t from;
 };
 TORCH_MODULE(WiderPath);
 
@@ -268,6 +271,16 @@ TEST_CASE("off the CPU, predict calibrates near the example's batch: as measured
   const auto noted = [](const memscale::Prediction& p, const std::string& text) {
     return std::any_of(p.notes.begin(), p.notes.end(),
                        [&](const auto& n) { return n.find(text) != std::string::npos; });
+  };
+  // predict() with the near-target scheme, and the step's measured growth (after one that made the state).
+  const auto near_predict = [&](auto& model, torch::optim::Optimizer& optimizer, const torch::Tensor& x,
+                                const memscale::Config& config) {
+    near_target_scope near;
+    return memscale::predict(model, x, optimizer, loss, config);
+  };
+  const auto step_growth = [&](auto& model, torch::optim::Optimizer& optimizer, const torch::Tensor& x) {
+    (void)measured_step(model, optimizer, x, loss);
+    return measured_step(model, optimizer, x, loss);
   };
 
   SECTION("batches T/4 and T/2 align: baseline and plan as measured") {
@@ -339,19 +352,14 @@ TEST_CASE("off the CPU, predict calibrates near the example's batch: as measured
   const auto fits_48_and_64 = [&](auto& model) {
     torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
     const auto x = torch::randn({128, 64});
-    std::optional<memscale::Prediction> near_fit;
-    {
-      near_target_scope near;
-      near_fit = memscale::predict(model, x, optimizer, loss, test::quiet());
-    }
-    INFO(*near_fit);
-    CHECK(near_fit->calibration_batches == std::vector<std::int64_t>{64, 32, 48});
-    CHECK(near_fit->fitted_batches == std::pair<std::int64_t, std::int64_t>{48, 64});
-    CHECK(near_fit->method.find("those at 48 and 64 extrapolated to batch 128") != std::string::npos);
+    const auto near_fit = near_predict(model, optimizer, x, test::quiet());
+    INFO(near_fit);
+    CHECK(near_fit.calibration_batches == std::vector<std::int64_t>{64, 32, 48});
+    CHECK(near_fit.fitted_batches == std::pair<std::int64_t, std::int64_t>{48, 64});
+    CHECK(near_fit.method.find("those at 48 and 64 extrapolated to batch 128") != std::string::npos);
     auto small_fit = memscale::predict(model, x, optimizer, loss, test::quiet());
-    (void)measured_step(model, optimizer, x, loss);
-    const auto measured = measured_step(model, optimizer, x, loss);
-    CHECK(predicted_growth(near_fit->baseline) == Approx(measured).epsilon(0.01));
+    const auto measured = step_growth(model, optimizer, x);
+    CHECK(predicted_growth(near_fit.baseline) == Approx(measured).epsilon(0.01));
     return std::make_pair(measured, std::move(small_fit));
   };
 
@@ -359,6 +367,29 @@ TEST_CASE("off the CPU, predict calibrates near the example's batch: as measured
     WiderPath model;
     const auto [measured, small_fit] = fits_48_and_64(model);
     CHECK(predicted_growth(small_fit.baseline) < 0.9 * static_cast<double>(measured));
+  }
+
+  SECTION("another path from batch 52: neither 32 nor 48 aligns with 64, 56 does") {
+    WiderPath model(52);
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+    const auto x = torch::randn({128, 64});
+    const auto p = near_predict(model, optimizer, x, test::quiet());
+    INFO(p);
+    CHECK(p.calibration_batches == std::vector<std::int64_t>{64, 32, 48, 56});
+    CHECK(p.fitted_batches == std::pair<std::int64_t, std::int64_t>{56, 64});
+    CHECK_FALSE(noted(p, "as a whole"));
+    CHECK(predicted_growth(p.baseline) == Approx(step_growth(model, optimizer, x)).epsilon(0.01));
+  }
+
+  SECTION("T = 16: batches 8, 4 and 6, not the small batches") {
+    auto model = test::flat_chain(4, 64, 512, 0.0);
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+    const auto x = torch::randn({16, 64});
+    const auto p = near_predict(model, optimizer, x, test::quiet());
+    INFO(p);
+    CHECK(p.calibration_batches == std::vector<std::int64_t>{8, 4, 6});
+    CHECK(p.fitted_batches == std::pair<std::int64_t, std::int64_t>{4, 8});
+    CHECK(predicted_growth(p.baseline) == Approx(step_growth(model, optimizer, x)).epsilon(0.01));
   }
 
   SECTION("sizes on another line below batch 41: 32 and 64 align but miss the step at 48, so 48 and 64") {
@@ -1116,6 +1147,28 @@ TEST_CASE("the model of CUDA's caching allocator rounds, carves segments, splits
     CHECK_FALSE(memscale::predictor::replay_reserve(
                     memscale::predictor::timeline_fit(step(2), 2, unnumbered, 4), 8, {}, {}, 0)
                     .has_value());
+  }
+  SECTION("a step whose calibrations did not align: the reserve at b2, grown beyond it with the step's peak") {
+    using memscale::predictor::timeline;
+    // A whole step (forward end, peak, end) of 10 MiB a row, its reserve above the device's allocations.
+    const auto whole = [](std::int64_t batch, std::int64_t reserve) {
+      timeline t;
+      t.live = {batch * 5 * MiB, batch * 10 * MiB, 0};
+      t.allocation = {true, true, false};
+      t.marks = {1, 2};
+      t.allocated_peak = 100 * MiB + batch * 10 * MiB;
+      t.reserved_peak = t.allocated_peak + reserve;
+      return t;
+    };
+    // 4 MiB at 24 rows (340 MiB allocated), 20 MiB at 32 (420): 20% of the 80 MiB the allocations grew by.
+    const memscale::predictor::timeline_fit growing(whole(24, 4 * MiB), 24, whole(32, 20 * MiB), 32);
+    CHECK_FALSE(growing.has_blocks());
+    CHECK(growing.reserved_overhead(16) == 20 * MiB);
+    CHECK(growing.reserved_overhead(32) == 20 * MiB);
+    CHECK(growing.reserved_overhead(64) == 20 * MiB + 64 * MiB);  // 20% of 320 MiB more
+    // A reserve that fell from b1 to b2: its share at b2 (10 of 420 MiB) of the growth, not less.
+    const memscale::predictor::timeline_fit falling(whole(24, 30 * MiB), 24, whole(32, 10 * MiB), 32);
+    CHECK(falling.reserved_overhead(64) == 10 * MiB + std::llround(320.0 * MiB * 10.0 / 420.0));
   }
 }
 

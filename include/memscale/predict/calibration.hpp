@@ -139,7 +139,8 @@ inline std::atomic<bool>& near_target_on_cpu() {
   return r;
 }
 
-/// The smallest batch fit_near_target runs at; below it, the small batches.
+/// The smallest middle batch (3H/4) fit_near_target runs at (its low one, H/2,
+/// can be below it: at T = 16, batches 8, 4 and 6); below it, the small batches.
 inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
 
 /// Real steps near the example's batch T, where the step's operators take the
@@ -152,12 +153,16 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
 /// at 3H/4 (each event within 1% of its peak), else (3H/4, H): an operator's
 /// sizes can change slope between batches with the same allocations (a deep
 /// CNN's on an H200: (32, 64) was 31 MiB off at 48 and 120 MiB at 128, 14% of
-/// the step; (48, 64) 4 MiB at 128). Where a step at H runs out of memory, H = T/4, T/8,
-/// ... down to 2 * smallest_near_batch (the cache emptied before each step, so
-/// that each step's reserve is its own). Where neither pair aligns, the larger
-/// pair as a whole (whole_step), with `note` saying so. Nothing where no H ran
-/// (T under 4 * smallest_near_batch, or out of memory at each); `note` then
-/// names the batches that ran out of memory.
+/// the step; (48, 64) 4 MiB at 128). Where neither aligns, one step more at 7H/8
+/// and (7H/8, H) where that aligns: the example GPT on an H200 takes another path
+/// between batches 24 and 30, so at T = 64 neither 16 nor 24 aligned with 32, and
+/// the fit as a whole (below) held the caching allocator's reserve at 32's, 4%
+/// short at 64 and its max_batch_size 12% over the budget. Where a step at H runs
+/// out of memory, H = T/4, T/8, ... while 3H/4 >= smallest_near_batch (the cache
+/// emptied before each step, so that each step's reserve is its own). Where no
+/// pair aligns, the larger of the first two as a whole (whole_step), with `note`
+/// saying so. Nothing where no H ran (3T/8 under smallest_near_batch, or out of
+/// memory at each); `note` then names the batches that ran out of memory.
 [[nodiscard]] inline std::optional<timeline_fit> fit_near_target(calibration& c, std::vector<std::int64_t>& batches,
                                                                  std::string& note, std::int64_t& allocator_growth) {
   // A step at batch `b`, or nothing where it ran out of memory (any other failure propagates).
@@ -191,7 +196,7 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
                                                  : "a step at batch(es) " + short_of_memory + " ran out of memory";
     return ran_out.empty() || more.empty() ? ran_out + more : ran_out + "; " + more;
   };
-  if (c.example.size(0) / 4 < smallest_near_batch) return std::nullopt;
+  if (3 * (c.example.size(0) / 2) / 4 < smallest_near_batch) return std::nullopt;
   // An unrecorded step first: what a process's first step allocates once (cuBLAS's
   // workspaces, for the caller's thread and autograd's) is then not in one timeline
   // of a pair only. Where even it runs out of memory, the steps below say so.
@@ -202,7 +207,7 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
     note = said(measure_workspaces(fit, top, calls, c.example.size(0), c.device));
     return fit;
   };
-  for (std::int64_t high = c.example.size(0) / 2; high / 2 >= smallest_near_batch; high /= 2) {
+  for (std::int64_t high = c.example.size(0) / 2; 3 * high / 4 >= smallest_near_batch; high /= 2) {
     const auto ran_before = batches.size();
     c.op_batch = workspace_operators().empty() ? 0 : high;
     const auto top = run(high);
@@ -222,10 +227,15 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
       batches.resize(ran_before);
       continue;
     }
+    const auto near_batch = high - high / 8;
+    const auto near = near_batch > mid_batch && near_batch < high ? run(near_batch) : std::nullopt;
+    if (near && aligned(*near, *top)) return measured(timeline_fit(*near, near_batch, *top, high), *top);
     note = said("the step's allocations differ between batches " + std::to_string(high / 2) + ", " +
-                std::to_string(mid_batch) + " and " + std::to_string(high) +
-                " (an operator takes another path at some batch size): the peak is extrapolated from the last two "
-                "as a whole, not event by event");
+                std::to_string(mid_batch) + (near ? ", " + std::to_string(near_batch) : std::string()) + " and " +
+                std::to_string(high) +
+                " (an operator takes another path at some batch size): the peak is extrapolated from " +
+                std::to_string(mid ? mid_batch : high / 2) + " and " + std::to_string(high) +
+                " as a whole, not event by event");
     return mid ? timeline_fit(whole_step(*mid), mid_batch, whole_step(*top), high)
                : timeline_fit(whole_step(*low), high / 2, whole_step(*top), high);
   }

@@ -323,10 +323,11 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     out.notes.push_back("CUDA: outside the allocator = the caching allocator's reserve above its allocations "
                         "(the step's extrapolated allocations and frees replayed through a model of its rounding, "
                         "segments and best fit; where the calibrations did not align, the reserve it held above its "
-                        "allocations at the larger calibration batch), plus the device memory in use outside it now "
-                        "(the CUDA context, cuBLAS's and cuDNN's handles, and other processes' memory); what is "
-                        "allocated on the device beyond the model's tensors, its optimizer's state and the example "
-                        "(cuBLAS's workspaces, the program's other tensors) is counted as held through the step");
+                        "allocations at the larger calibration batch, grown with the step beyond it), plus the "
+                        "device memory in use outside it now (the CUDA context, cuBLAS's and cuDNN's handles, and "
+                        "other processes' memory); what is allocated on the device beyond the model's tensors, its "
+                        "optimizer's state and the example (cuBLAS's workspaces, the program's other tensors) is "
+                        "counted as held through the step");
   }
   auto resident = detail::resident_blocks(parameters, root->buffers(), trainable, c.gradients_kept, device);
   if (persistent > 0) resident.push_back(persistent);
@@ -334,9 +335,8 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   const auto plan_state = detail::state_blocks(trainable, planned_optimizer.state_bytes);
   const auto cuda_reserve = [&](const timeline_fit& fit, const optimizer_footprint& opt, std::int64_t batch) {
     if (!device.is_cuda()) return std::int64_t{0};
-    const auto replayed = replay_reserve(fit, batch, resident, &opt == &own ? base_state : plan_state,
-                                         opt.transient_bytes);
-    return replayed ? std::max<std::int64_t>(0, replayed->reserved - replayed->allocated) : fit.reserved_overhead();
+    const auto r = replay_reserve(fit, batch, resident, &opt == &own ? base_state : plan_state, opt.transient_bytes);
+    return r ? std::max<std::int64_t>(0, r->reserved - r->allocated) : fit.reserved_overhead(batch);
   };
 
   const bool kept = c.gradients_kept;
@@ -360,8 +360,9 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   for (const auto& [fit, which] : {std::pair{&base_fit, "without"}, std::pair{&plan_fit, "with"}})
     if (device.is_cuda() && !fit->has_blocks() && (fit == &base_fit || out.plan_applies))
       out.notes.push_back(std::string("CUDA: the calibrations ") + which + " the plan did not align event by event: " +
-                          "the caching allocator's reserve is the one held at batch " +
-                          std::to_string(fit->second_batch()) + ", not replayed");
+                          "the caching allocator's reserve is not replayed: the one held at batch " +
+                          std::to_string(fit->second_batch()) + ", beyond it grown with the step at its rate from " +
+                          std::to_string(fit->first_batch()));
   out.baseline = breakdown(base_fit, own, out.batch_size);
   out.planned = breakdown(plan_fit, planned_optimizer, out.batch_size);
   out.baseline_peak_bytes = out.baseline.total_bytes();
