@@ -496,6 +496,27 @@ TEST_CASE("an offload that lowers the peak by under a 1024th of the growth or a 
   CHECK(offloading > 0);  // offloads that pay are still taken
 }
 
+TEST_CASE("R6's lines name the floor a gain fell under, from the planner's own constants", "[engine]") {
+  memscale::Report report;
+  report.chains.emplace_back().slot_names = {"a", "b"};
+  segment_decision d;
+  d.rule = rule_id::keep_no_gain;
+  d.freed_bytes = 4 << 20;
+  d.peak_before = 64 << 20;
+  d.peak_after = d.peak_before - (128 << 10);  // 128 KiB: under a 16th of the 4 MiB it moves
+  d.recompute_seconds = 0.002;
+  d.compute_seconds = 0.010;  // an offload the offload phase declined
+  const auto moves = "under 1/" + std::to_string(memscale::core::offload_gain_divisor) + " of what it moves";
+  CHECK_THAT(report.decision_text(d), Catch::EndsWith(moves));
+  d.freed_bytes = 1 << 20;  // 128 KiB is an 8th of that: the floor it fell under is the step's
+  const auto growth = "under 1/" + std::to_string(memscale::core::least_gain_divisor) + " of the step's growth";
+  CHECK_THAT(report.decision_text(d), Catch::EndsWith(growth));
+  d.compute_seconds = 0.0;  // a checkpoint that would lower the peak too little
+  CHECK_THAT(report.decision_text(d), Catch::EndsWith(growth + ")"));
+  CHECK(memscale::core::offload_gain_divisor == 16);
+  CHECK(memscale::core::least_gain_divisor == 1024);
+}
+
 TEST_CASE("an unsupported chain is left alone with its reason", "[engine]") {
   std::vector<slot_cost> chain(4, slot_cost{.input_bytes = 10, .output_bytes = 10, .saved_bytes = 50,
                                             .saves_input = true, .forward_seconds = 1.0});

@@ -309,6 +309,20 @@ std::optional<fs::path> disk_backed_directory() {
   return std::nullopt;
 }
 
+/// A directory of its own under `parent`, removed at the end of its scope: the
+/// disk tier's rate is measured once per process and directory, so no rate is
+/// known for it yet, whichever tests ran before in the process.
+struct own_directory {
+  own_directory(const fs::path& parent, const std::string& name)
+      : path(parent / (name + "-" + std::to_string(::getpid()))) {
+    fs::create_directories(path);
+  }
+  ~own_directory() { memscale::detail::remove_tree(path); }
+  own_directory(const own_directory&) = delete;
+  own_directory& operator=(const own_directory&) = delete;
+  fs::path path;
+};
+
 }  // namespace
 
 TEST_CASE("the disk tier's bytes leave host memory: written through to the disk, then out of the page cache",
@@ -376,21 +390,23 @@ TEST_CASE("the planner budgets the disk tier at the rate measured here, once per
     return;
   }
   using memscale::offload::measured_disk_bytes_per_second;
+  const own_directory own(*dir, "memscale-test-rate-once");
+  const auto rated = own.path.string();
   {
     // A directory that takes no file gives no rate, and the failure is not kept.
     const memscale::detail::inject_fault fault(memscale::detail::offload_fault::disk_full);
-    CHECK_FALSE(measured_disk_bytes_per_second(dir->string(), true).has_value());
+    CHECK_FALSE(measured_disk_bytes_per_second(rated, true).has_value());
   }
-  const auto through = measured_disk_bytes_per_second(dir->string(), true);
+  const auto through = measured_disk_bytes_per_second(rated, true);
   REQUIRE(through.has_value());
   CHECK(*through > 1e6);  // 16 MiB written and read back: well over a MB/s on any disk
   const auto start = std::chrono::steady_clock::now();
-  CHECK(measured_disk_bytes_per_second(dir->string(), true) == through);  // measured once
+  CHECK(measured_disk_bytes_per_second(rated, true) == through);  // measured once
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::milliseconds(5));
-  const auto cached = measured_disk_bytes_per_second(dir->string(), false);
+  const auto cached = measured_disk_bytes_per_second(rated, false);
   REQUIRE(cached.has_value());
   // What the planner assumes for a CPU tensor's offload, and a CUDA tensor's without host room.
-  auto options = quiet_options({.disk_bytes = std::int64_t{1} << 30, .disk_dir = dir->string()});
+  auto options = quiet_options({.disk_bytes = std::int64_t{1} << 30, .disk_dir = rated});
   CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return true; }).second == *through);
   // Where no plan could offload, the nominal rate stands, unmeasured.
   CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return false; }).second ==
@@ -416,15 +432,8 @@ TEST_CASE("planning measures the disk tier's rate only where a plan could offloa
     WARN("no disk-backed directory for the disk tier here: nothing to check");
     return;
   }
-  // A directory of its own: no rate measured for it yet in this process.
-  const auto fresh = *dir / ("memscale-test-rate-" + std::to_string(::getpid()));
-  fs::create_directories(fresh);
-  struct remove_after {
-    fs::path path;
-    ~remove_after() {
-      memscale::detail::remove_tree(path);
-    }
-  } cleanup{fresh};
+  const own_directory own(*dir, "memscale-test-rate");
+  const auto& fresh = own.path;
   torch::manual_seed(3);
   torch::nn::Sequential model(torch::nn::Linear(64, 256), torch::nn::GELU(), torch::nn::Linear(256, 64),
                               torch::nn::GELU(), torch::nn::Linear(64, 64));

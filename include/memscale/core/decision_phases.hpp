@@ -17,12 +17,16 @@
 
 namespace memscale::core {
 
+/// A checkpoint or an offload must lower the projected peak by at least this
+/// fraction (1/n) of the step's growth.
+inline constexpr std::int64_t least_gain_divisor = 1024;
+
 /// The least a checkpoint or an offload must lower the projected peak by to be
-/// taken: a 1024th of the step's growth (at least a byte). Less counts as none:
-/// a U-Net's BatchNorm-ReLU runs, whose input and output stay kept, freed 128 B
-/// each for milliseconds of recompute.
+/// taken: a 1024th of the step's growth (least_gain_divisor; at least a byte).
+/// Less counts as none: a U-Net's BatchNorm-ReLU runs, whose input and output
+/// stay kept, freed 128 B each for milliseconds of recompute.
 [[nodiscard]] constexpr std::int64_t least_gain(const engine_plan& plan, const engine_input& in) {
-  return std::max<std::int64_t>(1, (plan.baseline_peak - in.static_bytes) / 1024);
+  return std::max<std::int64_t>(1, (plan.baseline_peak - in.static_bytes) / least_gain_divisor);
 }
 
 /// An offload must lower the projected peak by at least this fraction (1/n) of what it moves.

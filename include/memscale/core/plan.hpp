@@ -215,17 +215,18 @@ struct Report {
           os << "offloading would move " << format_bytes(d.freed_bytes) << " (" << std::setprecision(3)
              << d.recompute_seconds * 1e3 << " ms transfer behind " << d.compute_seconds * 1e3
              << " ms compute) for a fall of " << format_bytes(d.peak_before - d.peak_after) << " in the peak ("
-             << format_bytes(d.peak_before) << "), under "
-             << (core::offload_gain_divisor * (d.peak_before - d.peak_after) < d.freed_bytes
-                     ? "a 16th of what it moves"
-                     : "a 1024th of the step's growth");
+             << format_bytes(d.peak_before) << "), under 1/";
+          if (core::offload_gain_divisor * (d.peak_before - d.peak_after) < d.freed_bytes)
+            os << core::offload_gain_divisor << " of what it moves";
+          else
+            os << core::least_gain_divisor << " of the step's growth";
           break;
         }
         os << "would free " << format_bytes(d.freed_bytes) << " but the peak stays "
            << format_bytes(d.peak_before);
         if (d.peak_after < d.peak_before)
-          os << " (it would fall " << format_bytes(d.peak_before - d.peak_after)
-             << ", under a 1024th of the step's growth)";
+          os << " (it would fall " << format_bytes(d.peak_before - d.peak_after) << ", under 1/"
+             << core::least_gain_divisor << " of the step's growth)";
         break;
       case core::rule_id::keep_fits:
         os << "projected peak " << format_bytes(d.peak_before) << " <= target " << format_bytes(plan.target_bytes);
