@@ -311,13 +311,18 @@ std::optional<fs::path> disk_backed_directory() {
 
 /// A directory of its own under `parent`, removed at the end of its scope: the
 /// disk tier's rate is measured once per process and directory, so no rate is
-/// known for it yet, whichever tests ran before in the process.
+/// known for it yet, whichever tests ran before in the process (a case run
+/// twice in one process gets another name the second time).
 struct own_directory {
   own_directory(const fs::path& parent, const std::string& name)
-      : path(parent / (name + "-" + std::to_string(::getpid()))) {
+      : path(parent / (name + "-" + std::to_string(::getpid()) + "-" + std::to_string(made()++))) {
     fs::create_directories(path);
   }
   ~own_directory() { memscale::detail::remove_tree(path); }
+  static int& made() {
+    static int n = 0;
+    return n;
+  }
   own_directory(const own_directory&) = delete;
   own_directory& operator=(const own_directory&) = delete;
   fs::path path;

@@ -154,10 +154,13 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
 /// sizes can change slope between batches with the same allocations (a deep
 /// CNN's on an H200: (32, 64) was 31 MiB off at 48 and 120 MiB at 128, 14% of
 /// the step; (48, 64) 4 MiB at 128). Where neither aligns, one step more at 7H/8
-/// and (7H/8, H) where that aligns: the example GPT on an H200 takes another path
-/// between batches 24 and 30, so at T = 64 neither 16 nor 24 aligned with 32, and
-/// the fit as a whole (below) held the caching allocator's reserve at 32's, 4%
-/// short at 64 and its max_batch_size 12% over the budget. Where a step at H runs
+/// and (7H/8, H) where that aligns (checked against nothing: no third step shares
+/// its path). The example GPT on an H200 takes another path between batches 24
+/// and 30: at T = 64 neither 16 nor 24 aligned with 32, and the fit as a whole
+/// (below) held the caching allocator's reserve at 32's. (28, 32) replays the
+/// reserve at 64 to 2 MiB, but its allocations came out 10% short there, where
+/// the whole steps' 3%: the total's error stayed -4% (benchmarks/RESULTS.md,
+/// 2026-11-30, second session). Where a step at H runs
 /// out of memory, H = T/4, T/8, ... while 3H/4 >= smallest_near_batch (the cache
 /// emptied before each step, so that each step's reserve is its own). Where no
 /// pair aligns, the larger of the first two as a whole (whole_step), with `note`
@@ -228,7 +231,7 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
       continue;
     }
     const auto near_batch = high - high / 8;
-    const auto near = near_batch > mid_batch && near_batch < high ? run(near_batch) : std::nullopt;
+    const auto near = mid && near_batch > mid_batch && near_batch < high ? run(near_batch) : std::nullopt;
     if (near && aligned(*near, *top)) return measured(timeline_fit(*near, near_batch, *top, high), *top);
     note = said("the step's allocations differ between batches " + std::to_string(high / 2) + ", " +
                 std::to_string(mid_batch) + (near ? ", " + std::to_string(near_batch) : std::string()) + " and " +

@@ -77,7 +77,9 @@ struct Prediction {
     return std::max<std::int64_t>(0, v0 + static_cast<std::int64_t>(rate * static_cast<double>(batch - b0)));
   }
   /// What the breakdown's outside_allocator_bytes would read at batch `batch`
-  /// (as the largest-batch search counts it).
+  /// with the BLAS buffers' growth (CPU, as the largest-batch search counts it).
+  /// On CUDA the search also replays the caching allocator's reserve at each
+  /// batch (or grows it, predict/timeline.hpp), which this does not.
   [[nodiscard]] std::int64_t outside_allocator_bytes_at(std::int64_t batch, bool with_plan = false) const noexcept {
     return (with_plan ? planned : baseline).outside_allocator_bytes - outside_growth_at(batch_size) +
            outside_growth_at(batch);

@@ -361,8 +361,8 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     if (device.is_cuda() && !fit->has_blocks() && (fit == &base_fit || out.plan_applies))
       out.notes.push_back(std::string("CUDA: the calibrations ") + which + " the plan did not align event by event: " +
                           "the caching allocator's reserve is not replayed: the one held at batch " +
-                          std::to_string(fit->second_batch()) + ", beyond it grown with the step at its rate from " +
-                          std::to_string(fit->first_batch()));
+                          std::to_string(fit->second_batch()) + ", beyond it grown with the step (at its rate from " +
+                          std::to_string(fit->first_batch()) + ", or its share there where more)");
   out.baseline = breakdown(base_fit, own, out.batch_size);
   out.planned = breakdown(plan_fit, planned_optimizer, out.batch_size);
   out.baseline_peak_bytes = out.baseline.total_bytes();

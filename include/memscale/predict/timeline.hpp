@@ -120,8 +120,10 @@ class timeline_fit {
   /// the caching allocator reserves above its allocations at `batch` (both on the
   /// device as a whole, at their highest). Up to b2, the reserve held at b2.
   /// Beyond it, that plus a share of what the step's peak grows by: the reserve's
-  /// growth per allocated byte from b1 to b2, or its share at b2 where that is
-  /// more. A reserve held constant at b2's fell short as the batch grew: the
+  /// growth per allocated byte from b1 to b2 (the device's allocated peaks: the
+  /// batch's input, allocated before the step, is in their growth, not in the
+  /// step's), or its share at b2 where that is more. A reserve held constant at
+  /// b2's fell short as the batch grew: the
   /// example GPT's on an H200 was 7, 17 and 57 MiB at batches 16, 32 and 64, a
   /// growth of 9% of the allocations from 16 to 32, 18% from 32 to 64.
   [[nodiscard]] std::int64_t reserved_overhead(std::int64_t batch) const {
