@@ -56,12 +56,19 @@ step configure 120 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCMAKE_PR
   -DMEMSCALE_THIRD_PARTY_DIR="$PWD/third_party" -DMEMSCALE_CUDA_ARCHITECTURES="${MEMSCALE_CUDA_ARCHITECTURES:-90}" \
   -DMEMSCALE_BUILD_EXAMPLES=ON -DMEMSCALE_BUILD_BENCHMARKS=ON -DMEMSCALE_BUILD_TESTS=ON -DMEMSCALE_UNITY_PROGRAMS=OFF \
   -DMEMSCALE_TEST_SOURCES_REGEX="$tests_regex" -DCMAKE_DISABLE_FIND_PACKAGE_spdlog=ON || exit "$status"
-if [[ $predict_only == 1 ]]; then
-  step build 300 cmake --build build-gpu -j "$(nproc)" --target memscale_bench_predict || exit "$status"
-  step bench_predict "${MEMSCALE_GPU_PREDICT_LIMIT:-120}" env MEMSCALE_BENCH_SHOW=1 \
-    ./build-gpu/benchmarks/memscale_bench_predict --device cuda --models "${MEMSCALE_GPU_PREDICT_MODELS:-gpt,gpt-large}"
+# The predictor's table on MODELS (MEMSCALE_GPU_PREDICT_MODELS names others), then max_batch_size trained at a
+# budget, and one batch more: the GPT (with and without the plan) and the two CNNs whose cuDNN workspaces change
+# with the batch (predict measures them at the example's batch only).
+predictor_tables() {  # predictor_tables LIMIT_S MODELS
+  step bench_predict "${MEMSCALE_GPU_PREDICT_LIMIT:-$1}" ./build-gpu/benchmarks/memscale_bench_predict --device cuda \
+    --models "${MEMSCALE_GPU_PREDICT_MODELS:-$2}"
   step bench_predict_max_batch "${MEMSCALE_GPU_MAX_BATCH_LIMIT:-120}" ./build-gpu/benchmarks/memscale_bench_predict \
     --device cuda --max-batch --models "${MEMSCALE_GPU_MAX_BATCH_MODELS:-gpt,resnet-bottleneck,cnn-deep}"
+}
+if [[ $predict_only == 1 ]]; then
+  step build 300 cmake --build build-gpu -j "$(nproc)" --target memscale_bench_predict || exit "$status"
+  export MEMSCALE_BENCH_SHOW=1
+  predictor_tables 120 gpt,gpt-large
   exit "$status"
 fi
 step build 600 cmake --build build-gpu -j "$(nproc)" --target memscale_tests memscale_cuda_tests \
@@ -73,14 +80,8 @@ step engine_order 60 ./build-gpu/tests/memscale_tests "[.cuda_engine_order]"
 # MEMSCALE_GPU_OUT: where the calibration study writes its timelines (cuda_calibration_study.json).
 step cuda_tests "${MEMSCALE_GPU_TESTS_LIMIT:-240}" env MEMSCALE_GPU_OUT="$out" \
   ./build-gpu/tests/memscale_tests "[.cuda]" --durations yes
-# The models whose GPU figures RESULTS.md has: the eight took 88 s on the H200 (2026-11-30);
-# MEMSCALE_GPU_PREDICT_MODELS names others.
-step bench_predict "${MEMSCALE_GPU_PREDICT_LIMIT:-240}" ./build-gpu/benchmarks/memscale_bench_predict --device cuda \
-  --models "${MEMSCALE_GPU_PREDICT_MODELS:-gpt,resnet,resnet-bottleneck,mlp,gpt-wide,cnn-deep,mlp-bn,gpt-large}"
-# max_batch_size trained at a budget, and one batch more: the GPT (with and without the plan) and the two
-# CNNs whose cuDNN workspaces change with the batch (predict measures them at the example's batch only).
-step bench_predict_max_batch "${MEMSCALE_GPU_MAX_BATCH_LIMIT:-120}" ./build-gpu/benchmarks/memscale_bench_predict \
-  --device cuda --max-batch --models "${MEMSCALE_GPU_MAX_BATCH_MODELS:-gpt,resnet-bottleneck,cnn-deep}"
+# The models whose GPU figures RESULTS.md has: the eight took 86-88 s on the H200 (2026-11-30).
+predictor_tables 240 gpt,resnet,resnet-bottleneck,mlp,gpt-wide,cnn-deep,mlp-bn,gpt-large
 step bench_gpu "${MEMSCALE_GPU_BENCH_LIMIT:-180}" ./build-gpu/benchmarks/memscale_bench_gpu \
   --steps "${MEMSCALE_GPU_STEPS:-5}"
 # autotune's CPU cases on LibTorch 2.x's wheel: the first run (2026-11-28) crashed (SIGSEGV) while training

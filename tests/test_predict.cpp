@@ -288,12 +288,7 @@ TEST_CASE("off the CPU, predict calibrates near the example's batch: as measured
     torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
     const auto x = torch::randn({64, 64});
     const auto config = test::quiet({.mode = memscale::OptimizationMode::Aggressive});
-    std::optional<memscale::Prediction> found;
-    {
-      near_target_scope near;
-      found = memscale::predict(model, x, optimizer, loss, config);
-    }
-    const auto& p = *found;
+    const auto p = near_predict(model, optimizer, x, config);
     INFO(p);
     REQUIRE(p.plan_applies);
     CHECK(p.calibration_batches == std::vector<std::int64_t>{32, 16, 24});

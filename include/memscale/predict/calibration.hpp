@@ -230,8 +230,8 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
       batches.resize(ran_before);
       continue;
     }
-    const auto near_batch = high - high / 8;
-    const auto near = mid && near_batch > mid_batch && near_batch < high ? run(near_batch) : std::nullopt;
+    const auto near_batch = high - high / 8;  // between mid_batch and high: high >= 8 here
+    const auto near = mid ? run(near_batch) : std::nullopt;
     if (near && aligned(*near, *top)) return measured(timeline_fit(*near, near_batch, *top, high), *top);
     note = said("the step's allocations differ between batches " + std::to_string(high / 2) + ", " +
                 std::to_string(mid_batch) + (near ? ", " + std::to_string(near_batch) : std::string()) + " and " +
