@@ -254,6 +254,40 @@ TEST_CASE("every tier returns every dtype and layout bit-identical", "[offload][
   }
 }
 
+TEST_CASE("inside predict's shape-only span the disk tier writes and reads nothing: the bytes were never computed",
+          "[offload][engine]") {
+  if (!memscale::predictor::shape_only_available()) {
+    WARN("shape-only execution is unavailable here (LibTorch 2.x): nothing to check");
+    return;
+  }
+  const auto files_in = [](const fs::path& dir) {
+    return std::distance(fs::directory_iterator(dir), fs::directory_iterator());
+  };
+  for (bool async : {false, true}) {
+    INFO((async ? "async" : "synchronous"));
+    engine e(quiet_options({.async = async}));
+    memscale::offload::stored_handle uncomputed;
+    {
+      memscale::predictor::shape_only_scope span;
+      const auto t = torch::empty({256, 256});  // allocated, never written
+      uncomputed = e.store(t, tier::disk);
+      e.wait_idle();
+    }
+    REQUIRE(uncomputed->where() == tier::disk);  // placed, freed and counted as a real step's
+    CHECK(files_in(e.disk_directory()) == 0);    // but no file written
+    const auto back = e.load(uncomputed);        // and none read: a tensor of its layout
+    CHECK(back.sizes() == torch::IntArrayRef({256, 256}));
+    CHECK(back.scalar_type() == torch::kFloat);
+    // Outside the span the same engine writes and reads for real.
+    const auto real = torch::randn({256, 256});
+    const auto kept = e.store(real, tier::disk);
+    e.wait_idle();
+    REQUIRE(kept->where() == tier::disk);
+    CHECK(files_in(e.disk_directory()) == 1);
+    CHECK(torch::equal(e.load(kept), real));
+  }
+}
+
 TEST_CASE("the disk tier's writes and reads hold no second copy in the process", "[offload][engine]") {
   // Through a shared mapping each write (and each read through a private one)
   // had the tensor's bytes resident twice while it copied: 64 MiB more on 64 MiB.

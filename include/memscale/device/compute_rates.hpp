@@ -18,6 +18,8 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <memscale/device/scratch_pages.hpp>
+
 #if TORCH_VERSION_MAJOR < 2
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #endif
@@ -53,12 +55,13 @@ inline compute_rates nominal_compute_rates(const c10::Device& device) {
 }
 
 /// Measures the rates on `device` now: a square float matrix product and a
-/// copy, each the fastest of three at the thread count set then (on CPU 256^3
-/// and 4 MiB each way: a few milliseconds, past a core's L2 on usual CPUs; on
-/// CUDA 1024^3 and 16 MiB, about 44 MiB in all). Real work even inside
-/// memscale::predict's shape-only span (LibTorch 1.x: the Fake key is
-/// excluded), without autograd. Its tensors go through the allocator: measure
-/// before opening a scope that watches allocations. Throws what LibTorch throws
+/// copy, each the fastest of nine at the thread count set then (on CPU 256^3
+/// and 4 MiB each way, on scratch_pages: a few milliseconds, past a core's L2
+/// on usual CPUs; on CUDA 1024^3 and 16 MiB, about 44 MiB in all). Real work
+/// even inside memscale::predict's shape-only span (LibTorch 1.x: the Fake key
+/// is excluded), without autograd. Its operands are held while it runs (on
+/// CUDA through the allocator, on CPU mapped): measure before opening a scope
+/// that watches allocations or the resident size. Throws what LibTorch throws
 /// (out of memory).
 inline compute_rates measure_compute_rates(const c10::Device& device) {
 #if TORCH_VERSION_MAJOR < 2
@@ -80,16 +83,22 @@ inline compute_rates measure_compute_rates(const c10::Device& device) {
     return std::max(best, 1e-9);
   };
   const auto options = torch::TensorOptions().dtype(torch::kFloat).device(device);
+  // On CPU every operand on scratch_pages, resident first: in 4 KiB pages
+  // their first touches (8.75 MiB) took 30-40 ms of a fresh process's first
+  // predict() on the 2-CPU VM, for a millisecond of copying.
+  const auto buffer = [&](std::int64_t elements, float value) {
+    return device.is_cpu() ? scratch_tensor({elements}, options).fill_(value) : torch::full({elements}, value, options);
+  };
   const std::int64_t n = device.is_cuda() ? 1024 : 256;
-  const auto a = torch::full({n, n}, 0.5f, options);
-  const auto b = torch::full({n, n}, 0.25f, options);
-  const double gemm = fastest([&] { (void)torch::mm(a, b); });
-  // The 8 MiB copy used before cost 9 ms in a fresh process (page faults), a
-  // fifth of predict's time on the example GPT; on the 2-core build machine 4
-  // MiB read 30 GB/s against 69 on another, both within L3: a rate to weigh
-  // arithmetic against traffic, not a memory bandwidth.
-  const auto source = torch::full({device.is_cuda() ? std::int64_t{1} << 22 : std::int64_t{1} << 20}, 1.0f, options);
-  auto target = torch::empty_like(source);
+  const auto a = buffer(n * n, 0.5f).view({n, n});
+  const auto b = buffer(n * n, 0.25f).view({n, n});
+  auto product = buffer(n * n, 0.0f).view({n, n});
+  const double gemm = fastest([&] { (void)at::mm_out(product, a, b); });
+  // On the 2-core build machine 4 MiB read 30 GB/s against 69 on another,
+  // both within L3: a rate to weigh arithmetic against traffic, not a memory
+  // bandwidth.
+  const auto source = buffer(device.is_cuda() ? std::int64_t{1} << 22 : std::int64_t{1} << 20, 1.0f);
+  auto target = buffer(source.numel(), 0.0f);
   const double copy = fastest([&] { target.copy_(source); });
   return {2.0 * static_cast<double>(n * n * n) / gemm, 2.0 * static_cast<double>(source.nbytes()) / copy};
 }

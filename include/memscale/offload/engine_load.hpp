@@ -54,6 +54,7 @@ inline at::Tensor engine::from_batch(const stored_tensor& rec, detail::batch& b)
 
 inline at::Tensor engine::read_back(const stored_tensor& rec, bool through) {
   at::Tensor host = rec.layout_.empty_on(c10::kCPU);
+  if (rec.uncomputed_) return host;  // nothing was written (stored_tensor::uncomputed_)
   if (const auto error = disk_store::read(rec.file_, host.data_ptr(), rec.layout_.bytes, through); !error.empty())
     TORCH_CHECK(false, "memscale: an offloaded tensor could not be read back from disk (", error,
                 "); was the offload directory removed while training?");

@@ -14,6 +14,8 @@
 
 #include <torch/torch.h>
 
+#include <memscale/device/compute_rates.hpp>
+
 #include <memscale/offload/cuda_copy.hpp>
 #include <memscale/offload/engine_class.hpp>
 
@@ -108,6 +110,7 @@ inline bool engine::to_disk(const stored_handle& rec, const at::Tensor& t) {
     throw;
   }
   rec->file_ = core_->disk.next_file();
+  rec->uncomputed_ = memscale::detail::shape_only_dispatch();
   if (io_) {
     if (const double waited = core_->begin_write(bytes); waited > 0.0)
       core_->update([&](engine_stats& s) { s.wait_seconds += waited; });
@@ -120,7 +123,8 @@ inline bool engine::to_disk(const stored_handle& rec, const at::Tensor& t) {
       std::string error;
       try {
         detail::io_job_fault_point();
-        error = disk_store::write(rec->file_, source.data_ptr(), rec->layout_.bytes, core->options.disk_write_through);
+        if (!rec->uncomputed_)
+          error = disk_store::write(rec->file_, source.data_ptr(), rec->layout_.bytes, core->options.disk_write_through);
       } catch (const std::exception& e) {
         error = e.what();
       } catch (...) {
@@ -168,7 +172,9 @@ inline bool engine::to_disk(const stored_handle& rec, const at::Tensor& t) {
     }
     return true;
   }
-  if (const auto error = disk_store::write(rec->file_, source.data_ptr(), bytes, core_->options.disk_write_through);
+  if (const auto error = rec->uncomputed_ ? std::string()
+                                          : disk_store::write(rec->file_, source.data_ptr(), bytes,
+                                                              core_->options.disk_write_through);
       !error.empty()) {
     core_->release(tier::disk, bytes);
     rec->file_.clear();

@@ -153,6 +153,10 @@ class stored_tensor {
   detail::cuda_ready last_read_;         // the latest host->device copy out of held_ (async CUDA)
   detail::cuda_ready prefetch_ready_;    // the host->device copy into prefetched_ (pinned tier)
   std::filesystem::path file_;
+  // Stored to disk inside memscale::predict's shape-only span (LibTorch 1.x):
+  // its bytes were never computed, so none are written or read back; what it
+  // allocates and frees is as a real step's (the calibration records only that).
+  bool uncomputed_ = false;
   bool writing_ = false;
   bool reading_ = false;
   at::Tensor prefetched_;

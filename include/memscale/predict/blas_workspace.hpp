@@ -43,6 +43,7 @@
 
 #include <memscale/device/hardware.hpp>
 #include <memscale/device/process_memory.hpp>
+#include <memscale/device/scratch_pages.hpp>
 
 namespace memscale::predictor::detail {
 
@@ -163,7 +164,9 @@ class product_recorder {
 /// (zero_page_reads_are_free), those pages: a product reads them without the
 /// process holding (or writing) them, where torch::zeros would write every
 /// page first (3.5-4.4 ms for 12 MiB here, more than the product). Elsewhere
-/// torch::zeros: its pages are held before the product runs.
+/// scratch_pages, held before the product runs, in 2 MiB pages where the
+/// kernel gives them (on the 2-CPU VM of 2026-11-30 torch::zeros' 4 MiB cost
+/// 13 ms of faults in every predict()).
 [[nodiscard]] inline torch::Tensor zero_pages(std::int64_t elements, const torch::TensorOptions& options) {
 #if defined(__linux__)
   if (zero_page_reads_are_free()) {
@@ -174,7 +177,7 @@ class product_recorder {
     }
   }
 #endif
-  return torch::zeros({elements}, options);
+  return memscale::detail::scratch_tensor({elements}, options);
 }
 
 /// What probe_products measured.
@@ -253,8 +256,8 @@ struct workspace_probe {
   for (auto& [dtype, o] : buffers) {
     const auto options = torch::TensorOptions().dtype(dtype).device(c10::kCPU);
     o.left_buffer = zero_pages(o.left, options);
-    o.right_buffer = torch::zeros({o.right}, options);
-    o.result_buffer = torch::zeros({o.result}, options);
+    o.right_buffer = memscale::detail::scratch_tensor({o.right}, options);
+    o.result_buffer = memscale::detail::scratch_tensor({o.result}, options);
   }
   // The resident growth of one product of `r` rows; -1 where it cannot be read.
   const auto growth_of = [&](c10::ScalarType dtype, std::int64_t k, std::int64_t r,
