@@ -777,9 +777,12 @@ TEST_CASE("scratch_pages: memscale's measuring buffers are zeros, resident, 2 Mi
   REQUIRE(::mincore(t.data_ptr(), bytes, resident.data()) == 0);
   CHECK(std::all_of(resident.begin(), resident.end(), [](unsigned char r) { return (r & 1U) != 0; }));
   t = torch::Tensor();  // the last reference: the mapping goes
-  CHECK(::mincore(reinterpret_cast<void*>(address), page, resident.data()) == -1);
-  CHECK(errno == ENOMEM);
-  // Zero bytes map one page rather than none.
+  const int status = ::mincore(reinterpret_cast<void*>(address), page, resident.data());
+  const int error = errno;
+  CHECK(status == -1);
+  CHECK(error == ENOMEM);
+  // A negative size is refused, naming it; zero bytes map one page rather than none.
+  CHECK_THROWS_WITH(memscale::detail::scratch_tensor({2, -3}, options), Catch::Contains("negative size -3"));
   const memscale::detail::scratch_pages none(0);
   CHECK(none.size() == 1);
   CHECK(static_cast<const unsigned char*>(none.data())[0] == 0);

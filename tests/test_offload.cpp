@@ -286,6 +286,26 @@ TEST_CASE("inside predict's shape-only span the disk tier writes and reads nothi
     CHECK(files_in(e.disk_directory()) == 1);
     CHECK(torch::equal(e.load(kept), real));
   }
+  // Through the saved-tensor hooks, as predict's calibration reaches the tier:
+  // a forward under with_offload and its backward, in the span.
+  for (bool async : {false, true}) {
+    INFO("with_offload, " << (async ? "async" : "synchronous"));
+    const auto e = std::make_shared<engine>(quiet_options({.host_bytes = 0, .async = async}));  // disk only
+    memscale::predictor::shape_only_scope span;
+    const auto x = torch::randn({256, 512});
+    auto w = torch::randn({512, 1024}, torch::requires_grad());
+    torch::Tensor loss;
+    (void)memscale::with_offload(e, [&] {
+      loss = torch::relu(x.mm(w)).sigmoid().sum();  // relu and sigmoid save 1 MiB each, mm its input
+      return 0;
+    });
+    e->wait_idle();
+    REQUIRE(e->stats().at(tier::disk).tensors >= 2);
+    CHECK(files_in(e->disk_directory()) == 0);
+    loss.backward();
+    CHECK(w.grad().defined());
+    CHECK(w.grad().sizes() == w.sizes());
+  }
 }
 
 TEST_CASE("the disk tier's writes and reads hold no second copy in the process", "[offload][engine]") {

@@ -127,7 +127,13 @@ inline std::shared_ptr<attachment> attach(const std::shared_ptr<torch::nn::Modul
                                : parameters.empty() ? c10::Device(c10::kCPU)
                                                     : parameters.front().device();
     std::optional<outside_allocator_probe> outside;
-    if (forward && profile_outside_allocator_bytes() < 0 && device.is_cpu()) outside.emplace();
+    if (forward && profile_outside_allocator_bytes() < 0 && device.is_cpu()) {
+      // The profiler's compute rates first (once per process): their operands
+      // are mapped outside the allocator, which the probe would count as the
+      // process's own.
+      if (config.use_static_profiling) (void)memscale::detail::measured_compute_rates(device);
+      outside.emplace();
+    }
     const outside_probe_binding bound(*attached, outside ? &*outside : nullptr);
     // With a CPU budget and no verification step (which runs a whole step of
     // its own first), a training step at two rows lets the probe see what

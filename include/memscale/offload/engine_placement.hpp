@@ -109,8 +109,16 @@ inline bool engine::to_disk(const stored_handle& rec, const at::Tensor& t) {
     core_->release(tier::disk, bytes);
     throw;
   }
+  if (memscale::detail::shape_only_dispatch()) {
+    // Inside predict's shape-only span the bytes were never computed: nothing
+    // is written (no file), nothing will be read, and the source goes where
+    // the caller drops it, as a synchronous write leaves it. The engine's
+    // stats count the bytes as moved (store() does): what the step would move.
+    rec->uncomputed_ = true;
+    rec->where_ = tier::disk;
+    return true;
+  }
   rec->file_ = core_->disk.next_file();
-  rec->uncomputed_ = memscale::detail::shape_only_dispatch();
   if (io_) {
     if (const double waited = core_->begin_write(bytes); waited > 0.0)
       core_->update([&](engine_stats& s) { s.wait_seconds += waited; });
@@ -123,8 +131,7 @@ inline bool engine::to_disk(const stored_handle& rec, const at::Tensor& t) {
       std::string error;
       try {
         detail::io_job_fault_point();
-        if (!rec->uncomputed_)
-          error = disk_store::write(rec->file_, source.data_ptr(), rec->layout_.bytes, core->options.disk_write_through);
+        error = disk_store::write(rec->file_, source.data_ptr(), rec->layout_.bytes, core->options.disk_write_through);
       } catch (const std::exception& e) {
         error = e.what();
       } catch (...) {
@@ -172,9 +179,7 @@ inline bool engine::to_disk(const stored_handle& rec, const at::Tensor& t) {
     }
     return true;
   }
-  if (const auto error = rec->uncomputed_ ? std::string()
-                                          : disk_store::write(rec->file_, source.data_ptr(), bytes,
-                                                              core_->options.disk_write_through);
+  if (const auto error = disk_store::write(rec->file_, source.data_ptr(), bytes, core_->options.disk_write_through);
       !error.empty()) {
     core_->release(tier::disk, bytes);
     rec->file_.clear();

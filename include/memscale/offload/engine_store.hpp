@@ -62,7 +62,7 @@ inline stored_handle engine::store(const at::Tensor& tensor, std::optional<tier>
     return rec;
   }
   if (*placed == tier::device) return rec;
-  const bool written_by_job = *placed == tier::disk && io_;
+  const bool written_by_job = *placed == tier::disk && io_ && !rec->uncomputed_;
   const bool async_copy = *placed == tier::pinned_host && core_->options.async && t.is_cuda();
   if (!written_by_job) {
     const double took = detail::seconds_since(start);

@@ -153,9 +153,9 @@ class stored_tensor {
   detail::cuda_ready last_read_;         // the latest host->device copy out of held_ (async CUDA)
   detail::cuda_ready prefetch_ready_;    // the host->device copy into prefetched_ (pinned tier)
   std::filesystem::path file_;
-  // Stored to disk inside memscale::predict's shape-only span (LibTorch 1.x):
-  // its bytes were never computed, so none are written or read back; what it
-  // allocates and frees is as a real step's (the calibration records only that).
+  // Stored to the disk tier inside memscale::predict's shape-only span
+  // (LibTorch 1.x): its bytes were never computed, so it has no file and none
+  // are read back (engine::to_disk, engine::read_back).
   bool uncomputed_ = false;
   bool writing_ = false;
   bool reading_ = false;

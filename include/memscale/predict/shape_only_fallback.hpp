@@ -37,9 +37,11 @@
 // code read in, the kernels' threads and buffers).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -52,6 +54,7 @@
 #include <torch/version.h>
 
 #include <memscale/device/memory_tracker.hpp>
+#include <memscale/device/scratch_pages.hpp>
 #include <memscale/predict/shape_only_arena.hpp>
 #include <memscale/predict/shape_only_rules.hpp>
 #include <memscale/predict/shape_only_tally.hpp>
@@ -93,6 +96,11 @@ struct shape_only_state {
   shape_only_tally* tally = nullptr;  // the open scope's, or null
   bool census = false;
   std::unordered_set<const c10::FunctionSchema*> censused;  // operators a census ran for real in this process
+  /// What a census's real calls read in place of shape-only arguments (census_run), kept while the census
+  /// span is open: the scope drops it when the span closes, before anyone reads the resident size. Under
+  /// its own mutex, held through a real call (which never reaches the fallback: the Fake key is excluded).
+  std::mutex census_mutex;
+  std::unique_ptr<memscale::detail::scratch_pages> census_scratch;
   static shape_only_state& instance() {
     static shape_only_state state;
     return state;
@@ -136,13 +144,57 @@ class unreported final : public c10::MemoryReportingInfoBase {
 /// step makes them) with its results dropped and its allocations unreported
 /// (where no LibTorch profiler holds the reporting slot), so that the span's
 /// timeline holds the events a shape-only step's holds and aligns with it.
+///
+/// A shape-only argument (an output of the arena, never written) is read from
+/// zeros of the same sizes and strides in the census's scratch_pages instead,
+/// in 2 MiB pages where the kernel gives them: where reading a fresh page
+/// makes it resident (zero_page_reads_are_free() false: a 6.18 kernel in a VM,
+/// 11 µs a page), the arena's pages cost a fault each at every census call,
+/// most of the census step on the example GPT. The values were uninitialised
+/// anyway; nothing the call returns is kept, so nothing aliases the scratch
+/// after it. The results stay the kernel's own (allocated, written, freed).
 inline void census_run(const c10::OperatorHandle& op, c10::DispatchKeySet keys, c10::ArrayRef<c10::IValue> args) {
   static const auto silent = std::make_shared<unreported>();
   std::optional<c10::DebugInfoGuard> unseen;
   if (memscale::detail::inspect_profiler_slot().refusal.empty())
     unseen.emplace(c10::DebugInfoKind::PROFILER_STATE, silent);
   c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
+  auto* arena = shape_only_arena::instance();
+  const auto shape_only = [arena](const c10::IValue& v) {
+    if (!v.isTensor() || arena == nullptr) return false;
+    const auto& t = v.toTensor();
+    return t.defined() && t.has_storage() && t.storage().allocator() == arena && t.nbytes() > 0;
+  };
+  const auto span = [](const torch::Tensor& t) {  // the bytes its sizes and strides reach from its first element
+    return static_cast<std::size_t>(at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.itemsize()));
+  };
+  constexpr std::size_t alignment = 64;
+  std::size_t needed = 0;
+  for (const auto& v : args)
+    if (shape_only(v)) needed += (span(v.toTensor()) + alignment - 1) / alignment * alignment;
   torch::jit::Stack copy(args.begin(), args.end());
+  auto& state = shape_only_state::instance();
+  std::unique_lock<std::mutex> lock(state.census_mutex, std::defer_lock);
+  if (needed > 0) {
+    lock.lock();  // one census call at a time on the scratch
+    auto& scratch = state.census_scratch;
+    try {
+      if (!scratch || scratch->size() < needed)
+        scratch = std::make_unique<memscale::detail::scratch_pages>(std::max(needed, std::size_t{8} << 20));
+      auto* next = static_cast<char*>(scratch->data());
+      for (auto& v : copy) {
+        if (!shape_only(v)) continue;
+        const auto& t = v.toTensor();
+        const auto bytes = span(t);
+        std::memset(next, 0, bytes);  // zeros again where an earlier call wrote
+        v = torch::from_blob(next, t.sizes(), t.strides(), t.options());
+        next += (bytes + alignment - 1) / alignment * alignment;
+      }
+    } catch (const std::bad_alloc&) {  // no scratch: the arena's own pages, as before
+      copy.assign(args.begin(), args.end());
+      lock.unlock();
+    }
+  }
   op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Fake), &copy);
   copy.clear();  // the results freed unseen
 }

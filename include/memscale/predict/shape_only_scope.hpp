@@ -82,6 +82,10 @@ class shape_only_scope {
       state.tally = nullptr;
       state.census = false;
     }
+    {
+      std::lock_guard<std::mutex> lock(state.census_mutex);
+      state.census_scratch.reset();  // what census_run read from: the span's only
+    }
     if (auto* arena = detail::shape_only_arena::instance()) arena->start_over_if_idle();
 #endif
   }

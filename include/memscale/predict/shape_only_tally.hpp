@@ -55,7 +55,7 @@ struct shape_only_tally {
 
 /// The rates shape-only execution turns an operator's arithmetic and memory
 /// traffic into seconds with: measured once per process (a 256^3 float matrix
-/// product and a 4 MiB copy, each the fastest of three, at the thread count set
+/// product and a 4 MiB copy, each the fastest of nine, at the thread count set
 /// then), at the first shape_only_scope::estimated_seconds(), or before, by
 /// measured_shape_only_rates().
 struct shape_only_rates {
