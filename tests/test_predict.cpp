@@ -260,6 +260,24 @@ struct BentBufferImpl : torch::nn::Module {
 };
 TORCH_MODULE(BentBuffer);
 
+/// A chain that takes another path from batch 52 (a tensor more: steps at 32 and 48 do not align with 64, 56
+/// does), and whose step at 56 keeps 4 rows more of an 8192-wide buffer than the line through every other batch
+/// gives: a step off its path's line, as the example GPT's at 28 on an H200.
+struct OffLineStepImpl : torch::nn::Module {
+  OffLineStepImpl()
+      : in(register_module("in", torch::nn::Linear(64, 512))),
+        out(register_module("out", torch::nn::Linear(512, 64))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto batch = x.size(0);
+    auto h = torch::gelu(in->forward(x));
+    if (batch >= 52) h = h * torch::sigmoid(x.narrow(1, 0, 1));  // [batch, 1] more
+    const auto buffer = torch::ones({batch >= 52 && batch < 60 ? batch + 4 : batch, 8192}, x.options());
+    return out->forward(h * buffer.narrow(0, 0, batch).narrow(1, 0, 512));
+  }
+  torch::nn::Linear in, out;
+};
+TORCH_MODULE(OffLineStep);
+
 }  // namespace
 
 TEST_CASE("off the CPU, predict calibrates near the example's batch: as measured, past a step out of memory and "
@@ -364,16 +382,30 @@ TEST_CASE("off the CPU, predict calibrates near the example's batch: as measured
     CHECK(predicted_growth(small_fit.baseline) < 0.9 * static_cast<double>(measured));
   }
 
-  SECTION("another path from batch 52: neither 32 nor 48 aligns with 64, 56 does") {
-    WiderPath model(52);
+  // At T = 128, a model that takes another path from batch 52: neither 32 nor 48 aligns with 64, 56 does; predicted
+  // as a step measures. Returns the prediction.
+  const auto fits_56_and_64 = [&](auto& model) {
     torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
     const auto x = torch::randn({128, 64});
-    const auto p = near_predict(model, optimizer, x, test::quiet());
+    auto p = near_predict(model, optimizer, x, test::quiet());
     INFO(p);
     CHECK(p.calibration_batches == std::vector<std::int64_t>{64, 32, 48, 56});
     CHECK(p.fitted_batches == std::pair<std::int64_t, std::int64_t>{56, 64});
     CHECK_FALSE(noted(p, "as a whole"));
     CHECK(predicted_growth(p.baseline) == Approx(step_growth(model, optimizer, x)).epsilon(0.01));
+    return p;
+  };
+
+  SECTION("another path from batch 52: neither 32 nor 48 aligns with 64, 56 does") {
+    WiderPath model(52);
+    CHECK_FALSE(noted(fits_56_and_64(model), "held no lower"));  // the path costs more per row: (56, 64) stands
+  }
+
+  SECTION("the step at 56 lies off its path's line: (56, 64)'s peak bounded by the line through 32 and 64") {
+    // Unbounded, (56, 64) gives the buffer at 128 as 96 rows (3 MiB) where the step holds 128 (4 MiB): 20% short.
+    OffLineStep model;
+    CHECK(noted(fits_56_and_64(model), "the peak beyond it is held no lower than the line through the steps at 32 "
+                                       "and 64"));
   }
 
   SECTION("T = 16: batches 8, 4 and 6, not the small batches") {
@@ -1164,6 +1196,35 @@ TEST_CASE("the model of CUDA's caching allocator rounds, carves segments, splits
     // A reserve that fell from b1 to b2: its share at b2 (10 of 420 MiB) of the growth, not less.
     const memscale::predictor::timeline_fit falling(whole(24, 30 * MiB), 24, whole(32, 10 * MiB), 32);
     CHECK(falling.reserved_overhead(64) == 10 * MiB + std::llround(320.0 * MiB * 10.0 / 420.0));
+  }
+  SECTION("a close pair that rises less per row than every other two steps: its peak bounded beyond b2") {
+    using memscale::predictor::timeline;
+    const auto step = [](std::int64_t peak) {  // one block allocated and freed
+      timeline t;
+      t.live = {peak, 0};
+      t.allocation = {true, false};
+      return t;
+    };
+    // 7 MiB a row through 16, 24 and 32 (and beyond), but 28 holds 6 MiB more than that line: (28, 32) rises
+    // 5.5 MiB a row, and gives 64 rows 48 MiB short.
+    const auto low = step(112 * MiB), mid = step(168 * MiB), near = step(202 * MiB), top = step(224 * MiB);
+    memscale::predictor::timeline_fit fit(near, 28, top, 32);
+    CHECK(fit.peak(64) == 400 * MiB);
+    const auto said = memscale::predictor::bound_close_pair(fit, near, top, {{24, &mid}, {16, &low}});
+    INFO(said);
+    CHECK(said.find("the pair (28, 32)'s peaks rise 5632 KiB a row where every two of the steps at 16, 24 and 32 "
+                    "rise 7168 KiB") != std::string::npos);
+    CHECK(fit.bounding_batch() == 16);
+    CHECK(fit.peak(64) == 448 * MiB);
+    CHECK(fit.peak(32) == 224 * MiB);  // at and below b2, the pair's
+    CHECK(fit.peak(30) == 213 * MiB);
+    // A path that costs more per row from 26 on (as WiderPath): (24, 32) rises more than the close pair, (16, 24)
+    // less; the pair stands.
+    const auto steeper = step(120 * MiB);  // at 24
+    memscale::predictor::timeline_fit wider(step(208 * MiB), 28, top, 32);
+    CHECK(memscale::predictor::bound_close_pair(wider, step(208 * MiB), top, {{24, &steeper}, {16, &low}}).empty());
+    CHECK(wider.bounding_batch() == 0);
+    CHECK(wider.peak(64) == 352 * MiB);
   }
 }
 

@@ -1,6 +1,7 @@
 // memscale::detail — save and restore module buffers (BatchNorm running
 // statistics, ...): a profiling pass or a checkpoint's recompute in training mode
-// must not update them a second time. Internal.
+// must not update them a second time. And whether this thread runs shape-only
+// (predict's span), with the guard that computes for real inside it. Internal.
 #pragma once
 
 #include <utility>
@@ -30,6 +31,19 @@ class computing_guard {
   c10::impl::ExcludeDispatchKeyGuard no_fake_{c10::DispatchKey::Fake};
 #endif
 };
+
+/// Whether operators on this thread run shape-only (memscale::predict's span
+/// includes LibTorch 1.x's Fake key, and no computing_guard excludes it): they
+/// compute nothing, so timing them measures nothing and the bytes they leave
+/// are no values. Always false on LibTorch 2.x, where predict has no such span.
+[[nodiscard]] inline bool shape_only_dispatch() {
+#if TORCH_VERSION_MAJOR < 2
+  return c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Fake) &&
+         !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Fake);
+#else
+  return false;
+#endif
+}
 
 /// Restores every buffer of the given modules to its value at construction.
 class buffer_restore {

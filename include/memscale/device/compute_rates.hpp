@@ -17,13 +17,9 @@
 
 #include <torch/cuda.h>
 #include <torch/torch.h>
-#include <torch/version.h>
 
+#include <memscale/detail/buffers.hpp>
 #include <memscale/device/scratch_pages.hpp>
-
-#if TORCH_VERSION_MAJOR < 2
-#include <c10/core/impl/LocalDispatchKeySet.h>
-#endif
 
 namespace memscale::detail {
 
@@ -36,18 +32,6 @@ struct compute_rates {
            (bytes_per_second > 0.0 ? bytes / bytes_per_second : 0.0);
   }
 };
-
-/// Whether operators on this thread run shape-only (memscale::predict's span
-/// includes LibTorch 1.x's Fake key): they compute nothing, so timing them
-/// measures nothing. Always false on LibTorch 2.x, where predict has no such span.
-[[nodiscard]] inline bool shape_only_dispatch() {
-#if TORCH_VERSION_MAJOR < 2
-  return c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Fake) &&
-         !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Fake);
-#else
-  return false;
-#endif
-}
 
 /// Rates to fall back on where measuring failed (an accelerator out of memory):
 /// a nominal figure per device kind, to rank layers against each other.
@@ -65,9 +49,7 @@ inline compute_rates nominal_compute_rates(const c10::Device& device) {
 /// that watches allocations or the resident size. Throws what LibTorch throws
 /// (out of memory).
 inline compute_rates measure_compute_rates(const c10::Device& device) {
-#if TORCH_VERSION_MAJOR < 2
-  c10::impl::ExcludeDispatchKeyGuard no_fake(c10::DispatchKey::Fake);
-#endif
+  const computing_guard computing;  // inside predict's shape-only span too
   torch::NoGradGuard no_grad;
   const auto sync = [&device] {
     if (device.is_cuda()) torch::cuda::synchronize(device.index());

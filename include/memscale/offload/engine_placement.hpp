@@ -14,7 +14,7 @@
 
 #include <torch/torch.h>
 
-#include <memscale/device/compute_rates.hpp>
+#include <memscale/detail/buffers.hpp>
 
 #include <memscale/offload/cuda_copy.hpp>
 #include <memscale/offload/engine_class.hpp>

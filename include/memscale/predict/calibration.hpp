@@ -154,12 +154,11 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
 /// sizes can change slope between batches with the same allocations (a deep
 /// CNN's on an H200: (32, 64) was 31 MiB off at 48 and 120 MiB at 128, 14% of
 /// the step; (48, 64) 4 MiB at 128). Where neither aligns, one step more at 7H/8
-/// and (7H/8, H) where that aligns (checked against nothing: no third step shares
-/// its path). The example GPT on an H200 takes another path between batches 24
-/// and 30: at T = 64 neither 16 nor 24 aligned with 32, and the fit as a whole
-/// (below) held the caching allocator's reserve at 32's. (28, 32) replays the
-/// reserve at 64 to 2 MiB, but its allocations came out 10% short there, where
-/// the whole steps' 3%: the total's error stayed -4% (benchmarks/RESULTS.md,
+/// and (7H/8, H) where that aligns (no third step shares its path: its peak is
+/// bounded by the others', bound_close_pair). The example GPT on an H200 takes
+/// another path between batches 24 and 30: at T = 64 neither 16 nor 24 aligned
+/// with 32, and (28, 32) replays the caching allocator's reserve at 64 to 2 MiB,
+/// but its allocations came out 10% short there (benchmarks/RESULTS.md,
 /// 2026-11-30, second session). Where a step at H runs
 /// out of memory, H = T/4, T/8, ... while 3H/4 >= smallest_near_batch (the cache
 /// emptied before each step, so that each step's reserve is its own). Where no
@@ -206,8 +205,9 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
   (void)step_at(first_calibration_batch);
   // The calls whose workspaces are measured at the example's batch, from the step at `high` (predict/op_workspace.hpp).
   std::vector<op_call> calls;
-  const auto measured = [&](timeline_fit fit, const timeline& top) {
-    note = said(measure_workspaces(fit, top, calls, c.example.size(0), c.device));
+  const auto measured = [&](timeline_fit fit, const timeline& top, const std::string& more = {}) {
+    const auto workspaces = measure_workspaces(fit, top, calls, c.example.size(0), c.device);
+    note = said(workspaces.empty() || more.empty() ? workspaces + more : workspaces + "; " + more);
     return fit;
   };
   for (std::int64_t high = c.example.size(0) / 2; 3 * high / 4 >= smallest_near_batch; high /= 2) {
@@ -232,7 +232,13 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
     }
     const auto near_batch = high - high / 8;  // between mid_batch and high: high >= 8 here
     const auto near = mid ? run(near_batch) : std::nullopt;
-    if (near && aligned(*near, *top)) return measured(timeline_fit(*near, near_batch, *top, high), *top);
+    if (near && aligned(*near, *top)) {
+      timeline_fit fit(*near, near_batch, *top, high);
+      std::vector<std::pair<std::int64_t, const timeline*>> others{{mid_batch, &*mid}};
+      if (low) others.emplace_back(high / 2, &*low);
+      const auto bounded = bound_close_pair(fit, *near, *top, std::move(others));
+      return measured(std::move(fit), *top, bounded);
+    }
     note = said("the step's allocations differ between batches " + std::to_string(high / 2) + ", " +
                 std::to_string(mid_batch) + (near ? ", " + std::to_string(near_batch) : std::string()) + " and " +
                 std::to_string(high) +

@@ -46,6 +46,9 @@ namespace memscale::predictor::detail {
 /// allocator, and likewise once a span has used the whole reservation.
 class shape_only_arena final : public c10::Allocator {
  public:
+  /// Each block starts on a multiple of this (LibTorch's CPU alignment).
+  static constexpr std::size_t alignment = 64;
+
   static shape_only_arena* instance() {
     static shape_only_arena* arena = [] {
 #if defined(__linux__) && defined(MAP_NORESERVE)
@@ -76,7 +79,6 @@ class shape_only_arena final : public c10::Allocator {
     const auto tracked = memory_tracker::installed();
     auto& counting = memscale::detail::counting_cpu_allocator::instance();
     if (tracked) memscale::detail::counting_cpu_allocator::check_limit(size);
-    constexpr std::size_t alignment = 64;  // LibTorch's CPU alignment
     const auto rounded = (bytes + alignment - 1) / alignment * alignment;
     char* data = nullptr;
     {

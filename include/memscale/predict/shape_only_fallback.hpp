@@ -168,7 +168,7 @@ inline void census_run(const c10::OperatorHandle& op, c10::DispatchKeySet keys, 
   const auto span = [](const torch::Tensor& t) {  // the bytes its sizes and strides reach from its first element
     return static_cast<std::size_t>(at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.itemsize()));
   };
-  constexpr std::size_t alignment = 64;
+  constexpr auto alignment = shape_only_arena::alignment;  // each argument's copy aligned as the arena's blocks
   std::size_t needed = 0;
   for (const auto& v : args)
     if (shape_only(v)) needed += (span(v.toTensor()) + alignment - 1) / alignment * alignment;
