@@ -1208,21 +1208,45 @@ TEST_CASE("the model of CUDA's caching allocator rounds, carves segments, splits
     // 7 MiB a row through 16, 24 and 32 (and beyond), but 28 holds 6 MiB more than that line: (28, 32) rises
     // 5.5 MiB a row, and gives 64 rows 48 MiB short.
     const auto low = step(112 * MiB), mid = step(168 * MiB), near = step(202 * MiB), top = step(224 * MiB);
-    memscale::predictor::timeline_fit fit(near, 28, top, 32);
+    using memscale::predictor::bound_close_pair;
+    using memscale::predictor::timeline_fit;
+    timeline_fit fit(near, 28, top, 32);
     CHECK(fit.peak(64) == 400 * MiB);
-    const auto said = memscale::predictor::bound_close_pair(fit, near, top, {{24, &mid}, {16, &low}});
+    const auto said = bound_close_pair(fit, {{24, &mid}, {16, &low}}, 64);
     INFO(said);
-    CHECK(said.find("the pair (28, 32)'s peaks rise 5632 KiB a row where every two of the steps at 16, 24 and 32 "
-                    "rise 7168 KiB") != std::string::npos);
+    CHECK(said == "the pair (28, 32)'s peaks rise 5.50 MiB a row where every two of the steps at 16, 24 and 32 rise "
+                  "7.00 MiB: taken for a step off its path's line, which the pair would carry far beyond 32, so the "
+                  "peak beyond it is held no lower than the line through the steps at 16 and 32 (at 64: 448.00 MiB "
+                  "where the pair gave 400.00 MiB)");
     CHECK(fit.bounding_batch() == 16);
     CHECK(fit.peak(64) == 448 * MiB);
     CHECK(fit.peak(32) == 224 * MiB);  // at and below b2, the pair's
     CHECK(fit.peak(30) == 213 * MiB);
-    // A path that costs more per row from 26 on (as WiderPath): (24, 32) rises more than the close pair, (16, 24)
-    // less; the pair stands.
+    // A size measured at 64 (set_bytes: a workspace) moves the bound by as much as it moves the events' peak.
+    auto raised = fit;
+    fit.set_bytes(64, 0, 1, 300 * MiB);  // 100 MiB under the pair's line
+    CHECK(fit.peak(64) == 348 * MiB);
+    CHECK(fit.peak(65) == 455 * MiB);
+    raised.set_bytes(64, 0, 1, 500 * MiB);  // 100 MiB over it
+    CHECK(raised.peak(64) == 548 * MiB);
+    // Only the step at 24 beside the pair: (24, 32) alone, the line from 24.
+    timeline_fit from_mid(near, 28, top, 32);
+    CHECK(bound_close_pair(from_mid, {{24, &mid}}, 64).find("where the steps at 24 and 32 rise 7.00 MiB: ") !=
+          std::string::npos);
+    CHECK(from_mid.bounding_batch() == 24);
+    CHECK(from_mid.peak(64) == 448 * MiB);
+    // Not bounded: a pair less than a tenth under the others (6.65 MiB a row against 7); another step at or above
+    // b1; a path that costs more per row from 26 on (as WiderPath): (24, 32) rises more than the close pair, (16,
+    // 24) less, and the pair stands.
+    const auto near_line = step(224 * MiB - std::llround(4 * 6.65 * MiB));
+    timeline_fit nearly(near_line, 28, top, 32);
+    CHECK(bound_close_pair(nearly, {{24, &mid}, {16, &low}}, 64).empty());
+    timeline_fit above(near, 28, top, 32);
+    CHECK(bound_close_pair(above, {{30, &mid}, {16, &low}}, 64).empty());
+    CHECK(above.bounding_batch() == 0);
     const auto steeper = step(120 * MiB);  // at 24
-    memscale::predictor::timeline_fit wider(step(208 * MiB), 28, top, 32);
-    CHECK(memscale::predictor::bound_close_pair(wider, step(208 * MiB), top, {{24, &steeper}, {16, &low}}).empty());
+    timeline_fit wider(step(208 * MiB), 28, top, 32);
+    CHECK(bound_close_pair(wider, {{24, &steeper}, {16, &low}}, 64).empty());
     CHECK(wider.bounding_batch() == 0);
     CHECK(wider.peak(64) == 352 * MiB);
   }

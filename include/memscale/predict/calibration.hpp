@@ -236,7 +236,7 @@ inline constexpr std::int64_t smallest_near_batch = first_calibration_batch + 4;
       timeline_fit fit(*near, near_batch, *top, high);
       std::vector<std::pair<std::int64_t, const timeline*>> others{{mid_batch, &*mid}};
       if (low) others.emplace_back(high / 2, &*low);
-      const auto bounded = bound_close_pair(fit, *near, *top, std::move(others));
+      const auto bounded = bound_close_pair(fit, std::move(others), c.example.size(0));
       return measured(std::move(fit), *top, bounded);
     }
     note = said("the step's allocations differ between batches " + std::to_string(high / 2) + ", " +
