@@ -6,7 +6,10 @@
 // each pair of recorded batches below the full one whose timelines align, it
 // extrapolates the pair to the full batch, as predict does, and prints:
 //   - whether that matches the recorded full-batch timeline event by event (the
-//     largest difference of live bytes), and the two peaks;
+//     largest difference of live bytes), and the two peaks; how much the whole
+//     steps' peaks rise a row; for a close pair (at most b2/8 apart, predict's
+//     (7H/8, H)), whether the steps recorded from b2/2 below it bound its peak
+//     (predict/timeline.hpp, bound_close_pair) and the peak and reserve then;
 //   - the caching allocator's reserve above the allocations, replayed through
 //     memscale's model (predict/cuda_reserve.hpp: parameters resident, AdamW's
 //     two moments after the first step, what was allocated before the model as
@@ -115,7 +118,23 @@ int analyze(const std::string& path) {
           std::cout << " (recorded " << at_full->peak() / MiB << ", its events differ: " << at_full->live.size()
                     << ")";
         }
-        std::cout << ", replayed reserve " << replayed(fit, full, model) / MiB << " MiB";
+        std::cout << ", replayed reserve " << replayed(fit, full, model) / MiB << " MiB; whole peaks rise "
+                  << static_cast<double>(t2.peak() - t1.peak()) / static_cast<double>(b2 - b1) / MiB << " MiB a row";
+        // A close pair (predict's (7H/8, H)) bounded by the recorded steps from b2/2 below it (bound_close_pair).
+        std::vector<std::pair<std::int64_t, const timeline*>> others;
+        for (const auto& [b, t] : runs)
+          if (2 * b >= b2 && b < b1) others.emplace_back(b, &t);
+        if (8 * (b2 - b1) <= b2 && !others.empty()) {
+          auto bounded = fit;
+          const auto said = memscale::predictor::bound_close_pair(bounded, others, full);
+          std::cout << (said.empty() ? "; close pair, not bounded" : "; close pair bounded: peak at " +
+                                                                           std::to_string(full) + " " +
+                                                                           std::to_string(bounded.peak(full) / MiB) +
+                                                                           " MiB, replayed reserve " +
+                                                                           std::to_string(replayed(bounded, full,
+                                                                                                   model) / MiB) +
+                                                                           " MiB");
+        }
         // The pair's check in predict (calibration.hpp, fit_near_target): the recorded batches between them.
         for (const auto& [b, t] : runs)
           if (b > b1 && b < b2 && memscale::predictor::aligned(t, t2))
