@@ -126,14 +126,11 @@ int analyze(const std::string& path) {
           if (2 * b >= b2 && b < b1) others.emplace_back(b, &t);
         if (8 * (b2 - b1) <= b2 && !others.empty()) {
           auto bounded = fit;
-          const auto said = memscale::predictor::bound_close_pair(bounded, others, full);
-          std::cout << (said.empty() ? "; close pair, not bounded" : "; close pair bounded: peak at " +
-                                                                           std::to_string(full) + " " +
-                                                                           std::to_string(bounded.peak(full) / MiB) +
-                                                                           " MiB, replayed reserve " +
-                                                                           std::to_string(replayed(bounded, full,
-                                                                                                   model) / MiB) +
-                                                                           " MiB");
+          if (memscale::predictor::bound_close_pair(bounded, others, full).empty())
+            std::cout << "; close pair, not bounded";
+          else
+            std::cout << "; close pair bounded: peak at " << full << " " << bounded.peak(full) / MiB
+                      << " MiB, replayed reserve " << replayed(bounded, full, model) / MiB << " MiB";
         }
         // The pair's check in predict (calibration.hpp, fit_near_target): the recorded batches between them.
         for (const auto& [b, t] : runs)

@@ -2,12 +2,10 @@
 // LibTorch has CUDA, host RAM always; a CPU-only host is a first-class target.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <optional>
 #include <ostream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -15,6 +13,7 @@
 
 #include <torch/cuda.h>
 
+#include <memscale/detail/format.hpp>
 #include <memscale/device/memory_tracker.hpp>
 
 #if MEMSCALE_HAS_CUDA()
@@ -65,20 +64,6 @@ struct HardwareInfo {
 }
 
 namespace detail {
-
-inline std::string format_bytes(std::int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double value = std::abs(static_cast<double>(bytes));  // not -bytes: INT64_MIN has no negation
-  int unit = 0;
-  while (value >= 1024.0 && unit < 4) {
-    value /= 1024.0;
-    ++unit;
-  }
-  std::ostringstream os;
-  os.precision(unit == 0 ? 0 : 2);
-  os << std::fixed << (bytes < 0 ? "-" : "") << value << ' ' << units[unit];
-  return os.str();
-}
 
 /// /proc/cpuinfo's first "model name", or "unknown".
 inline std::string cpu_model() {

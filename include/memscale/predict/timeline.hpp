@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -23,6 +22,7 @@
 #include <c10/core/Device.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 
+#include <memscale/detail/format.hpp>
 #include <memscale/device/memory_tracker.hpp>
 #include <memscale/errors.hpp>
 
@@ -112,16 +112,18 @@ class timeline_fit {
   /// The batch set_bytes corrected (0: none).
   [[nodiscard]] std::int64_t corrected_batch() const noexcept { return correction_.empty() ? 0 : corrected_batch_; }
   [[nodiscard]] std::int64_t peak(std::int64_t batch) const {
-    double best = 0.0, uncorrected = 0.0;
-    for (std::size_t e = 0; e < t1_.live.size(); ++e) {
-      best = std::max(best, value(e, batch));
-      if (bound_) uncorrected = std::max(uncorrected, line(e, batch));
-    }
+    double best = 0.0;
+    for (std::size_t e = 0; e < t1_.live.size(); ++e) best = std::max(best, value(e, batch));
     if (bound_ && batch > b2_) {
       const double p2 = static_cast<double>(t2_.peak());
-      const double bound = p2 + (p2 - static_cast<double>(bound_->second)) * static_cast<double>(batch - b2_) /
-                                    static_cast<double>(b2_ - bound_->first);
-      best = std::max(best, bound + (best - uncorrected));  // with what set_bytes changed at this batch
+      double bound = p2 + (p2 - static_cast<double>(bound_->second)) * static_cast<double>(batch - b2_) /
+                              static_cast<double>(b2_ - bound_->first);
+      if (batch == corrected_batch()) {  // moved by what set_bytes changed in the events' peak here
+        double uncorrected = 0.0;
+        for (std::size_t e = 0; e < t1_.live.size(); ++e) uncorrected = std::max(uncorrected, line(e, batch));
+        bound += best - uncorrected;
+      }
+      best = std::max(best, bound);
     }
     return static_cast<std::int64_t>(best + 0.5);
   }
@@ -230,23 +232,18 @@ class timeline_fit {
   if (!(least > 0.0 && close < 0.9 * least)) return {};
   const auto was = fit.peak(target);
   fit.bound_peak_below(others.front().first, others.front().second->peak());
-  const auto bytes = [](double b) {
-    char text[40];
-    if (std::abs(b) >= 1024.0 * 1024.0) std::snprintf(text, sizeof text, "%.2f MiB", b / (1024.0 * 1024.0));
-    else std::snprintf(text, sizeof text, "%.1f KiB", b / 1024.0);
-    return std::string(text);
-  };
+  const auto bytes = [](double b) { return memscale::detail::format_bytes(std::llround(b)); };
   std::string batches;
   for (std::size_t i = 0; i < others.size(); ++i)
     batches += (i == 0 ? "" : i + 1 == others.size() ? " and " : ", ") + std::to_string(others[i].first);
+  const auto range = bytes(least) + (bytes(most) != bytes(least) ? " to " + bytes(most) : std::string());
   return "the pair (" + std::to_string(b1) + ", " + std::to_string(b2) + ")'s peaks rise " + bytes(close) +
-         " a row where " + (others.size() > 2 ? "every two of " : "") + "the steps at " + batches + " rise " +
-         bytes(least) + (bytes(most) != bytes(least) ? " to " + bytes(most) : std::string()) + ": taken for a step off its path's " +
-         "line, which the pair would carry far beyond " + std::to_string(b2) + ", so the peak beyond it is held " +
-         "no lower than the line through the steps at " +
+         " a row where " + (others.size() > 2 ? "every two of " : "") + "the steps at " + batches + " rise " + range +
+         ": taken for a step off its path's line, which the pair would carry far beyond " + std::to_string(b2) +
+         ", so the peak beyond it is held no lower than the line through the steps at " +
          std::to_string(others.front().first) + " and " + std::to_string(b2) + " (at " + std::to_string(target) +
-         ": " + bytes(static_cast<double>(fit.peak(target))) + " where the pair gave " +
-         bytes(static_cast<double>(was)) + ")";
+         ": " + memscale::detail::format_bytes(fit.peak(target)) + " where the pair gave " +
+         memscale::detail::format_bytes(was) + ")";
 }
 
 namespace detail {
