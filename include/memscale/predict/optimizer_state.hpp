@@ -11,12 +11,16 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <typeinfo>
+#include <unordered_set>
 #include <vector>
 
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/torch.h>
 
+#include <memscale/detail/format.hpp>
 #include <memscale/errors.hpp>
 #include <memscale/predict/timeline.hpp>
 #include <memscale/techniques/optim8bit.hpp>
@@ -100,7 +104,7 @@ inline optim::AdamW8bitOptions as_eight_bit(const torch::optim::OptimizerOptions
               return (1 + (options.momentum() > 0.0 ? 1 : 0) + (options.centered() ? 1 : 0)) * detail::bytes_of(p);
             },
             &detail::shadow_of<RMSprop, RMSpropOptions>};
-  throw Error(std::string("memscale::predict(): cannot size this optimizer (") + typeid(optimizer).name() +
+  throw Error(std::string("memscale::predict(): cannot size this optimizer (") + c10::demangle(typeid(optimizer).name()) +
               "): the types predict() knows are " + supported_optimizers);
 }
 
@@ -110,9 +114,11 @@ inline optim::AdamW8bitOptions as_eight_bit(const torch::optim::OptimizerOptions
   if (optimizer.state().empty()) return 0;
   const auto sizing = sizing_of(optimizer);
   std::int64_t bytes = 0;
+  std::unordered_set<const c10::TensorImpl*> seen;  // a tensor listed twice has one state
   for (const auto& group : optimizer.param_groups())
     for (const auto& p : group.params())
-      if (p.defined() && p.requires_grad() && p.device() == device) bytes += sizing.state_bytes(p, group.options());
+      if (p.defined() && p.requires_grad() && p.device() == device && seen.insert(p.unsafeGetTensorImpl()).second)
+        bytes += sizing.state_bytes(p, group.options());
   return bytes;
 }
 
@@ -135,11 +141,13 @@ struct optimizer_footprint {
   const auto& sizing = as != nullptr ? *as : own;
   optimizer_footprint out;
   out.name = sizing.name;
+  std::unordered_set<const c10::TensorImpl*> seen;  // a tensor listed twice has one state
   for (const auto& group : optimizer.param_groups()) {
     const auto& options = as_options != nullptr ? *as_options : group.options();
     torch::Tensor largest;
     for (const auto& p : group.params()) {
-      if (!p.defined() || !p.requires_grad() || p.device() != device) continue;
+      if (!p.defined() || !p.requires_grad() || p.device() != device || !seen.insert(p.unsafeGetTensorImpl()).second)
+        continue;
       out.state_bytes += sizing.state_bytes(p, options);
       if (!largest.defined() || p.numel() > largest.numel()) largest = p;
     }
@@ -159,6 +167,115 @@ struct optimizer_footprint {
     out.transient_bytes = std::max(out.transient_bytes, t.peak() - std::max<std::int64_t>(0, t.end()));
   }
   return out;
+}
+
+/// The leaves whose gradients backward from `loss` accumulates (its graph's
+/// AccumulateGrad nodes): the parameters a step gives a gradient, and with it
+/// (torch::optim's lazy state) optimizer state.
+[[nodiscard]] inline std::unordered_set<const c10::TensorImpl*> gradient_leaves(const torch::Tensor& loss) {
+  std::unordered_set<const c10::TensorImpl*> leaves;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  if (loss.grad_fn()) stack.push_back(loss.grad_fn().get());
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    if (const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(node)) {
+      leaves.insert(acc->variable.unsafeGetTensorImpl());
+      continue;
+    }
+    for (const auto& edge : node->next_edges())
+      if (edge.function) stack.push_back(edge.function.get());
+  }
+  return leaves;
+}
+
+/// Of what size_optimizer() counted, the state of the parameters among
+/// `without_gradient` that the optimizer holds none for yet: a step that gives
+/// them no gradient makes none (Adagrad's, made with the optimizer, is held).
+[[nodiscard]] inline std::int64_t state_never_made(const torch::optim::Optimizer& optimizer, c10::Device device,
+                                                   const std::unordered_set<const c10::TensorImpl*>& without_gradient,
+                                                   const optimizer_sizing* as = nullptr,
+                                                   const torch::optim::OptimizerOptions* as_options = nullptr) {
+  if (without_gradient.empty()) return 0;
+  const auto own = sizing_of(optimizer);
+  const auto& sizing = as != nullptr ? *as : own;
+  std::int64_t bytes = 0;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& group : optimizer.param_groups())
+    for (const auto& p : group.params()) {
+      if (!p.defined() || !p.requires_grad() || p.device() != device || !seen.insert(p.unsafeGetTensorImpl()).second ||
+          without_gradient.count(p.unsafeGetTensorImpl()) == 0 || optimizer.state().count(optim::state_key(p)) > 0)
+        continue;
+      bytes += sizing.state_bytes(p, as_options != nullptr ? *as_options : group.options());
+    }
+  return bytes;
+}
+
+/// `tensors` with each TensorImpl once, in their order.
+[[nodiscard]] inline std::vector<torch::Tensor> distinct(const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& t : tensors)
+    if (!t.defined() || seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
+  return out;
+}
+
+/// The optimizer the plan steps: `optimizer` as it is (`own`), or under
+/// Config::use_8bit_optimizer an AdamW sized as memscale::optim::AdamW8bit
+/// with its hyperparameters (what memscale::make_optimizer builds).
+struct planned_optimizer_sizing {
+  optimizer_footprint footprint;
+  std::optional<optimizer_sizing> as;  // AdamW8bit's, or none: the optimizer's own
+  std::optional<optim::AdamW8bitOptions> options;
+  std::string note;
+};
+[[nodiscard]] inline planned_optimizer_sizing plan_optimizer(const torch::optim::Optimizer& optimizer,
+                                                             c10::Device device, const optimizer_footprint& own,
+                                                             bool use_8bit) {
+  planned_optimizer_sizing out{own, std::nullopt, std::nullopt, {}};
+  if (use_8bit && own.name == "torch::optim::AdamW" && !optimizer.param_groups().empty()) {
+    out.as = adamw8bit_sizing();
+    out.options = detail::as_eight_bit(optimizer.param_groups().front().options());
+    out.footprint = size_optimizer(optimizer, device, &*out.as, &*out.options);
+    out.note = "use_8bit_optimizer: the plan's optimizer state is sized as memscale::optim::AdamW8bit with the "
+               "AdamW's hyperparameters (what memscale::make_optimizer builds)";
+  } else if (use_8bit && own.name != "memscale::optim::AdamW8bit") {
+    out.note = "use_8bit_optimizer: only an AdamW is replaced by AdamW8bit; the " + own.name + " is sized as it is";
+  }
+  return out;
+}
+
+/// Takes the parameters among `trainable` that a step gives no gradient (not
+/// in `reached`: the forward does not use them) out of the gradient bytes, and
+/// their state, and that of the optimizer's tensors not reached (one that is
+/// not the model's), where the optimizer holds none yet, out of both footprints.
+/// Returns a note saying so (empty: every parameter gets a gradient).
+[[nodiscard]] inline std::string drop_idle(const std::vector<torch::Tensor>& trainable,
+                                           const std::unordered_set<const c10::TensorImpl*>& reached,
+                                           const torch::optim::Optimizer& optimizer, c10::Device device,
+                                           std::int64_t& gradient_bytes, optimizer_footprint& own,
+                                           planned_optimizer_sizing& planned) {
+  std::unordered_set<const c10::TensorImpl*> idle;
+  std::int64_t idle_bytes = 0;  // their gradients
+  for (const auto& p : trainable)
+    if (reached.count(p.unsafeGetTensorImpl()) == 0 && idle.insert(p.unsafeGetTensorImpl()).second)
+      idle_bytes += static_cast<std::int64_t>(p.nbytes());
+  for (const auto& group : optimizer.param_groups())  // the optimizer's, the model's or not
+    for (const auto& p : group.params())
+      if (p.defined() && p.requires_grad() && reached.count(p.unsafeGetTensorImpl()) == 0)
+        idle.insert(p.unsafeGetTensorImpl());
+  if (idle.empty()) return {};
+  const auto state = state_never_made(optimizer, device, idle);
+  gradient_bytes -= idle_bytes;
+  own.state_bytes -= state;
+  planned.footprint.state_bytes -=
+      planned.as ? state_never_made(optimizer, device, idle, &*planned.as, &*planned.options) : state;
+  return std::to_string(idle.size()) + " parameter tensor(s) of the model or the optimizer get no gradient in the "
+         "step (the forward does not reach them): no gradient is counted for them (" +
+         memscale::detail::format_bytes(idle_bytes) + "), nor optimizer state where the optimizer holds none yet (" +
+         memscale::detail::format_bytes(state) + ")";
 }
 
 }  // namespace memscale::predictor

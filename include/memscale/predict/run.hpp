@@ -110,7 +110,10 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
 
   Prediction out;
   out.batch_size = example_input.size(0);
-  const auto parameters = root->parameters();
+  // Each tensor once: LibTorch lists a weight registered under two names (tied
+  // the way register_parameter ties it) twice, where the step holds it, its
+  // gradient and its state once.
+  const auto parameters = distinct(root->parameters());
   const auto device = detail::model_device(parameters, example_input);
   out.device = device.str();
 
@@ -138,19 +141,11 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     if (memory_tracker::installed()) allocator_before = memory_tracker::current_bytes();
   }
 
-  const auto own = size_optimizer(optimizer, device);  // throws for a type it cannot size, before any calibration
+  auto own = size_optimizer(optimizer, device);  // throws for a type it cannot size, before any calibration
   out.optimizer = own.name;
-  auto planned_optimizer = own;
-  if (config.use_8bit_optimizer && own.name == "torch::optim::AdamW" && !optimizer.param_groups().empty()) {
-    const auto eight_bit = adamw8bit_sizing();
-    const auto options = detail::as_eight_bit(optimizer.param_groups().front().options());
-    planned_optimizer = size_optimizer(optimizer, device, &eight_bit, &options);
-    out.notes.push_back("use_8bit_optimizer: the plan's optimizer state is sized as memscale::optim::AdamW8bit with "
-                        "the AdamW's hyperparameters (what memscale::make_optimizer builds)");
-  } else if (config.use_8bit_optimizer && own.name != "memscale::optim::AdamW8bit") {
-    out.notes.push_back("use_8bit_optimizer: only an AdamW is replaced by AdamW8bit; the " + own.name +
-                        " is sized as it is");
-  }
+  auto plan_sizing = plan_optimizer(optimizer, device, own, config.use_8bit_optimizer);
+  if (!plan_sizing.note.empty()) out.notes.push_back(plan_sizing.note);
+  auto& planned_optimizer = plan_sizing.footprint;
 
   // Calibration: the model as it is, then with the plan.
   core::verify::sandbox box(*root);  // gradients, buffers and RNG back at the end
@@ -190,9 +185,15 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
           0, allocator_growth + resident_after->resident_bytes - resident_before->resident_bytes -
                  (memory_tracker::installed() ? memory_tracker::current_bytes() - allocator_before : 0));
   } else if (process && process->active()) {
-    process_growth = process->peak_growth();
+    // Kept gradients (1.x) are made before each recorded step, as zeros: resident, yet outside
+    // its timeline. They are the breakdown's gradients row, not memory outside the allocator.
+    process_growth = std::max<std::int64_t>(0, process->peak_growth() - (c.gradients_kept ? fixed.gradient_bytes : 0));
   }
   process.reset();
+  if (c.reached) {  // parameters the forward does not reach
+    auto note = drop_idle(trainable, *c.reached, optimizer, device, fixed.gradient_bytes, own, plan_sizing);
+    if (!note.empty()) out.notes.push_back(std::move(note));
+  }
   std::int64_t persistent = 0;  // CUDA: what stays allocated that is not the model's (cuBLAS's workspaces, ...)
   if (device.is_cuda()) {
     box.reset();  // the caller's gradients set aside: named, as the step's gradients have their own row

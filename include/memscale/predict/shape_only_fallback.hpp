@@ -8,7 +8,8 @@
 // here, and turned on for a span by shape_only_scope (a thread-local
 // IncludeDispatchKeyGuard, which autograd's threads inherit), handles every
 // operator that reaches it:
-//   - an in-place operator returns its written argument and computes nothing;
+//   - an in-place operator returns its written argument and computes nothing
+//     (one that changes the argument's sizes or strides runs for real);
 //   - views, out= and other aliasing operators, operators without a tensor
 //     argument (factories), operators with integer or bool results (indices
 //     stay right) and operators with no meta kernel (no shape function in this
@@ -126,6 +127,13 @@ inline bool reads_values(const std::string& name) {
       "aten::masked_select",       "aten::_unique",    "aten::_unique2",     "aten::unique_dim",
       "aten::unique_consecutive",  "aten::argwhere",   "aten::nonzero_numpy"};
   return names.count(name) > 0;
+}
+
+/// In-place operators that change their argument's sizes, strides or storage
+/// rather than its values: what a shape-only step must run for real.
+inline bool changes_metadata(const c10::OperatorHandle& op) {
+  static const std::unordered_set<std::string> names{"aten::resize_", "aten::resize_as_", "aten::set_"};
+  return op.hasTag(at::Tag::inplace_view) || names.count(op.schema().name()) > 0;
 }
 
 /// A memory reporter that asks for no reports: what census_run() puts in the
@@ -252,8 +260,12 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
   bool aliases = false;
   for (const auto& r : schema.returns())
     if (r.alias_info() != nullptr) aliases = true;
-  // In place (one result, the written argument): nothing to compute, nothing allocated.
-  if (writes && schema.overload_name().find("out") == std::string::npos && schema.returns().size() == 1 &&
+  // In place (one result, the written argument): nothing to compute, nothing allocated. Not
+  // those that change the argument's sizes or strides (transpose_, unsqueeze_, as_strided_: tagged
+  // inplace_view; resize_, set_), which run for real below: they compute nothing either, and a
+  // resize_ that grows a shape-only tensor allocates from its storage's allocator, the arena.
+  if (writes && !changes_metadata(op) && schema.overload_name().find("out") == std::string::npos &&
+      schema.returns().size() == 1 &&
       schema.returns()[0].alias_info() != nullptr && schema.returns()[0].alias_info()->isWrite()) {
     for (std::size_t i = 0; i < n; ++i) {
       const auto* alias = schema.arguments()[i].alias_info();
