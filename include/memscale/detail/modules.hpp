@@ -11,6 +11,7 @@
 #include <string>
 #include <type_traits>
 #include <typeinfo>
+#include <unordered_set>
 #include <vector>
 
 #include <torch/torch.h>
@@ -87,6 +88,16 @@ class wrapper_module : public torch::nn::Module {
                 "copy its state with torch::save and torch::load");
   }
 };
+
+/// A module's tensors without repeats (LibTorch lists a tensor registered
+/// under two names, a tied weight, twice), in their order.
+inline std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors) {
+  std::unordered_set<const void*> seen;
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors)
+    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
+  return out;
+}
 
 }  // namespace detail
 

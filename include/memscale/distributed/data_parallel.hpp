@@ -86,15 +86,6 @@ inline void broadcast_from_rank0(const process_group& group, const std::vector<a
   for (auto& [t, received] : copies) t.copy_(received);
 }
 
-/// A module's tensors without repeats (tied weights appear once).
-inline std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors) {
-  std::unordered_set<const void*> seen;
-  std::vector<at::Tensor> out;
-  for (const auto& t : tensors)
-    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
-  return out;
-}
-
 }  // namespace detail
 
 #if MEMSCALE_HAS_C10D_REDUCER()
@@ -125,7 +116,7 @@ class DataParallel {
     }
     if (trainable.empty())
       throw Error("memscale::distributed::DataParallel: the model has no parameter that requires a gradient");
-    buffers_ = detail::unique_tensors(root->buffers());
+    buffers_ = memscale::detail::unique_tensors(root->buffers());
     step("comparing parameter shapes across ranks", [&] {
       c10d::verify_params_across_processes(group_, trainable, {});
     });
@@ -138,7 +129,7 @@ class DataParallel {
     // Every rank starts from rank 0's state (DDP's _sync_module_states), received
     // into copies: a failed broadcast leaves the model as it was (and the Reducer
     // built above removes its hooks as it goes).
-    auto states = detail::unique_tensors(root->parameters());
+    auto states = memscale::detail::unique_tensors(root->parameters());
     states.insert(states.end(), buffers_.begin(), buffers_.end());
     step("broadcasting rank 0's parameters and buffers",
          [&] { detail::broadcast_from_rank0(group_, states, /*in_place=*/false); });

@@ -29,9 +29,9 @@
 #include <memscale/execute/verify.hpp>
 #include <memscale/predict/blas_workspace.hpp>
 #include <memscale/predict/op_workspace.hpp>
-#include <memscale/predict/optimizer_state.hpp>
 #include <memscale/predict/shape_only_scope.hpp>
 #include <memscale/predict/timeline.hpp>
+#include <memscale/techniques/checkpoint_recompute.hpp>
 
 namespace memscale::predictor::detail {
 
@@ -74,7 +74,7 @@ struct calibration {
   /// op_calls (0: none), for measure_workspaces.
   std::int64_t op_batch = 0;
   std::vector<op_call> op_calls{};
-  /// The leaves the first step's backward gives a gradient (gradient_leaves).
+  /// The leaves the first step's backward gives a gradient (reachable_leaves).
   std::optional<std::unordered_set<const c10::TensorImpl*>> reached{};
 
   timeline run(std::int64_t batch) {
@@ -104,7 +104,11 @@ struct calibration {
                     (value.defined() ? std::string("one of shape ") + c10::str(value.sizes()) : "an undefined one") +
                     " (on the example's first " + std::to_string(batch) + " rows, as predict() runs it)");
       recorder.mark();
-      if (!reached) reached = gradient_leaves(value);
+      if (!reached) {
+        reached.emplace();
+        for (const auto& leaf : memscale::detail::reachable_leaves({value}, {}))
+          reached->insert(leaf.unsafeGetTensorImpl());
+      }
       value.backward();
       if (shapes_only && shapes_only->values_read() > 0)
         throw Error("the step reads tensor values (item(), a data-dependent shape), which shape-only execution "

@@ -17,7 +17,6 @@
 #include <unordered_set>
 #include <vector>
 
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/torch.h>
 
 #include <memscale/detail/format.hpp>
@@ -169,28 +168,6 @@ struct optimizer_footprint {
   return out;
 }
 
-/// The leaves whose gradients backward from `loss` accumulates (its graph's
-/// AccumulateGrad nodes): the parameters a step gives a gradient, and with it
-/// (torch::optim's lazy state) optimizer state.
-[[nodiscard]] inline std::unordered_set<const c10::TensorImpl*> gradient_leaves(const torch::Tensor& loss) {
-  std::unordered_set<const c10::TensorImpl*> leaves;
-  std::unordered_set<const torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> stack;
-  if (loss.grad_fn()) stack.push_back(loss.grad_fn().get());
-  while (!stack.empty()) {
-    auto* node = stack.back();
-    stack.pop_back();
-    if (!seen.insert(node).second) continue;
-    if (const auto* acc = dynamic_cast<const torch::autograd::AccumulateGrad*>(node)) {
-      leaves.insert(acc->variable.unsafeGetTensorImpl());
-      continue;
-    }
-    for (const auto& edge : node->next_edges())
-      if (edge.function) stack.push_back(edge.function.get());
-  }
-  return leaves;
-}
-
 /// Of what size_optimizer() counted, the state of the parameters among
 /// `without_gradient` that the optimizer holds none for yet: a step that gives
 /// them no gradient makes none (Adagrad's, made with the optimizer, is held).
@@ -211,15 +188,6 @@ struct optimizer_footprint {
       bytes += sizing.state_bytes(p, as_options != nullptr ? *as_options : group.options());
     }
   return bytes;
-}
-
-/// `tensors` with each TensorImpl once, in their order.
-[[nodiscard]] inline std::vector<torch::Tensor> distinct(const std::vector<torch::Tensor>& tensors) {
-  std::vector<torch::Tensor> out;
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& t : tensors)
-    if (!t.defined() || seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
-  return out;
 }
 
 /// The optimizer the plan steps: `optimizer` as it is (`own`), or under

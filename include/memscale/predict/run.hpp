@@ -113,7 +113,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   // Each tensor once: LibTorch lists a weight registered under two names (tied
   // the way register_parameter ties it) twice, where the step holds it, its
   // gradient and its state once.
-  const auto parameters = distinct(root->parameters());
+  const auto parameters = memscale::detail::unique_tensors(root->parameters());
   const auto device = detail::model_device(parameters, example_input);
   out.device = device.str();
 
