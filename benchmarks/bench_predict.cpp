@@ -10,12 +10,17 @@
 //            the allocator's step peak (counting allocator), and times the steps.
 // Then prints predicted vs measured growth with the error, and the time to predict
 // over the median step's time. Models: the example GPT (train_gpt's defaults),
-// the benchmark harness's ResNet-style CNN and MLP chain, and three models the
+// the benchmark harness's ResNet-style CNN and MLP chain, and models the
 // predictor was not developed on (a wider, shallower GPT; a narrower, deeper CNN;
-// an MLP of other widths with BatchNorm). Each runs baseline (the default Config,
+// an MLP of other widths with BatchNorm; on CPU, a batch-first GRU classifier over
+// 10k and 100k tokens, whose small per-step tensors glibc's heap keeps). Each runs baseline (the default Config,
 // which on a roomy host applies nothing) and, for the GPT, with the Aggressive plan.
 //
 //   memscale_bench_predict [--default-malloc] [--max-batch] [--device cuda] [--models gpt,resnet,...]
+//
+// MEMSCALE_BENCH_STEPS sets how many steps after the warm-up the CPU measure runs
+// (3): glibc's heap can grow over several steps (the 100k GRU's at batch 64 for
+// about six), which the prediction, of a steady step, includes.
 //
 // With --max-batch it checks max_batch_size instead, per model at its middle
 // batch (max_batch_table below): under a budget of 1.3x the predicted total,
@@ -150,7 +155,9 @@ int child_measure(const Case& k) {
   std::vector<double> times;
   i64 allocator_peak = 0;
   std::optional<memscale::memory_tracker::process_peak_scope> steady;
-  for (int s = 0; s < 4; ++s) {
+  const char* steps = std::getenv("MEMSCALE_BENCH_STEPS");  // steady steps measured (3)
+  const int n = steps != nullptr ? std::max(1, std::atoi(steps)) : 3;
+  for (int s = 0; s < n + 1; ++s) {
     if (s == 1) steady.emplace();
     memscale::memory_tracker::peak_scope scope;
     const auto t0 = std::chrono::steady_clock::now();
@@ -287,7 +294,7 @@ int main(int argc, char** argv) {
         for (std::string m; std::getline(list, m, ',');) models.push_back(m);
       } else {
         std::cerr << "usage: " << argv[0] << " [--default-malloc] [--max-batch] [--device cpu|cuda] "
-                  << "[--models gpt,resnet,mlp,gpt-wide,cnn-deep,mlp-bn,resnet-bottleneck,gpt-large]\n";
+                  << "[--models gpt,resnet,mlp,gpt-wide,cnn-deep,mlp-bn,resnet-bottleneck,gpt-large,gru,gru-big]\n";
         return 2;
       }
     }
@@ -296,6 +303,7 @@ int main(int argc, char** argv) {
     if (models.empty()) {
       models = {"gpt", "resnet", "mlp", "gpt-wide", "cnn-deep", "mlp-bn", "resnet-bottleneck"};
       if (cuda) models.push_back("gpt-large");
+      else models.insert(models.end(), {"gru", "gru-big"});
     }
     // On the GPU the same models at batches 4x larger (at the CPU's a 0.5 GiB
     // context would be most of every figure), and the GPU benchmark's GPT.
@@ -304,11 +312,13 @@ int main(int argc, char** argv) {
                                                        {"mlp", {4096, 16384, 65536}}, {"gpt-wide", {32, 64, 128}},
                                                        {"cnn-deep", {64, 128, 256}},  {"mlp-bn", {8192, 32768, 131072}},
                                                        {"resnet-bottleneck", {64, 128, 256}},
-                                                       {"gpt-large", {8, 16, 32}}}
+                                                       {"gpt-large", {8, 16, 32}},
+                                                       {"gru", {128, 512, 2048}},     {"gru-big", {128, 512, 2048}}}
              : std::map<std::string, std::vector<i64>>{{"gpt", {8, 16, 32}},      {"resnet", {16, 32, 64}},
                                                        {"mlp", {256, 1024, 4096}}, {"gpt-wide", {8, 16, 32}},
                                                        {"cnn-deep", {16, 32, 64}}, {"mlp-bn", {512, 2048, 8192}},
-                                                       {"resnet-bottleneck", {16, 32, 64}}, {"gpt-large", {2, 4, 8}}};
+                                                       {"resnet-bottleneck", {16, 32, 64}}, {"gpt-large", {2, 4, 8}},
+                                                       {"gru", {32, 64, 128}},    {"gru-big", {32, 64, 128}}};
     std::vector<Case> cases;
     for (const auto& m : models) {
       if (!batches.contains(m)) throw std::invalid_argument("unknown model " + m);

@@ -71,6 +71,25 @@ torch::nn::Sequential mlp(int blocks, i64 width, i64 hidden, bool batchnorm) {
   return seq;
 }
 
+/// A recurrent classifier written as users write one: token embeddings, a
+/// batch-first two-layer GRU (LibTorch's CPU GRU runs a cell per time step, so a
+/// step makes many small tensors: under glibc's mmap threshold at small batches,
+/// in its heap), a linear head on the last step's output.
+struct GRUNetImpl : torch::nn::Module {
+  GRUNetImpl(i64 vocab, i64 embed, i64 hidden, i64 classes)
+      : emb(register_module("emb", torch::nn::Embedding(vocab, embed))),
+        gru(register_module("gru", torch::nn::GRU(torch::nn::GRUOptions(embed, hidden).num_layers(2).batch_first(true)))),
+        head(register_module("head", torch::nn::Linear(hidden, classes))) {}
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    auto out = std::get<0>(gru->forward(emb->forward(tokens)));
+    return head->forward(out.select(1, -1));
+  }
+  torch::nn::Embedding emb;
+  torch::nn::GRU gru;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(GRUNet);
+
 Built build(const std::string& name, i64 batch, torch::Device device) {
   torch::manual_seed(7);
   const auto cross_entropy = [](const torch::Tensor& out, const torch::Tensor& t) {
@@ -112,6 +131,12 @@ Built build(const std::string& name, i64 batch, torch::Device device) {
     const auto x = torch::randn({batch, width});
     const auto t = torch::randn({batch, width});
     return finish(mlp(bn ? 6 : 8, width, hidden, bn), x, t, mse, device);
+  }
+  if (name == "gru" || name == "gru-big") {  // 10k and 100k tokens (the latter's embedding gradient: 48.8 MiB)
+    const i64 vocab = name == "gru" ? 10000 : 100000, steps = 48;
+    const auto tokens = torch::randint(0, vocab, {batch, steps}, torch::kLong);
+    const auto t = torch::randint(10, {batch}, torch::kLong);
+    return finish(GRUNet(vocab, 128, 256, 10), tokens, t, cross_entropy, device);
   }
   throw std::invalid_argument("unknown model " + name);
 }

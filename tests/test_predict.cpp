@@ -1338,6 +1338,82 @@ TEST_CASE("the model of CUDA's caching allocator rounds, carves segments, splits
   }
 }
 
+TEST_CASE("the estimate of glibc's heap keeps freed small tensors resident under a later mapped one",
+          "[predict][malloc_heap]") {
+  using memscale::predictor::malloc_heap_estimate;
+  constexpr std::int64_t KiB = 1024, MiB = 1024 * 1024;
+  SECTION("under the threshold from the heap, with posix_memalign(64)'s chunk, alignment and minimal chunk") {
+    const malloc_heap_estimate m(128 * KiB);
+    CHECK(m.from_heap(32 * KiB));
+    CHECK(m.from_heap(130928));       // a 130944-byte chunk, 131056 sought: under 131072
+    CHECK_FALSE(m.from_heap(130944));  // a 130960-byte chunk, 131072 sought
+    CHECK_FALSE(m.from_heap(16 * MiB));
+    CHECK(malloc_heap_estimate(32 * MiB).from_heap(16 * MiB));
+  }
+  SECTION("freed heap chunks stay resident; a later request reuses them; a mapped block goes when freed") {
+    malloc_heap_estimate m(128 * KiB);
+    for (std::uint64_t k = 0; k < 10; ++k) m.allocate(k, 64 * KiB);  // a forward's small activations
+    for (std::uint64_t k = 0; k < 10; ++k) m.free(k);
+    m.allocate(100, 16 * MiB);  // a large gradient made after them: mapped
+    CHECK(m.peak_live() == 16 * MiB);
+    CHECK(m.peak_resident() == 16 * MiB + 640 * KiB);
+    m.free(100);
+    for (std::uint64_t k = 0; k < 10; ++k) m.allocate(k, 64 * KiB);  // the next step's: the same chunks
+    CHECK(m.peak_resident() == 16 * MiB + 640 * KiB);
+    m.allocate(10, 64 * KiB);  // one more grows the heap
+    m.allocate(101, 16 * MiB);
+    CHECK(m.peak_live() == 16 * MiB + 704 * KiB);
+    CHECK(m.peak_resident() == 16 * MiB + 704 * KiB);
+  }
+  SECTION("a request over the threshold is served from free heap chunks that hold it, as glibc's bins serve it") {
+    malloc_heap_estimate m(128 * KiB);
+    for (std::uint64_t k = 0; k < 8; ++k) m.allocate(k, 64 * KiB);
+    for (std::uint64_t k = 0; k < 8; ++k) m.free(k);
+    m.allocate(8, 256 * KiB);  // into the 512 KiB free: the heap does not grow, and it stays there when freed
+    m.free(8);
+    m.allocate(9, 4 * MiB);  // more than the heap has free: mapped
+    CHECK(m.peak_resident() == 4 * MiB + 512 * KiB);
+    m.allocate(10, 512 * KiB);  // the whole free heap
+    m.allocate(11, 64 * KiB);   // grows it
+    CHECK(m.peak_resident() == 4 * MiB + 576 * KiB);
+    CHECK(m.peak_live() == 4 * MiB + 576 * KiB);
+  }
+  SECTION("a step replayed: what the heap holds at the live peak's moment beyond it, per batch") {
+    using memscale::predictor::timeline;
+    const auto step = [](std::int64_t batch) {  // 64 small activations of 1 KiB a row, freed; then a 16 MiB gradient
+      timeline t;
+      std::int64_t live = 0;
+      for (std::uint32_t k = 0; k < 64; ++k) {
+        t.live.push_back(live += batch * KiB);
+        t.allocation.push_back(true);
+        t.block.push_back(k);
+      }
+      for (std::uint32_t k = 0; k < 64; ++k) {
+        t.live.push_back(live -= batch * KiB);
+        t.allocation.push_back(false);
+        t.block.push_back(k);
+      }
+      t.live.push_back(16 * MiB);
+      t.allocation.push_back(true);
+      t.block.push_back(64);
+      t.live.push_back(0);
+      t.allocation.push_back(false);
+      t.block.push_back(64);
+      return t;
+    };
+    const memscale::predictor::timeline_fit fit(step(2), 2, step(3), 3);
+    REQUIRE(fit.has_blocks());
+    using memscale::predictor::heap_retention;
+    CHECK(heap_retention(fit, 32, {}, {}, 0, 128 * KiB) == 64 * 32 * KiB);  // 32 KiB each: from the heap
+    CHECK(heap_retention(fit, 256, {}, {}, 0, 128 * KiB) == 0);             // 256 KiB each: mapped
+    CHECK(heap_retention(fit, 256, {}, {}, 0, 32 * MiB) == 0);  // all from the heap: the gradient in their chunks
+    timeline unnumbered = step(3);
+    unnumbered.block.clear();
+    CHECK_FALSE(heap_retention(memscale::predictor::timeline_fit(step(2), 2, unnumbered, 3), 32, {}, {}, 0, 128 * KiB)
+                    .has_value());
+  }
+}
+
 TEST_CASE("the model of CUDA's caching allocator replays a real H200 trace to the byte", "[predict][cuda_reserve]") {
   // tests/data/cuda_trace_gpt_b64.json: the allocator's own record of the example GPT's training (model built,
   // a warm-up and 3 steps at batch 64) on an H200, LibTorch 2.11 (benchmarks/studies/cuda_allocator_trace.py).

@@ -21,6 +21,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -29,6 +30,7 @@
 #include <c10/core/Device.h>
 
 #include <memscale/device/memory_tracker.hpp>
+#include <memscale/predict/replay.hpp>
 #include <memscale/predict/timeline.hpp>
 
 namespace memscale::predictor {
@@ -141,43 +143,33 @@ struct replayed_reserve {
   std::int64_t allocated = 0;  ///< its highest allocations
 };
 
-/// The step of `fit` at `batch` replayed through the model three times (a
-/// warm-up and two steady steps), after the blocks that live across steps
-/// (`resident`: parameters, buffers, gradients kept between steps), with the
-/// optimizer's `state` allocated after the first step and its `transient` bytes
-/// taken and given back at each step's end; blocks a step leaves allocated
-/// (LibTorch 2.x's gradients) are freed before the next (zero_grad). nullopt
-/// where the fit has no block numbers (the calibrations did not align).
+/// predict()'s note on what it counts outside CUDA's caching allocator.
+inline constexpr const char* cuda_outside_note =
+    "CUDA: outside the allocator = the caching allocator's reserve above its allocations (the step's extrapolated "
+    "allocations and frees replayed through a model of its rounding, segments and best fit; where the calibrations "
+    "did not align, the reserve it held above its allocations at the larger calibration batch, grown with the step "
+    "beyond it), plus the device memory in use outside it now (the CUDA context, cuBLAS's and cuDNN's handles, and "
+    "other processes' memory); what is allocated on the device beyond the model's tensors, its optimizer's state and "
+    "the example (cuBLAS's workspaces, the program's other tensors) is counted as held through the step";
+
+/// predict()'s note where the calibrations `which` ("without", "with") the plan did not align.
+[[nodiscard]] inline std::string unaligned_reserve_note(const timeline_fit& fit, const char* which) {
+  return std::string("CUDA: the calibrations ") + which + " the plan did not align event by event: the caching " +
+         "allocator's reserve is not replayed: the one held at batch " + std::to_string(fit.second_batch()) +
+         ", beyond it grown with the step (at its rate from " + std::to_string(fit.first_batch()) +
+         ", or its share there where more)";
+}
+
+/// The step of `fit` at `batch` replayed through the caching allocator's model
+/// (replay_steps). nullopt where the fit has no block numbers (the calibrations
+/// did not align).
 [[nodiscard]] inline std::optional<replayed_reserve> replay_reserve(const timeline_fit& fit, std::int64_t batch,
                                                                      const std::vector<std::int64_t>& resident,
                                                                      const std::vector<std::int64_t>& state,
                                                                      std::int64_t transient) {
   if (!fit.has_blocks()) return std::nullopt;
-  constexpr std::uint64_t resident_keys = std::uint64_t{1} << 40, state_keys = std::uint64_t{2} << 40,
-                          transient_key = std::uint64_t{3} << 40;  // a step's blocks: their numbers
   caching_allocator_model m;
-  for (std::size_t i = 0; i < resident.size(); ++i) m.allocate(resident_keys + i, resident[i]);
-  std::set<std::uint32_t> left;
-  for (int pass = 0; pass < 3; ++pass) {
-    for (const auto b : left) m.free(b);
-    left.clear();
-    for (std::size_t e = 0; e < fit.events(); ++e) {
-      const auto b = fit.block(e);
-      if (fit.allocation(e)) {
-        m.allocate(b, fit.bytes(e, batch));
-        left.insert(b);
-      } else {
-        m.free(b);
-        left.erase(b);
-      }
-    }
-    if (pass == 0)
-      for (std::size_t i = 0; i < state.size(); ++i) m.allocate(state_keys + i, state[i]);
-    if (transient > 0) {
-      m.allocate(transient_key, transient);
-      m.free(transient_key);
-    }
-  }
+  replay_steps(m, fit, batch, resident, state, transient);
   return replayed_reserve{m.peak_reserved(), m.peak_allocated()};
 }
 

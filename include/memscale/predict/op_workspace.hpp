@@ -17,12 +17,14 @@
 // allocations in the step's timeline at that batch (timeline_fit::set_bytes),
 // where both list as many. What the call keeps (its outputs) stays extrapolated.
 // A call whose probe runs out of memory, or whose batch is not its inputs'
-// first dimension, is left to the extrapolation.
+// first dimension, is left to the extrapolation. The largest batch that fits
+// (largest_fitting) is made to agree with the answer at that batch (agreeing).
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -241,6 +243,21 @@ struct transient {
   } catch (const std::exception&) {  // the next step meets what made this fail
   }
   return std::nullopt;
+}
+
+/// The largest n >= 1 with peak(n) <= budget (0 when none).
+inline std::int64_t largest_fitting(const std::function<std::int64_t(std::int64_t)>& peak, std::int64_t budget) {
+  if (peak(1) > budget) return 0;
+  std::int64_t low = 1, high = 2;
+  while (high < (std::int64_t{1} << 40) && peak(high) <= budget) {
+    low = high;
+    high *= 2;
+  }
+  while (high - low > 1) {
+    const auto mid = low + (high - low) / 2;
+    (peak(mid) <= budget ? low : high) = mid;
+  }
+  return low;
 }
 
 /// The largest batch that fits, `largest` (from the line at every batch),

@@ -31,8 +31,11 @@
 // BLAS buffers, malloc's retention): that share is measured over the
 // calibration without the plan (shape-only: the resident size's growth beyond
 // the allocator's; real: the resident high-water mark's growth beyond the
-// allocator's peak) and added; on CUDA the caching allocator's reserve above
-// its allocations and the CUDA context are.
+// allocator's peak) and added, with, where glibc's mmap threshold is fixed,
+// what its heap keeps at the full batch of the small tensors the step frees
+// before its peak (the step's allocations replayed: predict/malloc_heap.hpp);
+// on CUDA the caching allocator's reserve above its allocations and the CUDA
+// context are.
 //
 // Nothing predict() touches stays changed: parameters are not stepped (the
 // optimizer is only read), gradients, buffers and the RNG state are put back.

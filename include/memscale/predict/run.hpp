@@ -33,6 +33,7 @@
 #include <memscale/execute/verify.hpp>
 #include <memscale/predict/calibration.hpp>
 #include <memscale/predict/cuda_reserve.hpp>
+#include <memscale/predict/malloc_heap.hpp>
 #include <memscale/predict/op_workspace.hpp>
 #include <memscale/predict/optimizer_state.hpp>
 #include <memscale/predict/outside_memo.hpp>
@@ -74,21 +75,6 @@ inline c10::Device model_device(const std::vector<torch::Tensor>& parameters, co
                   p.device().str() + "); predict() sizes a model on one device");
   }
   return device.value_or(example.device());
-}
-
-/// The largest n >= 1 with peak(n) <= budget (0 when none).
-inline std::int64_t largest_fitting(const std::function<std::int64_t(std::int64_t)>& peak, std::int64_t budget) {
-  if (peak(1) > budget) return 0;
-  std::int64_t low = 1, high = 2;
-  while (high < (std::int64_t{1} << 40) && peak(high) <= budget) {
-    low = high;
-    high *= 2;
-  }
-  while (high - low > 1) {
-    const auto mid = low + (high - low) / 2;
-    (peak(mid) <= budget ? low : high) = mid;
-  }
-  return low;
 }
 
 }  // namespace detail
@@ -321,25 +307,27 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     }
   } else if (device.is_cuda()) {
     outside = memscale::detail::memory_outside_caching_allocator(device);  // the reserve: per timeline and batch, below
-    out.notes.push_back("CUDA: outside the allocator = the caching allocator's reserve above its allocations "
-                        "(the step's extrapolated allocations and frees replayed through a model of its rounding, "
-                        "segments and best fit; where the calibrations did not align, the reserve it held above its "
-                        "allocations at the larger calibration batch, grown with the step beyond it), plus the "
-                        "device memory in use outside it now (the CUDA context, cuBLAS's and cuDNN's handles, and "
-                        "other processes' memory); what is allocated on the device beyond the model's tensors, its "
-                        "optimizer's state and the example (cuBLAS's workspaces, the program's other tensors) is "
-                        "counted as held through the step");
+    out.notes.push_back(cuda_outside_note);
   }
   auto resident = detail::resident_blocks(parameters, root->buffers(), trainable, c.gradients_kept, device);
   if (persistent > 0) resident.push_back(persistent);
   const auto base_state = detail::state_blocks(trainable, own.state_bytes);
   const auto plan_state = detail::state_blocks(trainable, planned_optimizer.state_bytes);
-  const auto cuda_reserve = [&](const timeline_fit& fit, const optimizer_footprint& opt, std::int64_t batch) {
-    if (!device.is_cuda()) return std::int64_t{0};
-    const auto r = replay_reserve(fit, batch, resident, &opt == &own ? base_state : plan_state, opt.transient_bytes);
-    return r ? std::max<std::int64_t>(0, r->reserved - r->allocated) : fit.reserved_overhead(batch);
+  // What the allocator beneath holds beyond the live bytes: CUDA's caching allocator's reserve; glibc's heap
+  // with its threshold fixed (predict/malloc_heap.hpp), less what the real steps' calibration saw of it.
+  const auto beneath = [&, threshold = heap_estimate_threshold()](const timeline_fit& fit,
+                                                                  const optimizer_footprint& opt, std::int64_t batch) {
+    const auto& state = &opt == &own ? base_state : plan_state;
+    if (device.is_cuda()) {
+      const auto r = replay_reserve(fit, batch, resident, state, opt.transient_bytes);
+      return r ? std::max<std::int64_t>(0, r->reserved - r->allocated) : fit.reserved_overhead(batch);
+    }
+    const auto heap = [&](std::int64_t n) {
+      return heap_retention(fit, n, resident, state, opt.transient_bytes, threshold).value_or(0);
+    };
+    if (outside_cpu < 0 || threshold <= 0) return std::int64_t{0};
+    return std::max<std::int64_t>(0, heap(batch) - (base_shape_only ? 0 : heap(fit.second_batch())));
   };
-
   const bool kept = c.gradients_kept;
   const auto breakdown = [&](const timeline_fit& fit, const optimizer_footprint& opt, std::int64_t batch) {
     MemoryBreakdown b = fixed;
@@ -355,16 +343,17 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     const auto beyond_activations = std::max<std::int64_t>(0, dynamic - b.activation_bytes);
     if (!kept) b.gradient_bytes = std::min(fixed.gradient_bytes, beyond_activations);
     b.transient_bytes = beyond_activations - (kept ? 0 : b.gradient_bytes) + persistent;
-    b.outside_allocator_bytes = outside + out.outside_growth_at(batch) + cuda_reserve(fit, opt, batch);
+    b.outside_allocator_bytes = outside + out.outside_growth_at(batch) + beneath(fit, opt, batch);
     return b;
   };
   for (const auto& [fit, which] : {std::pair{&base_fit, "without"}, std::pair{&plan_fit, "with"}})
     if (device.is_cuda() && !fit->has_blocks() && (fit == &base_fit || out.plan_applies))
-      out.notes.push_back(std::string("CUDA: the calibrations ") + which + " the plan did not align event by event: " +
-                          "the caching allocator's reserve is not replayed: the one held at batch " +
-                          std::to_string(fit->second_batch()) + ", beyond it grown with the step (at its rate from " +
-                          std::to_string(fit->first_batch()) + ", or its share there where more)");
+      out.notes.push_back(unaligned_reserve_note(*fit, which));
   out.baseline = breakdown(base_fit, own, out.batch_size);
+  if (const auto heap = device.is_cpu() ? beneath(base_fit, own, out.batch_size) : 0; heap > 0)
+    out.notes.push_back("outside the allocator includes " + memscale::detail::format_bytes(heap) + " at batch " +
+                        std::to_string(out.batch_size) + " that glibc's heap holds at the step's peak: tensors under "
+                        "its mmap threshold, freed before it, stay resident (predict/malloc_heap.hpp)");
   out.planned = breakdown(plan_fit, planned_optimizer, out.batch_size);
   out.baseline_peak_bytes = out.baseline.total_bytes();
   out.peak_bytes = out.planned.total_bytes();
