@@ -174,7 +174,10 @@ inline void attachment::run_native_warmup(const torch::Tensor& example) {
 // (measured on the example GPT and the tests' models: see the README).
 namespace verify {
 inline constexpr double tiling_tolerance = 1e-4;
-inline constexpr double tiling_autocast_tolerance = 3e-2;
+// Under mixed precision: 7e-3 measured in the property test on the VMs of
+// 2026-11; 3.65e-2 on a 32-wide chain under AddressSanitizer (one thread) on an
+// AVX2-only EPYC, 2026-12-01 (a small gradient summed from chunks of both signs).
+inline constexpr double tiling_autocast_tolerance = 5e-2;
 inline constexpr double nondeterministic_tolerance = 1e-4;
 inline constexpr double summation_order_tolerance = 1e-5;  // tests/test_property.cpp's, for the same case
 }  // namespace verify
