@@ -15,14 +15,14 @@
 namespace memscale::predictor {
 
 /// The step of `fit` at `batch` replayed through `model` (allocate(key, bytes),
-/// free(key)) three times (a warm-up and two steady steps), after the blocks
+/// free(key)) `passes` times (3: a warm-up and two steady steps), after the blocks
 /// that live across steps (`resident`: parameters, buffers, gradients kept
 /// between steps), with the optimizer's `state` allocated after the first step
 /// and its `transient` bytes taken and given back at each step's end; blocks a
 /// step leaves allocated (LibTorch 2.x's gradients) are freed before the next
 /// (zero_grad). The events' keys are their block numbers; the fit must have them
-/// (has_blocks()). Up to `passes` passes: fewer where the model has settled()
-/// and it says, after a steady pass, that the pass left it where it began.
+/// (has_blocks()). Fewer passes where the model has settled() and it says,
+/// after a steady pass, that the pass left it where it began.
 template <class Model>
 void replay_steps(Model& model, const timeline_fit& fit, std::int64_t batch, const std::vector<std::int64_t>& resident,
                   const std::vector<std::int64_t>& state, std::int64_t transient, int passes = 3) {
