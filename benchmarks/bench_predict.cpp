@@ -13,8 +13,9 @@
 // the benchmark harness's ResNet-style CNN and MLP chain, and models the
 // predictor was not developed on (a wider, shallower GPT; a narrower, deeper CNN;
 // an MLP of other widths with BatchNorm; on CPU, a batch-first GRU classifier over
-// 10k and 100k tokens, whose small per-step tensors glibc's heap keeps). Each runs baseline (the default Config,
-// which on a roomy host applies nothing) and, for the GPT, with the Aggressive plan.
+// 10k and 100k tokens, whose small per-step tensors glibc's heap keeps, and a ViT
+// around nn::MultiheadAttention). Each runs baseline (the default Config, which on
+// a roomy host applies nothing) and, for the GPTs and the ViT, with the Aggressive plan.
 //
 //   memscale_bench_predict [--default-malloc] [--max-batch] [--device cuda] [--models gpt,resnet,...]
 //
@@ -294,7 +295,7 @@ int main(int argc, char** argv) {
         for (std::string m; std::getline(list, m, ',');) models.push_back(m);
       } else {
         std::cerr << "usage: " << argv[0] << " [--default-malloc] [--max-batch] [--device cpu|cuda] "
-                  << "[--models gpt,resnet,mlp,gpt-wide,cnn-deep,mlp-bn,resnet-bottleneck,gpt-large,gru,gru-big]\n";
+                  << "[--models gpt,resnet,mlp,gpt-wide,cnn-deep,mlp-bn,resnet-bottleneck,gpt-large,gru,gru-big,vit]\n";
         return 2;
       }
     }
@@ -303,7 +304,7 @@ int main(int argc, char** argv) {
     if (models.empty()) {
       models = {"gpt", "resnet", "mlp", "gpt-wide", "cnn-deep", "mlp-bn", "resnet-bottleneck"};
       if (cuda) models.push_back("gpt-large");
-      else models.insert(models.end(), {"gru", "gru-big"});
+      else models.insert(models.end(), {"gru", "gru-big", "vit"});
     }
     // On the GPU the same models at batches 4x larger (at the CPU's a 0.5 GiB
     // context would be most of every figure), and the GPU benchmark's GPT.
@@ -313,12 +314,14 @@ int main(int argc, char** argv) {
                                                        {"cnn-deep", {64, 128, 256}},  {"mlp-bn", {8192, 32768, 131072}},
                                                        {"resnet-bottleneck", {64, 128, 256}},
                                                        {"gpt-large", {8, 16, 32}},
-                                                       {"gru", {128, 512, 2048}},     {"gru-big", {128, 512, 2048}}}
+                                                       {"gru", {128, 512, 2048}},     {"gru-big", {128, 512, 2048}},
+                                                       {"vit", {64, 128, 256}}}
              : std::map<std::string, std::vector<i64>>{{"gpt", {8, 16, 32}},      {"resnet", {16, 32, 64}},
                                                        {"mlp", {256, 1024, 4096}}, {"gpt-wide", {8, 16, 32}},
                                                        {"cnn-deep", {16, 32, 64}}, {"mlp-bn", {512, 2048, 8192}},
                                                        {"resnet-bottleneck", {16, 32, 64}}, {"gpt-large", {2, 4, 8}},
-                                                       {"gru", {32, 64, 128}},    {"gru-big", {32, 64, 128}}};
+                                                       {"gru", {32, 64, 128}},    {"gru-big", {32, 64, 128}},
+                                                       {"vit", {16, 32, 64}}};
     std::vector<Case> cases;
     for (const auto& m : models) {
       if (!batches.contains(m)) throw std::invalid_argument("unknown model " + m);
@@ -326,7 +329,7 @@ int main(int argc, char** argv) {
       // --max-batch: one case per model and plan, at its middle batch.
       const auto at = max_batch ? std::vector<i64>{list[list.size() / 2]} : list;
       for (auto b : at) cases.push_back({m, b, false, device});
-      if (m == "gpt" || m == "gpt-large")
+      if (m == "gpt" || m == "gpt-large" || m == "vit")
         for (auto b : at) cases.push_back({m, b, true, device});
     }
     const std::string self = "/proc/" + std::to_string(getpid()) + "/exe";

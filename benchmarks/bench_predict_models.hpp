@@ -1,6 +1,6 @@
 // memscale_bench_predict's models (bench_predict.cpp's only includer): the example
-// GPT and the harness's ResNet-style CNN and MLP, three models the predictor was
-// not developed on, each built with its example input, loss and targets at a
+// GPT and the harness's ResNet-style CNN and MLP, models the predictor was not
+// developed on (a GRU, a ViT around nn::MultiheadAttention), each built with its example input, loss and targets at a
 // batch, and the Config each row predicts and trains with.
 #pragma once
 
@@ -90,6 +90,51 @@ struct GRUNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(GRUNet);
 
+/// A vision transformer written as users write one: 4x4 patches embedded by a
+/// strided convolution, pre-norm blocks around nn::MultiheadAttention (which
+/// takes [tokens, batch, dim] and asks equal(query, key) to pick its
+/// self-attention path) and a GELU MLP, mean-pooled into a linear head.
+struct ViTBlockImpl : torch::nn::Module {
+  explicit ViTBlockImpl(i64 dim, i64 heads)
+      : norm1(register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})))),
+        attn(register_module("attn", torch::nn::MultiheadAttention(torch::nn::MultiheadAttentionOptions(dim, heads)))),
+        norm2(register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})))),
+        mlp(register_module("mlp", torch::nn::Sequential(torch::nn::Linear(dim, 4 * dim), torch::nn::GELU(),
+                                                          torch::nn::Linear(4 * dim, dim)))) {}
+  torch::Tensor forward(torch::Tensor x) {  // [tokens, batch, dim]
+    const auto h = norm1->forward(x);
+    x = x + std::get<0>(attn->forward(h, h, h));
+    return x + mlp->forward(norm2->forward(x));
+  }
+  torch::nn::LayerNorm norm1;
+  torch::nn::MultiheadAttention attn;
+  torch::nn::LayerNorm norm2;
+  torch::nn::Sequential mlp;
+};
+TORCH_MODULE(ViTBlock);
+
+struct ViTImpl : torch::nn::Module {
+  ViTImpl(i64 dim, i64 heads, int depth, i64 classes)
+      : patches(register_module("patches", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, dim, 4).stride(4)))),
+        position(register_parameter("position", torch::randn({64, 1, dim}) * 0.02)),
+        blocks(register_module("blocks", torch::nn::Sequential())),
+        norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})))),
+        head(register_module("head", torch::nn::Linear(dim, classes))) {
+    for (int i = 0; i < depth; ++i) blocks->push_back(ViTBlock(dim, heads));
+  }
+  torch::Tensor forward(const torch::Tensor& images) {  // [batch, 3, 32, 32]
+    auto x = patches->forward(images).flatten(2).permute({2, 0, 1}) + position;  // [64, batch, dim]
+    x = norm->forward(blocks->forward(x));
+    return head->forward(x.mean(0));
+  }
+  torch::nn::Conv2d patches;
+  torch::Tensor position;
+  torch::nn::Sequential blocks;
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(ViT);
+
 Built build(const std::string& name, i64 batch, torch::Device device) {
   torch::manual_seed(7);
   const auto cross_entropy = [](const torch::Tensor& out, const torch::Tensor& t) {
@@ -137,6 +182,11 @@ Built build(const std::string& name, i64 batch, torch::Device device) {
     const auto tokens = torch::randint(0, vocab, {batch, steps}, torch::kLong);
     const auto t = torch::randint(10, {batch}, torch::kLong);
     return finish(GRUNet(vocab, 128, 256, 10), tokens, t, cross_entropy, device);
+  }
+  if (name == "vit") {  // 32x32 images in 64 patches, 4 blocks of width 192
+    const auto x = torch::randn({batch, 3, 32, 32});
+    const auto t = torch::randint(10, {batch}, torch::kLong);
+    return finish(ViT(192, 6, 4, 10), x, t, cross_entropy, device);
   }
   throw std::invalid_argument("unknown model " + name);
 }

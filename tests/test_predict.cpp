@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -44,6 +45,20 @@ bool shape_only_skipped() {
   if (shape_only_available()) return false;
   SUCCEED("LibTorch 2.x: shape-only execution is unavailable");
   return true;
+}
+
+/// The allocations `body()` makes on CPU, recorded; run shape-only when asked,
+/// its scope's tally copied to `tally` when one is given.
+template <class Body>
+auto recorded(bool shape_only, shape_only_tally* tally, Body&& body) {
+  timeline_scope recorder(c10::kCPU);
+  {
+    std::optional<shape_only_scope> fake;
+    if (shape_only) fake.emplace();
+    body();
+    if (tally != nullptr) *tally = fake->tally();
+  }
+  return recorder.finish();
 }
 
 std::int64_t state_bytes(const torch::optim::Optimizer& optimizer) {
@@ -650,13 +665,7 @@ TEST_CASE("a shape-only step allocates what the real step allocates, computing n
   const auto step = [&](bool shape_only, shape_only_tally* tally, std::int64_t rows = 8) {
     for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
     const auto x = tokens.narrow(0, 0, rows);
-    timeline_scope recorder(c10::kCPU);
-    std::optional<shape_only_scope> fake;
-    if (shape_only) fake.emplace();
-    gpt::loss(model->forward(x), x).backward();
-    if (tally != nullptr) *tally = fake->tally();
-    fake.reset();
-    return recorder.finish();
+    return recorded(shape_only, tally, [&] { gpt::loss(model->forward(x), x).backward(); });
   };
   std::vector<torch::Tensor> before;
   for (const auto& p : model->parameters()) before.push_back(p.detach().clone());
@@ -830,6 +839,55 @@ TEST_CASE("in-place operators that change a tensor's sizes or strides change a s
   }
 }
 
+TEST_CASE("equal(x, x) is answered without reading values, so nn::MultiheadAttention's self-attention runs "
+          "shape-only as it runs for real (LibTorch 1.x)",
+          "[predict][shape_only]") {
+  if (shape_only_skipped()) return;
+  const auto x = torch::randn({4, 4});
+  const auto values_read = [](const std::function<bool()>& call, bool expected) {
+    shape_only_scope scope;
+    CHECK(call() == expected);
+    return scope.values_read();
+  };
+  // One tensor, or a view of it with the same storage offset, sizes and strides: true, nothing read.
+  CHECK(values_read([&] { return torch::equal(x, x); }, true) == 0);
+  CHECK(values_read([&] { return torch::equal(x, x.view({4, 4})); }, true) == 0);
+  // Two tensors, or views that differ (the transpose, another offset): computed, the read counted.
+  const auto copy = x.clone();
+  CHECK(values_read([&] { return torch::equal(x, copy); }, true) == 1);
+  CHECK(values_read([&] { return torch::equal(x, x.t()); }, false) == 1);
+  CHECK(values_read([&] { return torch::equal(x.narrow(0, 0, 2), x.narrow(0, 2, 2)); }, false) == 1);
+
+  // A pre-norm block around nn::MultiheadAttention, called as users call it:
+  // attention(h, h, h) on [tokens, batch, dim], which asks equal(query, key) and
+  // equal(key, value) to choose its self-attention path.
+  memory_tracker::install();
+  torch::manual_seed(21);
+  torch::nn::LayerNorm norm(torch::nn::LayerNormOptions({32}));
+  torch::nn::MultiheadAttention attention(torch::nn::MultiheadAttentionOptions(32, 4));
+  torch::nn::Linear head(32, 8);
+  const auto tokens = torch::randn({12, 6, 32});
+  const auto step = [&](bool shape_only, std::int64_t rows, shape_only_tally* tally = nullptr) {
+    for (auto* m : {static_cast<torch::nn::Module*>(norm.get()), static_cast<torch::nn::Module*>(attention.get()),
+                    static_cast<torch::nn::Module*>(head.get())})
+      for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
+    return recorded(shape_only, tally, [&] {
+      const auto x = tokens.narrow(1, 0, rows);
+      const auto h = norm->forward(x);
+      head->forward((x + std::get<0>(attention->forward(h, h, h))).mean(0)).pow(2).mean().backward();
+    });
+  };
+  (void)step(false, 2);  // one-time allocations
+  shape_only_tally tally;
+  const auto at2 = step(true, 2, &tally);
+  const auto at3 = step(true, 3);
+  CHECK(tally.values_read == 0);
+  CHECK(at2.peak() == step(false, 2).peak());
+  CHECK(at3.peak() == step(false, 3).peak());
+  CHECK(step(true, 6).peak() == step(false, 6).peak());
+  CHECK(memscale::predictor::aligned(at2, at3));
+}
+
 TEST_CASE("a ResNet-style CNN's shape-only step allocates what its real step does (LibTorch 1.x)",
           "[predict][shape_only]") {
   if (shape_only_skipped()) return;
@@ -841,14 +899,9 @@ TEST_CASE("a ResNet-style CNN's shape-only step allocates what its real step doe
   const auto step = [&](bool shape_only, std::int64_t rows, shape_only_tally* tally = nullptr) {
     for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
     memscale::core::verify::sandbox box(*model);  // running statistics put back
-    timeline_scope recorder(c10::kCPU);
-    {
-      std::optional<shape_only_scope> fake;
-      if (shape_only) fake.emplace();
+    return recorded(shape_only, tally, [&] {
       torch::cross_entropy_loss(model->forward(images.narrow(0, 0, rows)), labels.narrow(0, 0, rows)).backward();
-      if (tally != nullptr) *tally = fake->tally();
-    }
-    return recorder.finish();
+    });
   };
   (void)step(false, 2);  // one-time allocations
   shape_only_tally tally;
@@ -1407,11 +1460,40 @@ TEST_CASE("the estimate of glibc's heap keeps freed small tensors resident under
     CHECK(heap_retention(fit, 32, {}, {}, 0, 128 * KiB) == 64 * 32 * KiB);  // 32 KiB each: from the heap
     CHECK(heap_retention(fit, 256, {}, {}, 0, 128 * KiB) == 0);             // 256 KiB each: mapped
     CHECK(heap_retention(fit, 256, {}, {}, 0, 32 * MiB) == 0);  // all from the heap: the gradient in their chunks
+    // What a shape-only calibration at 2 left the heap holding free stays at the batch in the share of
+    // the heap's bytes at 2 still from the heap there: all at 32, none at 256, where they are mapped.
+    using memscale::predictor::heap_share_kept;
+    CHECK(heap_share_kept(fit, 2, 32, 128 * KiB) == 1.0);
+    CHECK(heap_share_kept(fit, 2, 256, 128 * KiB) == 0.0);
+    CHECK(heap_share_kept(fit, 2, 256, 32 * MiB) == 1.0);  // the gradient from the heap too, and the activations
+    CHECK(heap_share_kept(fit, 2, 32, 1 * KiB) == 1.0);    // nothing from the heap at 2: the gain is not theirs
     timeline unnumbered = step(3);
     unnumbered.block.clear();
     CHECK_FALSE(heap_retention(memscale::predictor::timeline_fit(step(2), 2, unnumbered, 3), 32, {}, {}, 0, 128 * KiB)
                     .has_value());
   }
+}
+
+TEST_CASE("glibc's free heap bytes count small blocks freed under a live one: what a shape-only calibration's "
+          "small batches leave, which predict takes off the share outside the allocator",
+          "[predict][malloc_heap]") {
+  const auto start = memscale::detail::malloc_heap_free_bytes();
+  if (!start || test::under_sanitizer) {  // a sanitizer's malloc is not glibc's heap
+    SUCCEED("not glibc's malloc (2.33 or later), or under a sanitizer");
+    return;
+  }
+  constexpr std::size_t block = 64 << 10, count = 32;  // under any mmap threshold glibc uses
+  std::vector<void*> blocks;
+  for (std::size_t i = 0; i <= count; ++i) blocks.push_back(std::memset(std::malloc(block), 1, block));
+  // The highest one stays: the heap gives back only from its top, which it holds, as
+  // the small objects made after a step's tensors (autograd's nodes, ...) do.
+  std::sort(blocks.begin(), blocks.end(), std::less<>());
+  const auto held = memscale::detail::malloc_heap_free_bytes();
+  for (std::size_t i = 0; i < count; ++i) std::free(blocks[i]);
+  const auto freed = memscale::detail::malloc_heap_free_bytes();
+  std::free(blocks.back());
+  REQUIRE((held && freed));
+  CHECK(*freed - *held >= static_cast<std::int64_t>(count * block));
 }
 
 TEST_CASE("the model of CUDA's caching allocator replays a real H200 trace to the byte", "[predict][cuda_reserve]") {

@@ -225,6 +225,19 @@ inline void release_free_heap() noexcept {
   return std::nullopt;
 }
 
+namespace detail {
+/// The bytes glibc's malloc holds free in its heaps, every arena's (mallinfo2's
+/// fordblks); nullopt under another malloc or a glibc before 2.33.
+[[nodiscard]] inline std::optional<std::int64_t> malloc_heap_free_bytes() noexcept {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+  if (process_malloc() != malloc_kind::glibc) return std::nullopt;
+  return static_cast<std::int64_t>(mallinfo2().fordblks);
+#else
+  return std::nullopt;
+#endif
+}
+}  // namespace detail
+
 /// Whether what the process holds follows LibTorch's allocator's live bytes, so
 /// that a plan's cut is the process's (the process-true figures of predict, the
 /// planner's CPU budget and the benchmarks): glibc's malloc with its mmap

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -121,9 +122,12 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   // back what they made, taken as no change.
   std::optional<memscale::detail::process_memory> resident_before;
   std::int64_t allocator_before = 0;
+  std::optional<std::int64_t> heap_free_before;  // glibc's free heap bytes
+  std::int64_t heap_left = 0;                     // ... that a shape-only calibration added
   if (device.is_cpu()) {
     (void)shape_only_available();  // its one-time set-up (a fallback) before the measuring
     resident_before = memscale::detail::read_process_memory();
+    heap_free_before = memscale::detail::malloc_heap_free_bytes();
     if (memory_tracker::installed()) allocator_before = memory_tracker::current_bytes();
   }
 
@@ -138,17 +142,14 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   detail::calibration c{forward, loss_fn, example_input, device, TORCH_VERSION_MAJOR < 2, trainable, &box};
   c.near_target = !device.is_cpu() || detail::near_target_on_cpu();
   std::string misaligned;
-  // What the process holds outside the allocator (libtorch's code read in at
-  // first use, oneDNN and BLAS buffers, malloc's retention), measured over the
-  // calibration without the plan. Real steps: the resident high-water mark's
-  // growth beyond the allocator's largest step. Shape-only steps write none of
-  // their uncomputed outputs (whose pages are then not resident), so there it is
-  // the resident size's growth beyond the allocator's from before the optimizer's
-  // shadow step (whose kernels' code and threads a training step's optimizer
-  // step makes too: 2.3-4.5 MiB on the benchmark models, measured) to after the
-  // calibration: what the shadow step and the census's real first calls left
-  // resident (the code, the kernels' threads and buffers; predict's own meta
-  // kernels' code is counted).
+  // What the process holds outside the allocator (libtorch's code read in at first use, oneDNN and BLAS
+  // buffers, malloc's retention), measured over the calibration without the plan. Real steps: the resident
+  // high-water mark's growth beyond the allocator's largest step. Shape-only steps write none of their
+  // uncomputed outputs (whose pages are then not resident), so there it is the resident size's growth beyond
+  // the allocator's from before the optimizer's shadow step (whose kernels' code and threads a training step's
+  // optimizer step makes too: 2.3-4.5 MiB on the benchmark models, measured) to after the calibration: what the
+  // shadow step and the census's real first calls left resident (the code, the kernels' threads and buffers;
+  // predict's own meta kernels' code is counted; glibc's heap's gain, which `beneath` takes off).
   std::int64_t process_growth = -1, allocator_growth = 0;
   std::optional<memory_tracker::process_peak_scope> process;
   if (device.is_cpu()) process.emplace();
@@ -163,6 +164,8 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   if (!base_shape_only) out.notes.push_back("calibration ran for real: " + base_real_why);
   if (base_shape_only) {
     const auto resident_after = resident_before ? memscale::detail::read_process_memory() : std::nullopt;
+    if (const auto after = memscale::detail::malloc_heap_free_bytes(); heap_free_before && after)
+      heap_left = std::max<std::int64_t>(0, *after - *heap_free_before);  // see `beneath`
     // The resident size can fall over the calibration (pages the allocator or
     // a sanitizer's allocator gave back): then nothing was measured outside the
     // allocator, 0, not the "not measured" of a negative figure.
@@ -314,7 +317,8 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   const auto base_state = detail::state_blocks(trainable, own.state_bytes);
   const auto plan_state = detail::state_blocks(trainable, planned_optimizer.state_bytes);
   // What the allocator beneath holds beyond the live bytes: CUDA's caching allocator's reserve; glibc's heap
-  // with its threshold fixed (predict/malloc_heap.hpp), less what the real steps' calibration saw of it.
+  // with its threshold fixed (predict/malloc_heap.hpp), less what the calibration saw of it: the real steps'
+  // estimate; shape-only, what the heap gained free over it, but the share it keeps at the batch.
   const auto beneath = [&, threshold = heap_estimate_threshold()](const timeline_fit& fit,
                                                                   const optimizer_footprint& opt, std::int64_t batch) {
     const auto& state = &opt == &own ? base_state : plan_state;
@@ -326,7 +330,10 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
       return heap_retention(fit, n, resident, state, opt.transient_bytes, threshold).value_or(0);
     };
     if (outside_cpu < 0 || threshold <= 0) return std::int64_t{0};
-    return std::max<std::int64_t>(0, heap(batch) - (base_shape_only ? 0 : heap(fit.second_batch())));
+    const auto at = heap(batch);
+    if (!base_shape_only) return std::max<std::int64_t>(0, at - heap(fit.second_batch()));
+    return at - static_cast<std::int64_t>(static_cast<double>(heap_left) *
+                                          (1.0 - heap_share_kept(fit, fit.first_batch(), batch, threshold)));
   };
   const bool kept = c.gradients_kept;
   const auto breakdown = [&](const timeline_fit& fit, const optimizer_footprint& opt, std::int64_t batch) {
@@ -343,17 +350,20 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     const auto beyond_activations = std::max<std::int64_t>(0, dynamic - b.activation_bytes);
     if (!kept) b.gradient_bytes = std::min(fixed.gradient_bytes, beyond_activations);
     b.transient_bytes = beyond_activations - (kept ? 0 : b.gradient_bytes) + persistent;
-    b.outside_allocator_bytes = outside + out.outside_growth_at(batch) + beneath(fit, opt, batch);
+    b.outside_allocator_bytes =
+        std::max<std::int64_t>(0, outside + out.outside_growth_at(batch) + beneath(fit, opt, batch));
     return b;
   };
   for (const auto& [fit, which] : {std::pair{&base_fit, "without"}, std::pair{&plan_fit, "with"}})
     if (device.is_cuda() && !fit->has_blocks() && (fit == &base_fit || out.plan_applies))
       out.notes.push_back(unaligned_reserve_note(*fit, which));
   out.baseline = breakdown(base_fit, own, out.batch_size);
-  if (const auto heap = device.is_cpu() ? beneath(base_fit, own, out.batch_size) : 0; heap > 0)
-    out.notes.push_back("outside the allocator includes " + memscale::detail::format_bytes(heap) + " at batch " +
-                        std::to_string(out.batch_size) + " that glibc's heap holds at the step's peak: tensors under "
-                        "its mmap threshold, freed before it, stay resident (predict/malloc_heap.hpp)");
+  if (const auto heap = device.is_cpu() ? beneath(base_fit, own, out.batch_size) : 0; heap != 0)
+    out.notes.push_back("outside the allocator " + std::string(heap > 0 ? "includes " : "takes off ") +
+                        memscale::detail::format_bytes(std::abs(heap)) + " at batch " + std::to_string(out.batch_size) +
+                        " for glibc's heap: what it holds at the step's peak (tensors under its mmap threshold, freed "
+                        "before it, stay resident), less what the calibration's batches left it holding that this "
+                        "batch does not (predict/malloc_heap.hpp)");
   out.planned = breakdown(plan_fit, planned_optimizer, out.batch_size);
   out.baseline_peak_bytes = out.baseline.total_bytes();
   out.peak_bytes = out.planned.total_bytes();

@@ -129,6 +129,21 @@ inline bool reads_values(const std::string& name) {
   return names.count(name) > 0;
 }
 
+/// Whether `a` and `b` are one tensor: the same TensorImpl, or views of one
+/// storage at the same offset with the same sizes, strides, dtype and
+/// negation/conjugation flags (each element compared with itself).
+inline bool same_tensor(const c10::IValue& a, const c10::IValue& b) {
+  if (!a.isTensor() || !b.isTensor()) return false;
+  const auto& x = a.toTensor();
+  const auto& y = b.toTensor();
+  if (!x.defined() || !y.defined()) return false;
+  if (x.unsafeGetTensorImpl() == y.unsafeGetTensorImpl()) return true;
+  return x.has_storage() && y.has_storage() && x.storage().is_alias_of(y.storage()) &&
+         x.storage_offset() == y.storage_offset() && x.sizes() == y.sizes() && x.strides() == y.strides() &&
+         x.dtype() == y.dtype() && x.device() == y.device() && x.layout() == y.layout() && x.is_neg() == y.is_neg() &&
+         x.is_conj() == y.is_conj();
+}
+
 /// In-place operators that change their argument's sizes, strides or storage
 /// rather than its values: what a shape-only step must run for real.
 inline bool changes_metadata(const c10::OperatorHandle& op) {
@@ -211,6 +226,19 @@ inline void shape_only_fallback(const c10::OperatorHandle& op, c10::DispatchKeyS
   auto& state = shape_only_state::instance();
   const auto& schema = op.schema();
   const auto n = schema.arguments().size();
+  // equal(x, x) is true without reading x's values, but for a NaN in x (a
+  // floating x compares unequal to itself there): taken as true, on the ground
+  // that a step whose tensors hold a NaN has no finite loss to train on.
+  // nn::MultiheadAttention asks equal(query, key) and equal(key, value) to
+  // choose its self-attention path; a shape-only step, whose values are
+  // uninitialised, would otherwise read them and take either path.
+  if (schema.name() == "aten::equal" && n == 2 && same_tensor((*stack)[stack->size() - 2], stack->back())) {
+    torch::jit::drop(*stack, n);
+    stack->emplace_back(true);
+    std::lock_guard<std::mutex> lock(state.mutex);
+    if (state.tally != nullptr) ++state.tally->skipped;
+    return;
+  }
   if (reads_values(schema.name())) {
     std::lock_guard<std::mutex> lock(state.mutex);
     if (state.tally != nullptr) ++state.tally->values_read;

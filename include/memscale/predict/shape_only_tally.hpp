@@ -31,7 +31,7 @@ namespace memscale::predictor {
 /// What a shape_only_scope's span did, by operator call.
 struct shape_only_tally {
   std::int64_t shape_only = 0;  ///< ran on meta, outputs allocated uninitialised
-  std::int64_t skipped = 0;     ///< in-place: nothing computed
+  std::int64_t skipped = 0;     ///< in-place, or equal(x, x): nothing computed
   std::int64_t real = 0;        ///< ran for real (views, factories, integer results, no meta kernel)
   std::int64_t census = 0;      ///< also ran for real, unseen: a census's first call of the operator in the process
   /// What the span's operators would take computed: measured for those run for
@@ -45,7 +45,7 @@ struct shape_only_tally {
   /// Operators that ran for real because this LibTorch has no meta kernel for
   /// them (their compute is not skipped), with their call counts.
   std::map<std::string, std::int64_t> without_meta;
-  /// Calls that read tensor values on the host (item(), equal) or whose output
+  /// Calls that read tensor values on the host (item(), equal of two tensors) or whose output
   /// shape depends on them (nonzero, masked_select, unique): computed from
   /// uninitialised memory, so what follows them may not be the real step's.
   std::int64_t values_read = 0;
