@@ -115,19 +115,19 @@ class malloc_heap_estimate {
 /// shape-only calibration (its small batches' tensors under the threshold, and
 /// the census's real calls') holds at the batch in this share: a ViT's 96 KiB
 /// activations at batch 2 are mapped at 16, so little of the gain stays
-/// (measured: 2.4 MiB, the prediction 3.7% over at 16 when it all stayed); a
-/// GRU's gate tensors stay on the heap, so all of it does, where the estimate
-/// alone reads 4% short at 32 (benchmarks/RESULTS.md, "equal(x, x)").
+/// (measured: 2.4 MiB; the prediction 3.8-5.5% over at 16 when it all stayed); a
+/// GRU's gate tensors stay on the heap, so all of it does (with the whole gain
+/// taken off it read 5.0% short at 32; benchmarks/RESULTS.md, "equal(x, x)").
 [[nodiscard]] inline double heap_share_kept(const timeline_fit& fit, std::int64_t from, std::int64_t to,
                                             std::int64_t mmap_threshold) {
   const malloc_heap_estimate m(mmap_threshold);
   double heap = 0, kept = 0;
   for (std::size_t e = 0; e < fit.events(); ++e) {
     if (!fit.allocation(e)) continue;
-    const auto bytes = static_cast<double>(fit.bytes(e, from));
-    if (!m.from_heap(fit.bytes(e, from))) continue;
-    heap += bytes;
-    if (m.from_heap(fit.bytes(e, to))) kept += bytes;
+    const auto bytes = fit.bytes(e, from);
+    if (!m.from_heap(bytes)) continue;
+    heap += static_cast<double>(bytes);
+    if (m.from_heap(fit.bytes(e, to))) kept += static_cast<double>(bytes);
   }
   return heap > 0 ? kept / heap : 1.0;
 }
