@@ -16,6 +16,10 @@
 // 10k and 100k tokens, whose small per-step tensors glibc's heap keeps, and a ViT
 // around nn::MultiheadAttention). Each runs baseline (the default Config, which on
 // a roomy host applies nothing) and, for the GPTs and the ViT, with the Aggressive plan.
+// Not in the default list, a new user's trial (2026-12-02): LibTorch's own
+// nn::TransformerEncoder (Aggressive too), a MobileNet-style net of depthwise
+// convolutions, a convolutional autoencoder (ConvTranspose2d) and a bidirectional
+// LSTM tagger: --models encoder,mobilenet,autoencoder,tagger.
 //
 //   memscale_bench_predict [--default-malloc] [--max-batch] [--device cuda] [--models gpt,resnet,...]
 //
@@ -295,7 +299,8 @@ int main(int argc, char** argv) {
         for (std::string m; std::getline(list, m, ',');) models.push_back(m);
       } else {
         std::cerr << "usage: " << argv[0] << " [--default-malloc] [--max-batch] [--device cpu|cuda] "
-                  << "[--models gpt,resnet,mlp,gpt-wide,cnn-deep,mlp-bn,resnet-bottleneck,gpt-large,gru,gru-big,vit]\n";
+                  << "[--models gpt,resnet,mlp,gpt-wide,cnn-deep,mlp-bn,resnet-bottleneck,gpt-large,gru,gru-big,vit,"
+                  << "encoder,mobilenet,autoencoder,tagger]\n";
         return 2;
       }
     }
@@ -315,13 +320,17 @@ int main(int argc, char** argv) {
                                                        {"resnet-bottleneck", {64, 128, 256}},
                                                        {"gpt-large", {8, 16, 32}},
                                                        {"gru", {128, 512, 2048}},     {"gru-big", {128, 512, 2048}},
-                                                       {"vit", {64, 128, 256}}}
+                                                       {"vit", {64, 128, 256}},       {"encoder", {64, 128, 256}},
+                                                       {"mobilenet", {64, 128, 256}}, {"autoencoder", {64, 128, 256}},
+                                                       {"tagger", {32, 64, 128}}}
              : std::map<std::string, std::vector<i64>>{{"gpt", {8, 16, 32}},      {"resnet", {16, 32, 64}},
                                                        {"mlp", {256, 1024, 4096}}, {"gpt-wide", {8, 16, 32}},
                                                        {"cnn-deep", {16, 32, 64}}, {"mlp-bn", {512, 2048, 8192}},
                                                        {"resnet-bottleneck", {16, 32, 64}}, {"gpt-large", {2, 4, 8}},
                                                        {"gru", {32, 64, 128}},    {"gru-big", {32, 64, 128}},
-                                                       {"vit", {16, 32, 64}}};
+                                                       {"vit", {16, 32, 64}}, {"encoder", {16, 32, 64}},
+                                                       {"mobilenet", {16, 32, 64}}, {"autoencoder", {16, 32, 64}},
+                                                       {"tagger", {8, 16, 32}}};
     std::vector<Case> cases;
     for (const auto& m : models) {
       if (!batches.contains(m)) throw std::invalid_argument("unknown model " + m);
@@ -329,7 +338,7 @@ int main(int argc, char** argv) {
       // --max-batch: one case per model and plan, at its middle batch.
       const auto at = max_batch ? std::vector<i64>{list[list.size() / 2]} : list;
       for (auto b : at) cases.push_back({m, b, false, device});
-      if (m == "gpt" || m == "gpt-large" || m == "vit")
+      if (m == "gpt" || m == "gpt-large" || m == "vit" || m == "encoder")
         for (auto b : at) cases.push_back({m, b, true, device});
     }
     const std::string self = "/proc/" + std::to_string(getpid()) + "/exe";

@@ -135,6 +135,80 @@ struct ViTImpl : torch::nn::Module {
 };
 TORCH_MODULE(ViT);
 
+/// Models for a new user's trial (not in the default list): LibTorch's own
+/// nn::TransformerEncoder, a MobileNet-style net of depthwise convolutions, a
+/// convolutional autoencoder with ConvTranspose2d, and a bidirectional LSTM tagger.
+struct EncoderNetImpl : torch::nn::Module {
+  EncoderNetImpl(i64 vocab, i64 dim, i64 heads, i64 layers, i64 context, i64 classes)
+      : emb(register_module("emb", torch::nn::Embedding(vocab, dim))),
+        position(register_parameter("position", torch::zeros({context, 1, dim}))),
+        encoder(register_module("encoder", torch::nn::TransformerEncoder(torch::nn::TransformerEncoderOptions(
+                                               torch::nn::TransformerEncoderLayerOptions(dim, heads)
+                                                   .dim_feedforward(4 * dim)
+                                                   .dropout(0.1),
+                                               layers)))),
+        head(register_module("head", torch::nn::Linear(dim, classes))) {}
+  torch::Tensor forward(const torch::Tensor& tokens) {  // [batch, context]
+    auto x = emb->forward(tokens).transpose(0, 1) + position;  // [context, batch, dim]
+    return head->forward(encoder->forward(x).mean(0));
+  }
+  torch::nn::Embedding emb;
+  torch::Tensor position;
+  torch::nn::TransformerEncoder encoder;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(EncoderNet);
+
+torch::nn::Sequential mobilenet(i64 classes) {
+  torch::nn::Sequential seq;
+  const auto conv_bn = [&seq](i64 in, i64 out, i64 kernel, i64 stride, i64 groups) {
+    seq->push_back(torch::nn::Conv2d(
+        torch::nn::Conv2dOptions(in, out, kernel).stride(stride).padding(kernel / 2).groups(groups).bias(false)));
+    seq->push_back(torch::nn::BatchNorm2d(out));
+    seq->push_back(torch::nn::ReLU6());
+  };
+  conv_bn(3, 32, 3, 1, 1);
+  i64 c = 32;
+  for (auto [out, stride] : {std::pair<i64, i64>{64, 1}, {128, 2}, {128, 1}, {256, 2}, {256, 1}}) {
+    conv_bn(c, c, 3, stride, c);  // depthwise
+    conv_bn(c, out, 1, 1, 1);     // pointwise
+    c = out;
+  }
+  seq->push_back(torch::nn::AdaptiveAvgPool2d(torch::nn::AdaptiveAvgPool2dOptions(1)));
+  seq->push_back(torch::nn::Flatten());
+  seq->push_back(torch::nn::Linear(c, classes));
+  return seq;
+}
+
+torch::nn::Sequential autoencoder() {
+  const auto down = [](i64 in, i64 out) { return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 4).stride(2).padding(1)); };
+  const auto up = [](i64 in, i64 out) {
+    return torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(in, out, 4).stride(2).padding(1));
+  };
+  return torch::nn::Sequential(down(3, 32), torch::nn::ReLU(), down(32, 64), torch::nn::ReLU(), down(64, 128),
+                               torch::nn::ReLU(), up(128, 64), torch::nn::ReLU(), up(64, 32), torch::nn::ReLU(),
+                               up(32, 3), torch::nn::Sigmoid());
+}
+
+struct TaggerImpl : torch::nn::Module {
+  TaggerImpl(i64 vocab, i64 embed, i64 hidden, i64 tags)
+      : emb(register_module("emb", torch::nn::Embedding(vocab, embed))),
+        lstm(register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(embed, hidden)
+                                                         .num_layers(2)
+                                                         .dropout(0.2)
+                                                         .bidirectional(true)
+                                                         .batch_first(true)))),
+        head(register_module("head", torch::nn::Linear(2 * hidden, tags))) {}
+  torch::Tensor forward(const torch::Tensor& tokens) {  // [batch, steps] -> [batch * steps, tags]
+    auto out = std::get<0>(lstm->forward(emb->forward(tokens)));
+    return head->forward(out).flatten(0, 1);
+  }
+  torch::nn::Embedding emb;
+  torch::nn::LSTM lstm;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(Tagger);
+
 Built build(const std::string& name, i64 batch, torch::Device device) {
   torch::manual_seed(7);
   const auto cross_entropy = [](const torch::Tensor& out, const torch::Tensor& t) {
@@ -187,6 +261,25 @@ Built build(const std::string& name, i64 batch, torch::Device device) {
     const auto x = torch::randn({batch, 3, 32, 32});
     const auto t = torch::randint(10, {batch}, torch::kLong);
     return finish(ViT(192, 6, 4, 10), x, t, cross_entropy, device);
+  }
+  if (name == "encoder") {  // nn::TransformerEncoder: 3 layers of width 128, 64 tokens
+    const auto tokens = torch::randint(0, 8000, {batch, 64}, torch::kLong);
+    const auto t = torch::randint(4, {batch}, torch::kLong);
+    return finish(EncoderNet(8000, 128, 4, 3, 64, 4), tokens, t, cross_entropy, device);
+  }
+  if (name == "mobilenet" || name == "autoencoder") {
+    const auto x = torch::rand({batch, 3, 32, 32});
+    if (name == "autoencoder")
+      return finish(autoencoder(), x, x.clone(), [](const torch::Tensor& out, const torch::Tensor& t) {
+        return torch::binary_cross_entropy(out, t);
+      }, device);
+    const auto t = torch::randint(10, {batch}, torch::kLong);
+    return finish(mobilenet(10), x, t, cross_entropy, device);
+  }
+  if (name == "tagger") {  // per-token tags: the targets are [batch * 64]
+    const auto tokens = torch::randint(0, 5000, {batch, 64}, torch::kLong);
+    const auto t = torch::randint(20, {batch * 64}, torch::kLong);
+    return finish(Tagger(5000, 100, 128, 20), tokens, t, cross_entropy, device);
   }
   throw std::invalid_argument("unknown model " + name);
 }

@@ -768,3 +768,71 @@ TEST_CASE("verify_correctness passes bit-identically through call sites with Bat
     CHECK(same_runs(expected, train(model, x, 2)));
   }
 }
+
+namespace {
+/// LibTorch's own nn::TransformerEncoder, called whole (`loop` false) or layer by
+/// layer through memscale::forward as the Report's note says (`loop` true).
+struct EncoderStackImpl : torch::nn::Module {
+  explicit EncoderStackImpl(bool loop_layers)
+      : encoder(register_module("encoder", torch::nn::TransformerEncoder(torch::nn::TransformerEncoderOptions(
+                                               torch::nn::TransformerEncoderLayerOptions(32, 2).dim_feedforward(64),
+                                               2)))),
+        loop(loop_layers) {}
+  torch::Tensor forward(torch::Tensor x) {  // [tokens, batch, 32]
+    if (!loop) return encoder->forward(x);
+    for (std::size_t i = 0; i < encoder->layers->size(); ++i)
+      x = memscale::forward(*encoder->layers->ptr<torch::nn::TransformerEncoderLayerImpl>(i), x);
+    return x;
+  }
+  torch::nn::TransformerEncoder encoder;
+  bool loop;
+};
+TORCH_MODULE(EncoderStack);
+}  // namespace
+
+TEST_CASE("LibTorch's nn::TransformerEncoder: the Report names it and the loop that makes its layers units, and that "
+          "loop checkpoints them bit-exactly",
+          "[call_sites][whole_model][verify]") {
+  const auto x = torch::randn({16, 8, 32});
+  const std::string loop_line = "memscale::forward(*encoder->layers->ptr<torch::nn::TransformerEncoderLayerImpl>(i), x)";
+  SECTION("called whole: no unit boundaries, and the note says where the layers are") {
+    torch::manual_seed(5);
+    EncoderStack model(false);
+    auto guard = memscale::optimize(model, x, test::quiet({.mode = OptimizationMode::Aggressive}));
+    const auto report = guard.report();
+    INFO(report.str());
+    CHECK(has_note(report, "no unit boundaries"));
+    CHECK(has_note(report, "`encoder` is LibTorch's torch::nn::TransformerEncoder"));
+    CHECK(has_note(report, loop_line));
+  }
+  SECTION("called whole, offload excluded: the refusal says it too") {
+    torch::manual_seed(5);
+    EncoderStack model(false);
+    try {
+      (void)memscale::wrap<memscale::Strategy<memscale::Checkpoint>>(model, x, checkpoint_all());
+      FAIL("expected UnsupportedModelError");
+    } catch (const memscale::UnsupportedModelError& e) {
+      CHECK_THAT(std::string(e.what()), Catch::Contains(loop_line));
+    }
+    CHECK_FALSE(memscale::is_optimized(model));
+  }
+  SECTION("its layers looped through memscale::forward: units, checkpointed bit-exactly (Dropout inside)") {
+    auto [reference, model] = twins<EncoderStack>(5, true);
+    const auto expected = train(reference, x, 2);
+    auto config = checkpoint_all();
+    config.verify_correctness = true;
+    {
+      auto guard = memscale::optimize(model, x, config);
+      const auto report = guard.report();
+      INFO(report.str());
+      CHECK(has_note(report, "2 memscale::forward call(s) per forward at depth 0, 2 of them planned as units"));
+      CHECK_FALSE(has_note(report, "no unit boundaries"));
+      CHECK(report.checkpointed_segments() >= 1);
+      REQUIRE(report.verification.has_value());
+      CHECK(report.verification->passed);
+      CHECK(report.verification->max_relative_difference == 0.0);
+      CHECK(same_runs(expected, train(model, x, 2)));
+    }
+    CHECK_FALSE(memscale::is_optimized(model));
+  }
+}

@@ -32,6 +32,7 @@
 #include <memscale/errors.hpp>
 #include <memscale/execute/attachment.hpp>
 #include <memscale/execute/attachment_planning.hpp>
+#include <memscale/execute/builtin_units.hpp>
 #include <memscale/execute/managed_chain.hpp>
 #include <memscale/execute/plan_log.hpp>
 #include <memscale/observability/metrics.hpp>
@@ -164,7 +165,11 @@ inline void attachment::plan_and_apply(std::vector<torch::Tensor> inputs) {
                                       "memscale's autograd engine is not the default one)")
                         : std::string("its forward does not take and return one Tensor, so it cannot be profiled")) +
         ". Mark the blocks your forward loops over with `x = memscale::forward(*blocks[i], x);` (or keep them "
-        "in a torch::nn::Sequential) to get checkpointing, tiling and per-unit offload");
+        "in a torch::nn::Sequential) to get checkpointing, tiling and per-unit offload" +
+        [this] {
+          const auto root = root_.lock();
+          return root ? memscale::detail::builtin_stack_hint(*root) : std::string();
+        }());
   commit_plan(ready, inputs, /*probe_the_others=*/true);
   example_forward_transient_ = -1;  // said by this plan or by none: a later lazy plan has no example forward
   if (captured && sites_.load() == sites_state::recording) sites_ = sites_state::off;  // no call sites

@@ -28,6 +28,7 @@
 #include <memscale/detail/assert.hpp>
 #include <memscale/execute/attachment.hpp>
 #include <memscale/execute/attachment_apply.hpp>
+#include <memscale/execute/builtin_units.hpp>
 #include <memscale/execute/managed_chain.hpp>
 #include <memscale/execute/planning_scope.hpp>
 #include <memscale/offload/hooks.hpp>
@@ -355,7 +356,7 @@ inline void attachment::add_whole_model_chain() {
       "your forward calls its blocks to get them. What needs no boundaries applies: offload of every tensor "
       "autograd saves on the thread that called wrap/optimize while the model is wrapped (the forward and "
       "the loss), the 8-bit optimizer (memscale::make_optimizer), and mixed precision through "
-      "memscale::autocast_scope around your forward");
+      "memscale::autocast_scope around your forward" + (root ? memscale::detail::builtin_stack_hint(*root) : ""));
 }
 
 inline call_ticket attachment::next_call(const torch::nn::Module& module, int depth) {
