@@ -794,7 +794,7 @@ TEST_CASE("LibTorch's nn::TransformerEncoder: the Report names it and the loop t
           "loop checkpoints them bit-exactly",
           "[call_sites][whole_model][verify]") {
   const auto x = torch::randn({16, 8, 32});
-  const std::string loop_line = "memscale::forward(*encoder->layers->ptr<torch::nn::TransformerEncoderLayerImpl>(i), x)";
+  const std::string loop_line = "memscale::forward(*enc->layers->ptr<torch::nn::TransformerEncoderLayerImpl>(i), x)";
   SECTION("called whole: no unit boundaries, and the note says where the layers are") {
     torch::manual_seed(5);
     EncoderStack model(false);
@@ -834,5 +834,53 @@ TEST_CASE("LibTorch's nn::TransformerEncoder: the Report names it and the loop t
       CHECK(same_runs(expected, train(model, x, 2)));
     }
     CHECK_FALSE(memscale::is_optimized(model));
+  }
+}
+
+TEST_CASE("the hint for LibTorch's layer stacks: nested paths, the model itself, nn::Transformer, decoders, many",
+          "[call_sites]") {
+  const auto encoder = [] {
+    return torch::nn::TransformerEncoder(
+        torch::nn::TransformerEncoderOptions(torch::nn::TransformerEncoderLayerOptions(16, 2).dim_feedforward(32), 1));
+  };
+  using memscale::detail::builtin_stack_hint;
+  CHECK(builtin_stack_hint(*torch::nn::Linear(4, 4)) == "");
+  {  // nested in a Sequential: the path as named_modules gives it, the loop with a placeholder
+    torch::nn::Sequential seq(torch::nn::Linear(16, 16), encoder());
+    const auto hint = builtin_stack_hint(*seq);
+    INFO(hint);
+    CHECK(hint.rfind("`1` is LibTorch's torch::nn::TransformerEncoder", 0) == 0);
+    CHECK_THAT(hint, Catch::Contains("with `enc` that module"));
+    CHECK_THAT(hint, Catch::Contains("if (!enc->norm.is_empty()) x = enc->norm.forward(x);"));
+    CHECK(hint.back() != '.');  // the caller joins it with ". "
+  }
+  {  // the model is the encoder: no forward of the user's calls it
+    const auto hint = builtin_stack_hint(*encoder());
+    INFO(hint);
+    CHECK(hint.rfind("the model is LibTorch's torch::nn::TransformerEncoder", 0) == 0);
+    CHECK_THAT(hint, Catch::Contains("wrap it in a module of your own"));
+  }
+  {  // nn::Transformer: said once, its encoder and decoder with it
+    torch::nn::Sequential seq(torch::nn::Transformer(
+        torch::nn::TransformerOptions(16, 2).num_encoder_layers(1).num_decoder_layers(1).dim_feedforward(32)));
+    const auto hint = builtin_stack_hint(*seq);
+    INFO(hint);
+    CHECK(hint.rfind("`0` is LibTorch's torch::nn::Transformer,", 0) == 0);
+    CHECK_THAT(hint, Catch::Contains("t->encoder.ptr<torch::nn::TransformerEncoderImpl>()->layers"));
+    CHECK(hint.find("`0.encoder`") == std::string::npos);
+    CHECK(hint.find("`0.decoder`") == std::string::npos);
+  }
+  {  // a decoder, and more than three stacks: three said, the rest counted
+    torch::nn::Sequential seq;
+    seq->push_back(torch::nn::TransformerDecoder(torch::nn::TransformerDecoderOptions(
+        torch::nn::TransformerDecoderLayerOptions(16, 2).dim_feedforward(32), 1)));
+    for (int i = 0; i < 4; ++i) seq->push_back(encoder());
+    const auto hint = builtin_stack_hint(*seq);
+    INFO(hint);
+    CHECK(hint.rfind("`0` is LibTorch's torch::nn::TransformerDecoder", 0) == 0);
+    CHECK_THAT(hint, Catch::Contains("holds the memory and takes the target alone"));
+    CHECK_THAT(hint, Catch::Contains("`2` is LibTorch's torch::nn::TransformerEncoder"));
+    CHECK(hint.find("`3` is") == std::string::npos);
+    CHECK_THAT(hint, Catch::EndsWith(". And 2 more such module(s)"));
   }
 }

@@ -168,7 +168,8 @@ inline void attachment::plan_and_apply(std::vector<torch::Tensor> inputs) {
         "in a torch::nn::Sequential) to get checkpointing, tiling and per-unit offload" +
         [this] {
           const auto root = root_.lock();
-          return root ? memscale::detail::builtin_stack_hint(*root) : std::string();
+          const auto hint = root ? memscale::detail::builtin_stack_hint(*root) : std::string();
+          return hint.empty() ? hint : ". " + hint;
         }());
   commit_plan(ready, inputs, /*probe_the_others=*/true);
   example_forward_transient_ = -1;  // said by this plan or by none: a later lazy plan has no example forward

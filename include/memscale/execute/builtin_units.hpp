@@ -1,9 +1,9 @@
 // memscale — LibTorch's own layer stacks, whose forward memscale cannot see into:
-// nn::TransformerEncoder and nn::TransformerDecoder call their layers from
-// LibTorch's compiled code (a ModuleList, no hook), so a model that calls them
-// gets no unit there. builtin_stack_hint names each such module in the model and
-// the loop that makes its layers units, for the Report's note and the error of a
-// model with no unit boundaries.
+// nn::TransformerEncoder, nn::TransformerDecoder and nn::Transformer call their
+// layers from LibTorch's compiled code (a ModuleList, no hook), so a model that
+// calls them gets no unit there. builtin_stack_hint names each such module in the
+// model and the loop that makes its layers units, for the Report's note and the
+// error of a model with no unit boundaries.
 #pragma once
 
 #include <cstddef>
@@ -13,33 +13,49 @@
 
 namespace memscale::detail {
 
-/// A sentence per nn::TransformerEncoder or nn::TransformerDecoder `root` holds
-/// (itself included): what runs its layers and the line that calls them as units.
-/// "" where it holds none.
+/// A sentence per nn::TransformerEncoder, nn::TransformerDecoder or
+/// nn::Transformer `root` holds (itself included; an encoder or decoder inside a
+/// Transformer is said with it): what runs its layers and how a forward of the
+/// user's calls them as units. Sentences are joined by ". ", with no period after
+/// the last; "" where it holds none.
 inline std::string builtin_stack_hint(const torch::nn::Module& root) {
   std::string hint;
+  std::string inside;  // the path of the last Transformer found, whose encoder and decoder it says
+  bool root_is_transformer = false;
   std::size_t found = 0;
   for (const auto& item : root.named_modules("", /*include_self=*/true)) {
     const auto* module = item.value().get();
+    const auto& path = item.key();
+    if (root_is_transformer || (!inside.empty() && path.rfind(inside + ".", 0) == 0)) continue;
+    const bool transformer = dynamic_cast<const torch::nn::TransformerImpl*>(module) != nullptr;
     const bool encoder = dynamic_cast<const torch::nn::TransformerEncoderImpl*>(module) != nullptr;
-    if (!encoder && dynamic_cast<const torch::nn::TransformerDecoderImpl*>(module) == nullptr) continue;
+    if (!transformer && !encoder && dynamic_cast<const torch::nn::TransformerDecoderImpl*>(module) == nullptr)
+      continue;
+    if (transformer && path.empty()) root_is_transformer = true;
+    else if (transformer) inside = path;
     if (++found > 3) continue;  // counted below
-    const std::string name = item.key().empty() ? "the model" : "`" + item.key() + "`";
-    const std::string var = item.key().empty() ? "stack" : item.key().substr(item.key().rfind('.') + 1);
-    const std::string kind = encoder ? "TransformerEncoder" : "TransformerDecoder";
-    hint += " " + name + " is LibTorch's torch::nn::" + kind +
-            ", whose forward calls its layers inside LibTorch, where nothing marks them as units: call them from "
-            "your forward instead";
+    const std::string kind = transformer ? "Transformer" : encoder ? "TransformerEncoder" : "TransformerDecoder";
+    std::string s = (path.empty() ? std::string("the model") : "`" + path + "`") + " is LibTorch's torch::nn::" +
+                    kind + ", whose forward calls its layers inside LibTorch, where nothing marks them as units";
+    const std::string own = path.empty() ? ": wrap it in a module of your own whose forward calls them"
+                                         : ": call them from your own forward instead";
+    const std::string holder = "a module of yours, registered in the model, that holds ";
     if (encoder)
-      hint += ", `for (std::size_t i = 0; i < " + var + "->layers->size(); ++i) x = memscale::forward(*" + var +
-              "->layers->ptr<torch::nn::TransformerEncoderLayerImpl>(i), x);` (then its `norm`, where it has one), "
-              "and each layer is a unit (with a mask: through a module of yours that holds the mask and takes the "
-              "Tensor alone).";
+      s += own + ", with `enc` that module: `for (std::size_t i = 0; i < enc->layers->size(); ++i) x = "
+                 "memscale::forward(*enc->layers->ptr<torch::nn::TransformerEncoderLayerImpl>(i), x); if "
+                 "(!enc->norm.is_empty()) x = enc->norm.forward(x);`, and each layer is a unit (with a mask: "
+                 "through " + holder + "the mask and takes the Tensor alone)";
+    else if (transformer)
+      s += ": a forward of your own that calls its encoder's layers (`t->encoder.ptr<torch::nn::TransformerEncoderImpl>"
+           "()->layers`, with `t` that module) through memscale::forward makes each a unit, as for "
+           "torch::nn::TransformerEncoder (a decoder layer takes the target and the memory: through " + holder +
+           "the memory and takes the target alone)";
     else
-      hint += ": a decoder layer takes the target and the memory, so each is a unit called through "
-              "memscale::forward as a module of yours that holds the memory and takes the target alone.";
+      s += own + ": a decoder layer takes the target and the memory, so each is a unit called through "
+                 "memscale::forward as " + holder + "the memory and takes the target alone";
+    hint += (hint.empty() ? "" : ". ") + s;
   }
-  if (found > 3) hint += " And " + std::to_string(found - 3) + " more such module(s).";
+  if (found > 3) hint += ". And " + std::to_string(found - 3) + " more such module(s)";
   return hint;
 }
 
