@@ -457,13 +457,21 @@ TEST_CASE("a CPU trial counts what predict measured outside the allocator, made 
                                          test::quiet({.enable_offloading = false, .memory_budget_gb = 4.0}), options);
   INFO(result);
   // The first predict made those pages resident: no trial's own growth sees them,
-  // and each trial's measure still holds them.
+  // and each trial's measure still holds them (the memo's total at the batch). The
+  // share also has glibc's heap at the step's peak in it, which differs by plan: a
+  // plan's figure holds at least the resident pages less the heap gain the first
+  // calibration had in them (predict/run.hpp's `beneath`; an Aggressive trial read
+  // 1,348 B under the baseline's share for that, 2026-12-02).
+  auto& memo = memscale::predictor::detail::outside_memo::process();
+  const auto key = memscale::predictor::detail::outside_memo_key(*model, x);
+  const auto resident = memo.at(key, x.size(0)) - memo.heap_gain(key);
+  CHECK(resident > share / 2);
   int ran = 0;
   for (const auto& t : result.trials)
     if (t.outcome == TrialOutcome::fits || t.outcome == TrialOutcome::over_budget) {
       ++ran;
       REQUIRE(t.allocator_peak_bytes > 0);
-      CHECK(t.measured_peak_bytes - t.allocator_peak_bytes >= share);
+      CHECK(t.measured_peak_bytes - t.allocator_peak_bytes >= resident);
     }
   CHECK(ran >= 2);
   memscale::predictor::detail::outside_memo::process().forget();

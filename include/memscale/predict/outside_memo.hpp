@@ -73,9 +73,20 @@ class outside_memo {
     return best;
   }
 
-  void record(const std::string& key, std::int64_t batch, std::int64_t base, std::int64_t total) {
+  /// The free heap bytes (glibc's) the calibration whose base is kept gained:
+  /// part of its base, which a shape-only prediction takes off as the batch
+  /// maps those blocks (predict/run.hpp's `beneath`); 0 if none.
+  [[nodiscard]] std::int64_t heap_gain(const std::string& key) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = shares_.find(key);
+    return it == shares_.end() ? 0 : it->second.heap_gain;
+  }
+
+  void record(const std::string& key, std::int64_t batch, std::int64_t base, std::int64_t total,
+              std::int64_t heap_gain = 0) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto& kept = shares_[key];
+    if (base > kept.base || (base == kept.base && heap_gain > kept.heap_gain)) kept.heap_gain = heap_gain;
     kept.base = std::max(kept.base, base);
     for (auto& [b, bytes] : kept.totals)
       if (b == batch) {
@@ -93,6 +104,7 @@ class outside_memo {
  private:
   struct shares {
     std::int64_t base = 0;
+    std::int64_t heap_gain = 0;  ///< the free heap bytes in `base`
     std::vector<std::pair<std::int64_t, std::int64_t>> totals;  ///< (batch, base + BLAS buffers)
   };
   mutable std::mutex mutex_;
@@ -103,20 +115,25 @@ class outside_memo {
 /// `key`: its base, and its total less `blas` (the part that grows with the
 /// batch, at `batch`) where that call's batch was no larger; records both. A
 /// note says how much was remembered. `measured` < 0 (not measured) is returned as is.
+/// `heap_gain`: this calibration's free heap gain, in `measured`; where an
+/// earlier figure stands in, it becomes the one in that figure (this call's
+/// gain is not in it: taken off, a later call read a few KiB under the first).
 [[nodiscard]] inline std::int64_t remembered_outside(const std::string& key, std::int64_t batch,
                                                      std::int64_t measured, std::int64_t blas,
-                                                     std::vector<std::string>& notes) {
+                                                     std::vector<std::string>& notes, std::int64_t& heap_gain) {
   if (measured < 0) return measured;
   auto& memo = outside_memo::process();
   // The base kept is the calibration's own: a total raised from a larger batch's
   // (its BLAS buffers in it) would charge a smaller batch with them.
   const auto base = std::max(measured, memo.base(key));
   const auto raised = std::max(base, memo.at(key, batch) - blas);
+  const auto own_gain = heap_gain;
+  if (raised > measured) heap_gain = memo.heap_gain(key);
   if (raised > measured)
     notes.push_back("outside the allocator: " + memscale::detail::format_bytes(raised + blas) + " as an earlier "
                     "predict() of this model in this process measured it; this call's calibration saw " +
                     memscale::detail::format_bytes(measured + blas) + " grow, the rest being resident since");
-  memo.record(key, batch, base, raised + blas);
+  memo.record(key, batch, base, raised + blas, base == measured ? own_gain : heap_gain);
   return raised;
 }
 

@@ -205,7 +205,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     blas_bytes = out.outside_growth_at(out.batch_size);
     if (!blas.note.empty()) out.notes.push_back(std::move(blas.note));
     outside_cpu = detail::remembered_outside(detail::outside_memo_key(*root, example_input), out.batch_size,
-                                             outside_cpu, blas_bytes, out.notes);
+                                             outside_cpu, blas_bytes, out.notes, heap_left);
   }
 
   timeline_fit plan_fit = base_fit;
