@@ -168,8 +168,7 @@ inline void attachment::plan_and_apply(std::vector<torch::Tensor> inputs) {
         "in a torch::nn::Sequential) to get checkpointing, tiling and per-unit offload" +
         [this] {
           const auto root = root_.lock();
-          const auto hint = root ? memscale::detail::builtin_stack_hint(*root) : std::string();
-          return hint.empty() ? hint : ". " + hint;
+          return root ? memscale::detail::builtin_stack_suffix(*root) : std::string();
         }());
   commit_plan(ready, inputs, /*probe_the_others=*/true);
   example_forward_transient_ = -1;  // said by this plan or by none: a later lazy plan has no example forward

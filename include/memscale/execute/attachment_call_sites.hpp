@@ -356,10 +356,7 @@ inline void attachment::add_whole_model_chain() {
       "your forward calls its blocks to get them. What needs no boundaries applies: offload of every tensor "
       "autograd saves on the thread that called wrap/optimize while the model is wrapped (the forward and "
       "the loss), the 8-bit optimizer (memscale::make_optimizer), and mixed precision through "
-      "memscale::autocast_scope around your forward" + [&root] {
-        const auto hint = memscale::detail::builtin_stack_hint(*root);
-        return hint.empty() ? hint : ". " + hint;
-      }());
+      "memscale::autocast_scope around your forward" + memscale::detail::builtin_stack_suffix(*root));
 }
 
 inline call_ticket attachment::next_call(const torch::nn::Module& module, int depth) {

@@ -59,4 +59,11 @@ inline std::string builtin_stack_hint(const torch::nn::Module& root) {
   return hint;
 }
 
+/// builtin_stack_hint as the end of a note or message that has no period of its
+/// own yet: ". " and the hint, or "" where the model holds no such module.
+inline std::string builtin_stack_suffix(const torch::nn::Module& root) {
+  const auto hint = builtin_stack_hint(root);
+  return hint.empty() ? hint : ". " + hint;
+}
+
 }  // namespace memscale::detail

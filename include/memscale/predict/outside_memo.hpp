@@ -128,11 +128,12 @@ class outside_memo {
   const auto base = std::max(measured, memo.base(key));
   const auto raised = std::max(base, memo.at(key, batch) - blas);
   const auto own_gain = heap_gain;
-  if (raised > measured) heap_gain = memo.heap_gain(key);
-  if (raised > measured)
+  if (raised > measured) {
+    heap_gain = memo.heap_gain(key);
     notes.push_back("outside the allocator: " + memscale::detail::format_bytes(raised + blas) + " as an earlier "
                     "predict() of this model in this process measured it; this call's calibration saw " +
                     memscale::detail::format_bytes(measured + blas) + " grow, the rest being resident since");
+  }
   memo.record(key, batch, base, raised + blas, base == measured ? own_gain : heap_gain);
   return raised;
 }
