@@ -42,14 +42,11 @@ stage() {  # stage <name> <command...>: runs it, records time, remembers failure
 side_logs=$(mktemp -d)
 trap 'rm -rf "$side_logs"' EXIT
 declare -A side_pids=()
-beside() {  # beside [--nice] <name> <command...>; --nice: at a lower priority (nice 10)
-  local low=0
-  if [[ $1 == --nice ]]; then low=1; shift; fi
+beside() {  # beside <name> <command...>
   local name=$1
   shift
   echo "=== $name (beside what follows; its log comes when it ends)"
-  ( if ((low)); then renice -n 10 -p "$BASHPID" > /dev/null 2>&1 || true; fi
-    start=$SECONDS status=0
+  ( start=$SECONDS status=0
     "$@" > "$side_logs/$name.log" 2>&1 || status=$?
     echo "$((SECONDS - start)) $status" > "$side_logs/$name.result" ) &
   side_pids[$name]=$!
@@ -176,13 +173,9 @@ blas_core_for_tests
 
 rm -f build/ctest.log.summary build/ctest-compile.log.summary
 stage ctest run_ctest ctest -j "$jobs" -LE "$compile_labels"
-# The ASan build is one translation unit (the test cases', 220 s alone on CI's
-# cores) and the stage's longest: the TSan build and the compile tests beside it
-# run at a lower priority, so that it has a core from the start rather than
-# ending alone (67 s with one core idle, measured 2026-12-02, all at one priority).
 if [[ ${MEMSCALE_SANITIZERS:-1} != 0 ]]; then
-  beside --nice ctest-compile run_ctest ctest-compile -j "$jobs" -L "$compile_labels"
-  beside --nice tsan-build sanitized_build tsan
+  beside ctest-compile run_ctest ctest-compile -j "$jobs" -L "$compile_labels"
+  beside tsan-build sanitized_build tsan
   stage asan-build sanitized_build asan
   join tsan-build
   join ctest-compile
