@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Checks that include/memscale reads bottom-up: every memscale header includes
 # only headers of its own folder or of a layer below it (ARCHITECTURE.md §3),
-# that no header is much over 400 lines, and that every #include comes before
-# the first namespace. Prints each violation and exits 1
+# that no header is much over 400 lines, that every #include comes before
+# the first namespace, and that no virtual member function is declared without
+# a body unless declared inline. Prints each violation and exits 1
 # when there is one. Usage: cmake/check_layers.sh [repo root]
 #
 # The layers, bottom first. A folder named here takes the layer's number; the
@@ -78,8 +79,39 @@ while IFS= read -r source; do
   fi
 done < <(cd "$repo" && find benchmarks -maxdepth 1 \( -name '*.cpp' -o -name '*.hpp' \) | LC_ALL=C sort | sed "s#^#$repo/#")
 
+# A virtual member function declared in its class without a body and without
+# `inline` is the class's key function (Itanium C++ ABI) even where its
+# definition below says `inline`: GCC then emits the vtable, and every function
+# it reaches, in every translation unit that includes the header. For
+# core::attachment that was the whole planner: a unit that included
+# memscale.hpp and called nothing took 38 s at -O0 (a 14 MB object), 21-24 s
+# (0.5 MB) once begin_call was defined in the class, forwarding to take_call.
+# (Declared inline instead, it must be defined in every unit that includes the
+# class, a virtual function being odr-used wherever its class is complete.)
+while IFS= read -r violation; do
+  echo "check_layers: $violation: define this virtual function in its class (it may forward to a" \
+       "member defined elsewhere), or its class's vtable and all it reaches compile in every unit"
+  failures=$((failures + 1))
+done < <(find memscale -name '*.hpp' | LC_ALL=C sort | xargs perl -e '
+  local $/;
+  for my $file (@ARGV) {
+    open(my $fh, "<", $file) or die "$file: $!";
+    my $text = <$fh>;
+    $text =~ s{//[^\n]*}{}g;                                              # comments, keeping lines
+    $text =~ s{/\*.*?\*/}{ (my $c = $&) =~ s/[^\n]//g; $c }gse;
+    while ($text =~ /([^;{}]*)(?=;)/g) {                                  # each declaration, up to its ;
+      my ($decl, $end) = ($1, pos($text));
+      next unless $decl =~ /\(/ && $decl =~ /\b(virtual|override|final)\b/;
+      next if $decl =~ /=\s*(0|default|delete)\s*$/ || $decl =~ /\binline\b/;
+      my $line = 1 + (substr($text, 0, $end - length($decl)) =~ tr/\n//) + (($decl =~ /^(\s*)/)[0] =~ tr/\n//);
+      (my $flat = $decl) =~ s/\s+/ /g;
+      $flat =~ s/^ //;
+      print "$file:$line: $flat\n";
+    }
+  }')
+
 if (( failures > 0 )); then
   echo "check_layers: $failures violation(s)"
   exit 1
 fi
-echo "check_layers: $(find memscale -name '*.hpp' | wc -l) headers, every include runs downward, none over $max_lines lines"
+echo "check_layers: $(find memscale -name '*.hpp' | wc -l) headers, every include runs downward, none over $max_lines lines, no key function declared out of line"

@@ -62,8 +62,7 @@ namespace memscale::core {
 
 class attachment;
 
-/// Lends attach()'s outside_allocator_probe to an attachment's planning for the
-/// binding's lifetime.
+/// Lends attach()'s outside_allocator_probe to an attachment's planning for the binding's lifetime.
 class outside_probe_binding {
  public:
   outside_probe_binding(attachment& attached, outside_allocator_probe* probe);
@@ -146,9 +145,14 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     call_sites::active_hosts().fetch_sub(1);
   }
 
-  /// memscale::forward: records, plans (lazily) or runs a call (call_sites.hpp).
+  /// memscale::forward: records, plans or runs a call (take_call, attachment_call_sites.hpp). Defined in the
+  /// class, or it would be the key function (cmake/check_layers.sh says why).
   call_ticket begin_call(torch::nn::Module& module, int depth, const std::function<torch::nn::AnyModule()>* make_slot,
-                         const torch::Tensor* input, const char* why_not) override;
+                         const torch::Tensor* input, const char* why_not) override {
+    return take_call(module, depth, make_slot, input, why_not);
+  }
+  call_ticket take_call(torch::nn::Module& module, int depth, const std::function<torch::nn::AnyModule()>* make_slot,
+                        const torch::Tensor* input, const char* why_not);
 
   /// One training step at a time (detail/step_gate.hpp): given to every wrapper.
   [[nodiscard]] const std::shared_ptr<detail::step_gate>& step_gate() const noexcept { return gate_; }
@@ -172,8 +176,7 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   void detached() const noexcept {
     if (telemetry_.on()) telemetry_.emit(telemetry::detach_called(facts_));
   }
-  /// The summary line of a wrap whose planning waits for the first forward (a
-  /// planned one logged its plan as it committed it).
+  /// The summary line of a wrap whose planning waits for the first forward (a planned one logged its plan).
   void log_if_deferred() const noexcept {
     try {
       const auto r = report();
@@ -182,20 +185,17 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
     }
   }
 
-  /// Runs `step` (one training step of the caller's) with a mark around every
-  /// planned unit; returns the Report with its measured_timeline.
+  /// Runs `step` (a caller's training step) marking each planned unit; the Report it returns has measured_timeline.
   Report trace_step(const std::function<void()>& step);
 
-  /// With Config::observability_port: serves this model's metrics until
-  /// restore(). A port it cannot bind is a warning and a note; never throws.
+  /// Config::observability_port: serves the metrics until restore(); an unbindable port is a warning and a note.
   void start_metrics_endpoint() noexcept;
 
   /// Runs `forward` once (no grad, no visible RNG draws, buffers restored) to learn
   /// what each chain receives. Chains the forward never reaches get no input.
   std::vector<torch::Tensor> capture_inputs(const std::function<void()>& forward);
 
-  /// Profiles, plans and applies the chains with a defined input; the others get
-  /// a planning probe. Nothing changes in the model unless all of it succeeds.
+  /// Profiles, plans and applies the chains with a defined input (the others get a probe), all or nothing.
   void plan_and_apply(std::vector<torch::Tensor> inputs);
 
   /// The example input, for a model planned as one whole-forward unit.

@@ -1,5 +1,5 @@
 // memscale — attachment, call-site units (execute/attachment.hpp has the class;
-// core/call_sites.hpp the rules): begin_call, which memscale::forward reaches;
+// core/call_sites.hpp the rules): take_call, which memscale::forward reaches;
 // recording the calls of the example or the first training forward; turning
 // them into chains of call-site units and the planned call sequence (planned
 // lazily at the next forward); a whole-model chain where there are no unit
@@ -42,9 +42,9 @@ inline bool backward_began_since(std::uint64_t epoch) {
   return offload::hooks_engine_active() && offload::backwards_started() != epoch;
 }
 
-inline call_ticket attachment::begin_call(torch::nn::Module& module, int depth,
-                                          const std::function<torch::nn::AnyModule()>* make_slot,
-                                          const torch::Tensor* input, const char* why_not) {
+inline call_ticket attachment::take_call(torch::nn::Module& module, int depth,
+                                         const std::function<torch::nn::AnyModule()>* make_slot,
+                                         const torch::Tensor* input, const char* why_not) {
   if (detail::recompute_scope::current() != nullptr || planning_on_this_thread()) return {};
   const bool training = training_call() && torch::GradMode::is_enabled() && !c10::InferenceMode::is_enabled();
   // The cursor is one forward's: a second thread's training forward is
