@@ -151,8 +151,6 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
                          const torch::Tensor* input, const char* why_not) override {
     return take_call(module, depth, make_slot, input, why_not);
   }
-  call_ticket take_call(torch::nn::Module& module, int depth, const std::function<torch::nn::AnyModule()>* make_slot,
-                        const torch::Tensor* input, const char* why_not);
 
   /// One training step at a time (detail/step_gate.hpp): given to every wrapper.
   [[nodiscard]] const std::shared_ptr<detail::step_gate>& step_gate() const noexcept { return gate_; }
@@ -244,6 +242,8 @@ class attachment : public std::enable_shared_from_this<attachment>, public call_
   void restore() noexcept;
 
  private:
+  call_ticket take_call(torch::nn::Module& module, int depth, const std::function<torch::nn::AnyModule()>* make_slot,
+                        const torch::Tensor* input, const char* why_not);
   void add_technique_notes();
 
   /// What a plan changes besides Sequential slots, made before it commits and
