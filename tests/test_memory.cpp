@@ -5,6 +5,7 @@
 // budget, and the planner's estimate tracks measurement.
 #include "test_support.hpp"
 
+#include <dlfcn.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -24,6 +25,7 @@
 #include <torch/csrc/autograd/profiler_legacy.h>
 
 #include <memscale/core/optimal_chain.hpp>
+#include <memscale/device/code_pages.hpp>
 #include <memscale/device/scratch_pages.hpp>
 
 using memscale::OptimizationMode;
@@ -788,6 +790,63 @@ TEST_CASE("scratch_pages: memscale's measuring buffers are zeros, resident, 2 Mi
   const memscale::detail::scratch_pages none(0);
   CHECK(none.size() == 1);
   CHECK(static_cast<const unsigned char*>(none.data())[0] == 0);
+}
+
+namespace {
+int written_global = 0;  // a page of a writable segment, anonymous once written
+}  // namespace
+
+TEST_CASE("code_pages: the loaded code's resident pages one by one, given back and read in again on use, a "
+          "written page never listed", "[memory]") {
+  using memscale::detail::code_pages;
+  // The set arithmetic predict() uses.
+  const code_pages before{{0x1000, 0x3000}, 4096};
+  const code_pages after{{0x1000, 0x2000, 0x3000, 0x5000}, 4096};
+  CHECK(after.added_to(before) == std::vector<std::uintptr_t>{0x2000, 0x5000});
+  CHECK(after.bytes_beyond(before) == 2 * 4096);
+  CHECK(before.bytes_beyond(after) == 0);
+
+  const auto first = memscale::detail::resident_code_pages();
+  if (!first) {
+    WARN("/proc/self/pagemap cannot be read here: code_pages not checked");
+    return;
+  }
+  const auto page = static_cast<std::uintptr_t>(first->page_bytes);
+  const auto page_of = [&](std::uintptr_t a) { return a & ~(page - 1); };
+  const auto listed = [](const code_pages& c, std::uintptr_t a) {
+    return std::binary_search(c.pages.begin(), c.pages.end(), a);
+  };
+  CHECK(std::is_sorted(first->pages.begin(), first->pages.end()));
+  CHECK(std::adjacent_find(first->pages.begin(), first->pages.end()) == first->pages.end());
+  // The code running now is resident and listed; a written global is not (its page is no longer the file's).
+  CHECK(listed(*first, page_of(reinterpret_cast<std::uintptr_t>(&memscale::detail::resident_code_pages))));
+  written_global = 1;
+  CHECK(!listed(*memscale::detail::resident_code_pages(), page_of(reinterpret_cast<std::uintptr_t>(&written_global))));
+
+  // libtorch_cpu's resident pages, given back: no longer resident (but for the few another thread touches in
+  // between), and a tensor operation reads some in again.
+  torch::Tensor x = torch::ones({64}) * 2;
+  std::vector<std::uintptr_t> torch_pages;
+  for (const auto a : memscale::detail::resident_code_pages()->pages) {
+    Dl_info info{};
+    if (::dladdr(reinterpret_cast<void*>(a), &info) != 0 && info.dli_fname != nullptr &&
+        std::strstr(info.dli_fname, "libtorch_cpu") != nullptr)
+      torch_pages.push_back(a);
+  }
+  REQUIRE(torch_pages.size() > 16);
+  const auto given = memscale::detail::give_back_code_pages(torch_pages);
+  CHECK(given >= static_cast<std::int64_t>(torch_pages.size() / 2) * first->page_bytes);
+  const auto resident_again = [&] {
+    const auto now = memscale::detail::resident_code_pages();
+    return std::count_if(torch_pages.begin(), torch_pages.end(), [&](std::uintptr_t a) { return listed(*now, a); });
+  };
+  const auto left = resident_again();
+  CHECK(left * 10 < static_cast<std::ptrdiff_t>(torch_pages.size()));
+  x = torch::ones({64}) * 2 + x;  // the same kernels: their pages again
+  CHECK(x.eq(4.0f).all().item<bool>());
+  CHECK(resident_again() > left);
+  // Pages not resident, or not code, are left alone: nothing given back.
+  CHECK(memscale::detail::give_back_code_pages({page_of(reinterpret_cast<std::uintptr_t>(&written_global))}) == 0);
 }
 
 namespace {

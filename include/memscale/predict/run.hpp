@@ -40,6 +40,7 @@
 #include <memscale/predict/outside_memo.hpp>
 #include <memscale/predict/prediction.hpp>
 #include <memscale/predict/shape_only_scope.hpp>
+#include <memscale/predict/step_code.hpp>
 #include <memscale/predict/timeline.hpp>
 
 namespace memscale::predictor {
@@ -142,17 +143,16 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   detail::calibration c{forward, loss_fn, example_input, device, TORCH_VERSION_MAJOR < 2, trainable, &box};
   c.near_target = !device.is_cpu() || detail::near_target_on_cpu();
   std::string misaligned;
-  // What the process holds outside the allocator (libtorch's code read in at first use, oneDNN and BLAS
-  // buffers, malloc's retention), measured over the calibration without the plan. Real steps: the resident
-  // high-water mark's growth beyond the allocator's largest step. Shape-only steps write none of their
-  // uncomputed outputs (whose pages are then not resident), so there it is the resident size's growth beyond
-  // the allocator's from before the optimizer's shadow step (whose kernels' code and threads a training step's
-  // optimizer step makes too: 2.3-4.5 MiB on the benchmark models, measured) to after the calibration: what the
-  // shadow step and the census's real first calls left resident (the code, the kernels' threads and buffers;
-  // predict's own meta kernels' code is counted; glibc's heap's gain, which `beneath` takes off).
+  // What the process holds outside the allocator (code read in, oneDNN and BLAS buffers, malloc's retention),
+  // measured over the calibration without the plan. Real steps: the resident high-water mark's growth beyond the
+  // allocator's largest step. Shape-only steps write no output (whose pages are then not resident): the resident
+  // size's growth beyond the allocator's from before the optimizer's shadow step (a training step's optimizer step
+  // pages in that code too) to after the calibration (its kernels' threads and buffers; glibc's heap's gain, which
+  // `beneath` takes off), with a real step's code pages for the calibration's (predict/step_code.hpp).
   std::int64_t process_growth = -1, allocator_growth = 0;
   std::optional<memory_tracker::process_peak_scope> process;
   if (device.is_cpu()) process.emplace();
+  const auto code_before = device.is_cpu() ? memscale::detail::resident_code_pages() : std::nullopt;
   timeline_fit base_fit;
   const auto base_real_why = detail::naming_the_example(out.batch_size, [&] {
     return detail::fit_shape_only_or_real(c, detail::calibration::execution::census, base_fit,
@@ -166,13 +166,14 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     const auto resident_after = resident_before ? memscale::detail::read_process_memory() : std::nullopt;
     if (const auto after = memscale::detail::malloc_heap_free_bytes(); heap_free_before && after)
       heap_left = std::max<std::int64_t>(0, *after - *heap_free_before);  // see `beneath`
-    // The resident size can fall over the calibration (pages the allocator or
-    // a sanitizer's allocator gave back): then nothing was measured outside the
-    // allocator, 0, not the "not measured" of a negative figure.
-    if (resident_after)
-      process_growth = std::max<std::int64_t>(
-          0, allocator_growth + resident_after->resident_bytes - resident_before->resident_bytes -
-                 (memory_tracker::installed() ? memory_tracker::current_bytes() - allocator_before : 0));
+    // The resident size can fall over the calibration (pages given back): then 0, not "not measured" (-1).
+    if (resident_after) {
+      process_growth = allocator_growth + resident_after->resident_bytes - resident_before->resident_bytes -
+                       (memory_tracker::installed() ? memory_tracker::current_bytes() - allocator_before : 0);
+      process_growth += detail::step_code_swap(c, code_before, out.calibration_batches, *root, example_input,
+                                               base_fit.peak(out.batch_size) + fixed.total_bytes() + own.state_bytes);
+      process_growth = std::max<std::int64_t>(0, process_growth);
+    }
   } else if (process && process->active()) {
     // Kept gradients (1.x) are made before each recorded step, as zeros: resident, yet outside
     // its timeline. They are the breakdown's gradients row, not memory outside the allocator.

@@ -1,0 +1,77 @@
+// memscale — the code a training step reads in, for predict()'s figure outside
+// the allocator on the CPU. A shape-only calibration reads in other code than a
+// step does: meta kernels, the fallback's boxed calls, predict's own code; and
+// not all of the step's. Measured per mapping (benchmarks/RESULTS.md,
+// 2026-12-02, third session) it made 1.3-2.1 MiB more code resident than a
+// first training step, 3-9% of a small model's step: the autoencoder's figure
+// read 6-9% over for it. step_code gives back the code pages the calibration
+// read in and runs one real step (forward, loss, backward) at a small batch,
+// so that the pages counted are the step's own (a step at batch 2 and one at
+// 16 read in the same code, within 0.06 MiB, measured on the autoencoder, the
+// encoder and the tagger; device/code_pages.hpp says how pages are told apart
+// and given back).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <new>
+#include <optional>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <memscale/device/code_pages.hpp>
+#include <memscale/predict/calibration.hpp>
+#include <memscale/predict/outside_memo.hpp>
+
+namespace memscale::predictor::detail {
+
+/// What to add to the calibration's resident growth so that its code pages are
+/// a real step's: the bytes of code a real step holds beyond `before` (read
+/// just before the calibration), less those the calibration read in (given
+/// back first). The step runs at a batch the calibration did not run (`ran`:
+/// its batches): caches keyed by shape (oneDNN's primitives) then miss as they
+/// do at the example's batch, and run the code that makes their entries
+/// (1.3-1.7 MiB of libdnnl on the autoencoder and the MobileNet, missed at a
+/// calibration batch). Only where the code read in is at least a tenth of
+/// `allocator_bytes` (the allocator's predicted peak at the example's batch):
+/// the swap moves the figure by a fraction of that code (15-25% on the
+/// benchmark models), under a percent of a larger step, and costs a real step
+/// at a small batch (a quarter of the example GPT's at 16). Not where an
+/// earlier call in the process measured the model (its calibration read in
+/// nothing: the memo's figure stands in, remembered_outside). 0 where it did
+/// not run or nothing was measured.
+[[nodiscard]] inline std::int64_t step_code_swap(calibration& c,
+                                                 const std::optional<memscale::detail::code_pages>& before,
+                                                 const std::vector<std::int64_t>& ran, torch::nn::Module& root,
+                                                 const torch::Tensor& example, std::int64_t allocator_bytes) {
+  if (!before || outside_memo::process().base(outside_memo_key(root, example)) > 0) return 0;
+  const auto after = memscale::detail::resident_code_pages();
+  if (!after) return 0;
+  const auto read_in = after->added_to(*before);
+  const auto read_in_bytes = static_cast<std::int64_t>(read_in.size()) * after->page_bytes;
+  if (read_in_bytes * 10 < allocator_bytes) return 0;
+  (void)memscale::detail::give_back_code_pages(read_in);
+  try {
+    c.box->reset();
+    if (c.gradients_kept) {  // as a training step after the first finds them (zero_grad() zeroes them)
+      torch::NoGradGuard no_grad;
+      for (auto& p : c.trainable) p.mutable_grad() = torch::zeros_like(p);
+    }
+    const auto unseen = (ran.empty() ? first_calibration_batch : *std::max_element(ran.begin(), ran.end())) + 1;
+    const auto x = c.batch_of(unseen);
+    torch::AutoGradMode grad_on(true);
+    c.loss(c.forward(x)).backward();
+  } catch (const c10::Error&) {
+    c.box->reset();
+    return 0;
+  } catch (const std::bad_alloc&) {
+    c.box->reset();
+    return 0;
+  }
+  c.box->reset();
+  const auto stepped = memscale::detail::resident_code_pages();
+  return stepped ? stepped->bytes_beyond(*before) - read_in_bytes : 0;
+}
+
+}  // namespace memscale::predictor::detail
