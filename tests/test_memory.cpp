@@ -827,7 +827,8 @@ TEST_CASE("code_pages: the loaded code's resident pages one by one, given back a
   // between), and a tensor operation reads some in again.
   torch::Tensor x = torch::ones({64}) * 2;
   std::vector<std::uintptr_t> torch_pages;
-  for (const auto a : memscale::detail::resident_code_pages()->pages) {
+  const auto loaded = memscale::detail::resident_code_pages();
+  for (const auto a : loaded->pages) {
     Dl_info info{};
     if (::dladdr(reinterpret_cast<void*>(a), &info) != 0 && info.dli_fname != nullptr &&
         std::strstr(info.dli_fname, "libtorch_cpu") != nullptr)
