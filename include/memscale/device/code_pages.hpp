@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <utility>
 #include <optional>
 #include <vector>
 
@@ -104,9 +105,8 @@ template <class Visit>
 bool each_resident_page(Visit&& visit) {
   segments s;
   dl_iterate_phdr(&collect_segments, &s);
-  const auto writable = [&](std::uintptr_t a) {
-    return std::any_of(s.writable.begin(), s.writable.end(), [&](range w) { return a >= w.begin && a < w.end; });
-  };
+  // In address order, so that the pages come out sorted (a page two segments share: twice, in a row).
+  std::sort(s.code.begin(), s.code.end(), [](range a, range b) { return a.begin < b.begin; });
   const int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
   if (fd < 0) return false;
   const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
@@ -114,6 +114,12 @@ bool each_resident_page(Visit&& visit) {
   for (const auto& r : s.code) {
     const auto e = entries(fd, r, page);
     read_any = read_any || !e.empty();
+    std::vector<range> shared;  // the writable segments that overlap this one (almost always none)
+    std::copy_if(s.writable.begin(), s.writable.end(), std::back_inserter(shared),
+                 [&](range w) { return w.begin < r.end && r.begin < w.end; });
+    const auto writable = [&](std::uintptr_t a) {
+      return std::any_of(shared.begin(), shared.end(), [&](range w) { return a >= w.begin && a < w.end; });
+    };
     for (std::size_t i = 0; i < e.size(); ++i)
       if ((e[i] & present_bit) != 0 && (e[i] & file_bit) != 0 && !writable(r.begin + i * page))
         visit(r.begin + i * page);
@@ -129,9 +135,35 @@ bool each_resident_page(Visit&& visit) {
   code_pages out;
   out.page_bytes = static_cast<std::int64_t>(sysconf(_SC_PAGESIZE));
   if (!code_pages_detail::each_resident_page([&](std::uintptr_t a) { out.pages.push_back(a); })) return std::nullopt;
-  std::sort(out.pages.begin(), out.pages.end());
+  if (!std::is_sorted(out.pages.begin(), out.pages.end())) std::sort(out.pages.begin(), out.pages.end());
   out.pages.erase(std::unique(out.pages.begin(), out.pages.end()), out.pages.end());  // segments can share a page
   return out;
+}
+
+/// The bytes of those of `pages` that lie in a non-writable segment of the
+/// loaded ELF object holding address `in` (a function of memscale's: the
+/// program or library memscale is compiled into).
+[[nodiscard]] inline std::int64_t bytes_in_object_of(const std::vector<std::uintptr_t>& pages, std::uintptr_t in) {
+  struct search {
+    std::uintptr_t in;
+    code_pages_detail::segments found;
+  } s{in, {}};
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, std::size_t size, void* data) {
+        auto& q = *static_cast<search*>(data);
+        code_pages_detail::segments mine;
+        code_pages_detail::collect_segments(info, size, &mine);
+        const auto holds = [&](const code_pages_detail::range& r) { return q.in >= r.begin && q.in < r.end; };
+        if (std::none_of(mine.code.begin(), mine.code.end(), holds)) return 0;
+        q.found = std::move(mine);
+        return 1;
+      },
+      &s);
+  const auto page = static_cast<std::int64_t>(sysconf(_SC_PAGESIZE));
+  return page * std::count_if(pages.begin(), pages.end(), [&](std::uintptr_t a) {
+           return std::any_of(s.found.code.begin(), s.found.code.end(),
+                              [&](const code_pages_detail::range& r) { return a >= r.begin && a < r.end; });
+         });
 }
 
 /// Gives back those of `pages` that are still resident and file-backed code
@@ -156,6 +188,7 @@ inline std::int64_t give_back_code_pages(const std::vector<std::uintptr_t>& page
 #else
 [[nodiscard]] inline std::optional<code_pages> resident_code_pages() { return std::nullopt; }
 inline std::int64_t give_back_code_pages(const std::vector<std::uintptr_t>&) { return 0; }
+[[nodiscard]] inline std::int64_t bytes_in_object_of(const std::vector<std::uintptr_t>&, std::uintptr_t) { return 0; }
 #endif
 
 }  // namespace memscale::detail

@@ -1,5 +1,5 @@
 // memscale — the prediction run, predictor::run(): the checks predict() and
-// autotune() share (training_inputs, model_device), the static bytes, the
+// autotune() share (predict/inputs.hpp), the static bytes, the
 // optimizer sized, the calibration without and with the plan
 // (predict/calibration.hpp), the memory outside the allocator, and the
 // Prediction (predict/prediction.hpp) extrapolated to the full batch, for the
@@ -33,6 +33,7 @@
 #include <memscale/execute/attach.hpp>
 #include <memscale/execute/verify.hpp>
 #include <memscale/predict/calibration.hpp>
+#include <memscale/predict/inputs.hpp>
 #include <memscale/predict/cuda_reserve.hpp>
 #include <memscale/predict/malloc_heap.hpp>
 #include <memscale/predict/op_workspace.hpp>
@@ -44,42 +45,6 @@
 #include <memscale/predict/timeline.hpp>
 
 namespace memscale::predictor {
-namespace detail {
-
-/// The model's root and its forward as a function, after the checks predict()
-/// and autotune() share: a model memscale does not manage now, an example with
-/// a batch dimension, a forward of one Tensor to one Tensor. Throws naming `caller`.
-template <Model M>
-std::pair<std::shared_ptr<torch::nn::Module>, std::function<torch::Tensor(const torch::Tensor&)>> training_inputs(
-    M& model, const torch::Tensor& example_input, const std::string& caller, const std::string& if_optimized) {
-  auto root = memscale::detail::root_of(model);
-  if (!root) throw UnsupportedModelError(caller + ": the model is empty (a null module holder)");
-  if (core::registry::global().find(root.get()))
-    throw AlreadyOptimizedError(caller + ": this model is optimized by memscale now; " + if_optimized);
-  if (!example_input.defined() || example_input.dim() < 1 || example_input.size(0) < 1)
-    throw Error(caller + ": example_input must be a tensor with a batch dimension first (at least one row), got " +
-                (example_input.defined() ? "shape " + c10::str(example_input.sizes())
-                                         : std::string("an undefined tensor")));
-  auto forward = memscale::detail::whole_forward(model);
-  if (!forward)
-    throw UnsupportedModelError(caller + ": the model's forward must take one Tensor and return one Tensor (" +
-                                root->name() + "'s does not)");
-  return {std::move(root), std::move(forward)};
-}
-
-/// The device the model trains on: its parameters' (all on one), else the example's.
-inline c10::Device model_device(const std::vector<torch::Tensor>& parameters, const torch::Tensor& example) {
-  std::optional<c10::Device> device;
-  for (const auto& p : parameters) {
-    if (!device) device = p.device();
-    else if (*device != p.device())
-      throw Error("memscale::predict(): the model's parameters are on several devices (" + device->str() + " and " +
-                  p.device().str() + "); predict() sizes a model on one device");
-  }
-  return device.value_or(example.device());
-}
-
-}  // namespace detail
 
 /// predict() with the model's forward and the loss as functions (what the
 /// public overloads call).
@@ -152,7 +117,11 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   std::int64_t process_growth = -1, allocator_growth = 0;
   std::optional<memory_tracker::process_peak_scope> process;
   if (device.is_cpu()) process.emplace();
-  const auto code_before = device.is_cpu() ? memscale::detail::resident_code_pages() : std::nullopt;
+  // The code pages resident before it (detail::step_code_swap); not where an earlier call measured the model: this
+  // one then reads in no code, and the memo's figure stands in (remembered_outside).
+  const bool measured_before = detail::outside_memo::process().base(detail::outside_memo_key(*root, example_input)) > 0;
+  const auto code_before =
+      device.is_cpu() && !measured_before ? memscale::detail::resident_code_pages() : std::nullopt;
   timeline_fit base_fit;
   const auto base_real_why = detail::naming_the_example(out.batch_size, [&] {
     return detail::fit_shape_only_or_real(c, detail::calibration::execution::census, base_fit,
@@ -170,7 +139,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     if (resident_after) {
       process_growth = allocator_growth + resident_after->resident_bytes - resident_before->resident_bytes -
                        (memory_tracker::installed() ? memory_tracker::current_bytes() - allocator_before : 0);
-      process_growth += detail::step_code_swap(c, code_before, out.calibration_batches, *root, example_input,
+      process_growth += detail::step_code_swap(c, code_before, out.calibration_batches,
                                                base_fit.peak(out.batch_size) + fixed.total_bytes() + own.state_bytes);
       process_growth = std::max<std::int64_t>(0, process_growth);
     }
@@ -210,7 +179,9 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   }
 
   timeline_fit plan_fit = base_fit;
+  std::int64_t plan_code = 0;  // CPU: memscale's own code a step with the plan reads in (detail::own_plan_code)
   {
+    const auto code_unplanned = code_before ? memscale::detail::resident_code_pages() : std::nullopt;
     Config planning = config;
     planning.verify_correctness = false;
     planning.enable_logging = false;
@@ -296,6 +267,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
         out.notes.push_back("calibration with the plan ran for real: " + why);
       }
       if (!plan_misaligned.empty()) out.notes.push_back("with the plan: " + plan_misaligned);
+      plan_code = detail::own_plan_code(code_unplanned);
     }
   }
 
@@ -352,7 +324,8 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     if (!kept) b.gradient_bytes = std::min(fixed.gradient_bytes, beyond_activations);
     b.transient_bytes = beyond_activations - (kept ? 0 : b.gradient_bytes) + persistent;
     b.outside_allocator_bytes =
-        std::max<std::int64_t>(0, outside + out.outside_growth_at(batch) + beneath(fit, opt, batch));
+        std::max<std::int64_t>(0, outside + (&fit == &plan_fit ? plan_code : 0) + out.outside_growth_at(batch) +
+                                      beneath(fit, opt, batch));
     return b;
   };
   for (const auto& [fit, which] : {std::pair{&base_fit, "without"}, std::pair{&plan_fit, "with"}})
