@@ -30,8 +30,9 @@
 // LibTorch's allocator sees (libtorch's code read in at first use, oneDNN and
 // BLAS buffers, malloc's retention): that share is measured over the
 // calibration without the plan (shape-only: the resident size's growth beyond
-// the allocator's; real: the resident high-water mark's growth beyond the
-// allocator's peak) and added, with, where glibc's mmap threshold is fixed,
+// the allocator's, with the code pages a real step reads in for those the
+// calibration read in: predict/step_code.hpp; real: the resident high-water
+// mark's growth beyond the allocator's peak) and added, with, where glibc's mmap threshold is fixed,
 // what its heap keeps at the full batch of the small tensors the step frees
 // before its peak (the step's allocations replayed: predict/malloc_heap.hpp);
 // on CUDA the caching allocator's reserve above its allocations and the CUDA
@@ -44,6 +45,8 @@
 // and predict/shape_only.hpp):
 //   predict/prediction.hpp   MemoryBreakdown and Prediction, and their printing
 //   predict/calibration.hpp  the calibration steps and their timelines' fit
+//   predict/step_code.hpp    a real step's code pages for the calibration's
+//   predict/inputs.hpp       the checks predict() and autotune() share
 //   predict/run.hpp          predictor::run(), the prediction itself
 // This header holds the public memscale::predict() overloads.
 #pragma once

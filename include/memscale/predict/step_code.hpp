@@ -35,8 +35,8 @@ namespace memscale::predictor::detail {
 /// (1.3-1.7 MiB of libdnnl on the autoencoder and the MobileNet, missed at a
 /// calibration batch). Only where the code read in is at least a tenth of
 /// `allocator_bytes` (the allocator's predicted peak at the example's batch):
-/// the swap moves the figure by a fraction of that code (15-25% on the
-/// benchmark models), under a percent of a larger step, and costs a real step
+/// the swap moves the figure by a fraction of that code (18-21% on four
+/// benchmark models), about 2% or less of a larger step, and costs a real step
 /// at a small batch (a quarter of the example GPT's at 16). 0 where it did not
 /// run or nothing was measured (`before` nullopt).
 [[nodiscard]] inline std::int64_t step_code_swap(calibration& c,
