@@ -13,15 +13,18 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 #include <torch/library.h>
 
+#include <memscale/device/code_pages.hpp>
 #include <memscale/predict/blas_workspace.hpp>
 #include <memscale/predict/calibration.hpp>
 #include <memscale/predict/cuda_reserve.hpp>
@@ -1564,4 +1567,64 @@ TEST_CASE("a later predict in the process keeps the share outside the allocator 
   CHECK(smaller.baseline.outside_allocator_bytes >= base);
   CHECK(memo.base(key) == base);  // no BLAS buffers of a larger batch taken into the base
   memo.forget();  // later cases in this process: as it was
+}
+
+namespace {
+
+constexpr const char* fresh_unseen_batch_case = "fresh process: the real step predict runs for code pages refused by the model";
+
+/// Linear layers whose forward counts the rows it is called with, and refuses
+/// more than `rows` (a model that accepts only the batches it was built for).
+struct RefusingImpl : torch::nn::Module {
+  explicit RefusingImpl(std::int64_t rows)
+      : rows(rows), in(register_module("in", torch::nn::Linear(16, 64))),
+        out(register_module("out", torch::nn::Linear(64, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    ++calls[x.size(0)];
+    if (x.size(0) > rows) throw std::runtime_error("this model takes at most " + std::to_string(rows) + " rows");
+    return out->forward(torch::gelu(in->forward(x)));
+  }
+  std::int64_t rows;
+  std::map<std::int64_t, int> calls;
+  torch::nn::Linear in, out;
+};
+TORCH_MODULE(Refusing);
+
+}  // namespace
+
+// Run by the test below in a process of its own: predict's first call there
+// reads in code, which its real step for code pages (predict/step_code.hpp) then counts.
+TEST_CASE(fresh_unseen_batch_case, "[.][fresh]") {
+  if (std::getenv("MEMSCALE_TEST_UNSEEN") == nullptr) return;  // only meaningful as a child process
+  memscale::fix_malloc_mmap_threshold();
+  torch::manual_seed(3);
+  Refusing model(3);
+  torch::optim::AdamW optimizer(model->parameters());
+  const auto x = torch::randn({3, 16});
+  const test::model_state before(*model);
+  const auto rng = at::detail::getDefaultCPUGenerator().get_state();
+  const auto prediction =
+      memscale::predict(model, x, optimizer, [](const torch::Tensor& y) { return y.pow(2).mean(); }, test::quiet({}));
+  const bool unchanged = test::model_state(*model) == before &&
+                         test::bit_equal(at::detail::getDefaultCPUGenerator().get_state(), rng);
+  std::cout << "RESULT pagemap=" << memscale::detail::resident_code_pages().has_value()
+            << " shape_only=" << prediction.shape_only << " unseen=" << model->calls[4]
+            << " largest=" << model->calls.rbegin()->first << " unchanged=" << unchanged
+            << " total=" << prediction.baseline_peak_bytes << std::endl;
+}
+
+TEST_CASE("predict's real step for code pages runs once at a batch the calibration did not run, and a model that refuses "
+          "it is predicted all the same, unchanged",
+          "[predict]") {
+  auto child = test::run_child_case("MEMSCALE_TEST_UNSEEN=1", fresh_unseen_batch_case);
+  CHECK(child.at("unchanged") == 1);
+  CHECK(child.at("total") > 0);
+  if (child.at("pagemap") == 0 || child.at("shape_only") == 0) {
+    WARN("no /proc/self/pagemap, or no shape-only calibration (LibTorch 2.x): predict reads no code pages");
+    CHECK(child.at("unseen") == 0);
+    return;
+  }
+  // The calibration ran at batches 2 and 3, so the real step runs at 4, once; the model's refusal is caught.
+  CHECK(child.at("unseen") == 1);
+  CHECK(child.at("largest") == 4);
 }
