@@ -67,7 +67,10 @@ namespace code_pages_detail {
 
 struct range {
   std::uintptr_t begin = 0, end = 0;
+  [[nodiscard]] bool contains(std::uintptr_t a) const noexcept { return a >= begin && a < end; }
 };
+
+inline std::uintptr_t page_size() { return static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE)); }
 
 struct segments {
   std::vector<range> code, writable;  // whole pages
@@ -75,7 +78,7 @@ struct segments {
 
 inline int collect_segments(dl_phdr_info* info, std::size_t, void* data) {
   auto& out = *static_cast<segments*>(data);
-  const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto page = page_size();
   for (int k = 0; k < info->dlpi_phnum; ++k) {
     const auto& h = info->dlpi_phdr[k];
     if (h.p_type != PT_LOAD || h.p_memsz == 0) continue;
@@ -109,7 +112,7 @@ bool each_resident_page(Visit&& visit) {
   std::sort(s.code.begin(), s.code.end(), [](range a, range b) { return a.begin < b.begin; });
   const int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
   if (fd < 0) return false;
-  const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto page = page_size();
   bool read_any = false;
   for (const auto& r : s.code) {
     const auto e = entries(fd, r, page);
@@ -118,7 +121,7 @@ bool each_resident_page(Visit&& visit) {
     std::copy_if(s.writable.begin(), s.writable.end(), std::back_inserter(shared),
                  [&](range w) { return w.begin < r.end && r.begin < w.end; });
     const auto writable = [&](std::uintptr_t a) {
-      return std::any_of(shared.begin(), shared.end(), [&](range w) { return a >= w.begin && a < w.end; });
+      return std::any_of(shared.begin(), shared.end(), [&](range w) { return w.contains(a); });
     };
     for (std::size_t i = 0; i < e.size(); ++i)
       if ((e[i] & present_bit) != 0 && (e[i] & file_bit) != 0 && !writable(r.begin + i * page))
@@ -133,7 +136,7 @@ bool each_resident_page(Visit&& visit) {
 /// The code pages resident now; nullopt where pagemap cannot be read.
 [[nodiscard]] inline std::optional<code_pages> resident_code_pages() {
   code_pages out;
-  out.page_bytes = static_cast<std::int64_t>(sysconf(_SC_PAGESIZE));
+  out.page_bytes = static_cast<std::int64_t>(code_pages_detail::page_size());
   if (!code_pages_detail::each_resident_page([&](std::uintptr_t a) { out.pages.push_back(a); })) return std::nullopt;
   if (!std::is_sorted(out.pages.begin(), out.pages.end())) std::sort(out.pages.begin(), out.pages.end());
   out.pages.erase(std::unique(out.pages.begin(), out.pages.end()), out.pages.end());  // segments can share a page
@@ -153,16 +156,14 @@ bool each_resident_page(Visit&& visit) {
         auto& q = *static_cast<search*>(data);
         code_pages_detail::segments mine;
         code_pages_detail::collect_segments(info, size, &mine);
-        const auto holds = [&](const code_pages_detail::range& r) { return q.in >= r.begin && q.in < r.end; };
-        if (std::none_of(mine.code.begin(), mine.code.end(), holds)) return 0;
+        if (std::none_of(mine.code.begin(), mine.code.end(), [&](auto r) { return r.contains(q.in); })) return 0;
         q.found = std::move(mine);
         return 1;
       },
       &s);
-  const auto page = static_cast<std::int64_t>(sysconf(_SC_PAGESIZE));
+  const auto page = static_cast<std::int64_t>(code_pages_detail::page_size());
   return page * std::count_if(pages.begin(), pages.end(), [&](std::uintptr_t a) {
-           return std::any_of(s.found.code.begin(), s.found.code.end(),
-                              [&](const code_pages_detail::range& r) { return a >= r.begin && a < r.end; });
+           return std::any_of(s.found.code.begin(), s.found.code.end(), [&](auto r) { return r.contains(a); });
          });
 }
 

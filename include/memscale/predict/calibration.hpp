@@ -45,8 +45,7 @@ namespace memscale::predictor::detail {
   return example.index_select(0, index).contiguous();
 }
 
-/// One calibration step (forward, loss, backward; no optimizer step) at batch
-/// `batch`, recorded. The sandbox puts gradients, buffers and the RNG back first.
+/// Recorded calibration steps (forward, loss, backward; no optimizer step), the sandbox's state put back first.
 struct calibration {
   std::function<torch::Tensor(const torch::Tensor&)> forward;
   std::function<torch::Tensor(const torch::Tensor&)> loss;
@@ -77,13 +76,17 @@ struct calibration {
   /// The leaves the first step's backward gives a gradient (reachable_leaves).
   std::optional<std::unordered_set<const c10::TensorImpl*>> reached{};
 
+  /// Kept gradients (1.x: zero_grad() zeroes them) as a later step finds them: zeros for a real step; a
+  /// shape-only step never reads them (no zeros to write and fault in).
+  void keep_gradients(bool real) {
+    if (!gradients_kept) return;
+    torch::NoGradGuard no_grad;
+    for (auto& p : trainable) p.mutable_grad() = real ? torch::zeros_like(p) : torch::empty_like(p);
+  }
+
   timeline run(std::int64_t batch) {
     box->reset();
-    if (gradients_kept) {
-      // Shape-only steps never read them: no need to write (and fault in) zeros.
-      torch::NoGradGuard no_grad;
-      for (auto& p : trainable) p.mutable_grad() = how == execution::real ? torch::zeros_like(p) : torch::empty_like(p);
-    }
+    keep_gradients(how == execution::real);
     const auto x = batch_of(batch);
     timeline_scope recorder(device);
     // The matrix products: from the tally where shape-only (no cost), else

@@ -119,9 +119,10 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
   if (device.is_cpu()) process.emplace();
   // The code pages resident before it (detail::step_code_swap); not where an earlier call measured the model: this
   // one then reads in no code, and the memo's figure stands in (remembered_outside).
-  const bool measured_before = detail::outside_memo::process().base(detail::outside_memo_key(*root, example_input)) > 0;
-  const auto code_before =
-      device.is_cpu() && !measured_before ? memscale::detail::resident_code_pages() : std::nullopt;
+  const auto memo_key = device.is_cpu() ? detail::outside_memo_key(*root, example_input) : std::string();
+  const auto code_before = device.is_cpu() && detail::outside_memo::process().base(memo_key) == 0
+                               ? memscale::detail::resident_code_pages()
+                               : std::nullopt;
   timeline_fit base_fit;
   const auto base_real_why = detail::naming_the_example(out.batch_size, [&] {
     return detail::fit_shape_only_or_real(c, detail::calibration::execution::census, base_fit,
@@ -174,8 +175,8 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
     out.outside_growth = std::move(blas.points);
     blas_bytes = out.outside_growth_at(out.batch_size);
     if (!blas.note.empty()) out.notes.push_back(std::move(blas.note));
-    outside_cpu = detail::remembered_outside(detail::outside_memo_key(*root, example_input), out.batch_size,
-                                             outside_cpu, blas_bytes, out.notes, heap_left);
+    outside_cpu =
+        detail::remembered_outside(memo_key, out.batch_size, outside_cpu, blas_bytes, out.notes, heap_left);
   }
 
   timeline_fit plan_fit = base_fit;

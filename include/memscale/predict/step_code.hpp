@@ -52,10 +52,7 @@ namespace memscale::predictor::detail {
   (void)memscale::detail::give_back_code_pages(read_in);
   try {
     c.box->reset();
-    if (c.gradients_kept) {  // as a training step after the first finds them (zero_grad() zeroes them)
-      torch::NoGradGuard no_grad;
-      for (auto& p : c.trainable) p.mutable_grad() = torch::zeros_like(p);
-    }
+    c.keep_gradients(true);
     const auto unseen = (ran.empty() ? first_calibration_batch : *std::max_element(ran.begin(), ran.end())) + 1;
     const auto x = c.batch_of(unseen);
     torch::AutoGradMode grad_on(true);
