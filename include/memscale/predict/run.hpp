@@ -268,7 +268,7 @@ Prediction run(M& model, const torch::Tensor& example_input, const torch::optim:
         out.notes.push_back("calibration with the plan ran for real: " + why);
       }
       if (!plan_misaligned.empty()) out.notes.push_back("with the plan: " + plan_misaligned);
-      plan_code = detail::own_plan_code(code_unplanned);
+      if (device.is_cpu() && outside_cpu >= 0) plan_code = detail::own_plan_code(code_unplanned);
     }
   }
 
