@@ -143,10 +143,11 @@ bool each_resident_page(Visit&& visit) {
   return out;
 }
 
-/// The bytes of those of `pages` that lie in a non-writable segment of the
-/// loaded ELF object holding address `in` (a function of memscale's: the
-/// program or library memscale is compiled into).
-[[nodiscard]] inline std::int64_t bytes_in_object_of(const std::vector<std::uintptr_t>& pages, std::uintptr_t in) {
+/// Those of `pages` that lie in a non-writable segment of the loaded ELF
+/// object holding code address `in` (a function of memscale's: the program or
+/// library memscale is compiled into; or one of a library's).
+[[nodiscard]] inline std::vector<std::uintptr_t> pages_in_object_of(const std::vector<std::uintptr_t>& pages,
+                                                                    std::uintptr_t in) {
   struct search {
     std::uintptr_t in;
     code_pages_detail::segments found;
@@ -161,10 +162,16 @@ bool each_resident_page(Visit&& visit) {
         return 1;
       },
       &s);
-  const auto page = static_cast<std::int64_t>(code_pages_detail::page_size());
-  return page * std::count_if(pages.begin(), pages.end(), [&](std::uintptr_t a) {
-           return std::any_of(s.found.code.begin(), s.found.code.end(), [&](auto r) { return r.contains(a); });
-         });
+  std::vector<std::uintptr_t> in_object;
+  std::copy_if(pages.begin(), pages.end(), std::back_inserter(in_object), [&](std::uintptr_t a) {
+    return std::any_of(s.found.code.begin(), s.found.code.end(), [&](auto r) { return r.contains(a); });
+  });
+  return in_object;
+}
+
+/// The bytes of pages_in_object_of(pages, in).
+[[nodiscard]] inline std::int64_t bytes_in_object_of(const std::vector<std::uintptr_t>& pages, std::uintptr_t in) {
+  return static_cast<std::int64_t>(code_pages_detail::page_size() * pages_in_object_of(pages, in).size());
 }
 
 /// Gives back those of `pages` that are still resident and file-backed code
@@ -189,6 +196,10 @@ inline std::int64_t give_back_code_pages(const std::vector<std::uintptr_t>& page
 #else
 [[nodiscard]] inline std::optional<code_pages> resident_code_pages() { return std::nullopt; }
 inline std::int64_t give_back_code_pages(const std::vector<std::uintptr_t>&) { return 0; }
+[[nodiscard]] inline std::vector<std::uintptr_t> pages_in_object_of(const std::vector<std::uintptr_t>&,
+                                                                    std::uintptr_t) {
+  return {};
+}
 [[nodiscard]] inline std::int64_t bytes_in_object_of(const std::vector<std::uintptr_t>&, std::uintptr_t) { return 0; }
 #endif
 
