@@ -52,6 +52,7 @@ inline std::vector<std::pair<std::string, memscale::Config>> mode_rows(double ba
 /// them again buys, as of 2026-11-27); and Balanced forced with only
 /// pack_saved_zeros off: rows' +0 tails kept (what dropping them buys).
 inline const std::string drawn_again_suffix = ", masks drawn again";
+inline const std::string async_suffix = ", async offload";
 inline const std::string all_recomputed_suffix = ", products recomputed";
 inline const std::string saved_as_is_suffix = ", saved as they are";
 inline const std::string outputs_kept_suffix = ", outputs kept";
@@ -63,6 +64,11 @@ inline std::vector<std::pair<std::string, memscale::Config>> mode_rows_and_varia
     if (name == "Aggressive" || name == "Balanced forced") {
       cfg.replay_random_draws = false;
       rows.emplace_back(name + drawn_again_suffix, cfg);
+    }
+  for (auto [name, cfg] : modes)
+    if (name == "Aggressive") {
+      cfg.async_offload = true;
+      rows.emplace_back(name + async_suffix, cfg);
     }
   for (auto [name, cfg] : modes)
     if (name == "Balanced" || name == "Balanced forced") {

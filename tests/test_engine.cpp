@@ -541,4 +541,15 @@ TEST_CASE("a report's projected offload wait: the whole transfer when synchronou
   CHECK(r.offload_wait_seconds() == Approx(0.010));
   r.offload_async = true;
   CHECK(r.offload_wait_seconds() == Approx(0.003));
+  CHECK(r.offload_wait_seconds(false) == Approx(0.010));
+  // The applied line says what the step waits, and what the engine's other mode would.
+  r.planned = true;
+  r.plan.units = {{{.first = 0, .last = 1, .offloaded = true}, {.first = 2, .last = 3, .offloaded = true}}};
+  CHECK_THAT(r.str(), Catch::Contains("2 offloaded unit(s) moving 0 B per step, projected wait 3.0 ms/step "
+                                      "(async_offload)\n"));
+  r.offload_async = false;
+  CHECK_THAT(r.str(), Catch::Contains("2 offloaded unit(s) moving 0 B per step, projected wait 10.0 ms/step "
+                                      "(synchronous; 3.0 ms with Config::async_offload)\n"));
+  r.plan.units = {{{.first = 0, .last = 1}}};  // nothing offloaded: nothing to wait on, nothing said
+  CHECK_THAT(r.str(), Catch::Contains("0 offloaded unit(s) moving 0 B per step\n"));
 }

@@ -143,11 +143,13 @@ struct Report {
   /// the tier's nominal rate (out and back): with asynchronous offload, the part
   /// its own forward and backward cannot hide (the engine's writes and
   /// prefetches overlap them); synchronous offload waits the whole transfer.
-  [[nodiscard]] double offload_wait_seconds() const {
+  [[nodiscard]] double offload_wait_seconds() const { return offload_wait_seconds(offload_async); }
+  /// The same for the plan's offloads run synchronously (false) or asynchronously (true).
+  [[nodiscard]] double offload_wait_seconds(bool async) const {
     double s = 0.0;
     for (const auto& d : plan.decisions)
       if (d.offloaded && d.rule == core::rule_id::offload_segment)
-        s += offload_async ? std::max(0.0, d.recompute_seconds - d.compute_seconds) : d.recompute_seconds;
+        s += async ? std::max(0.0, d.recompute_seconds - d.compute_seconds) : d.recompute_seconds;
     return s;
   }
 
@@ -298,7 +300,15 @@ struct Report {
     for (const auto& chain : chains) costs.push_back(chain.slots);
     os << "applied: " << checkpointed_segments() << " checkpointed segment(s) (" << tiled_segments()
        << " of them tiled), " << offloaded_units()
-       << " offloaded unit(s) moving " << format_bytes(core::offloaded_bytes(costs, plan.units)) << " per step\n";
+       << " offloaded unit(s) moving " << format_bytes(core::offloaded_bytes(costs, plan.units)) << " per step";
+    if (offloaded_units() > 0) {  // what the step waits on them, and what the engine's other mode would
+      os << ", projected wait " << std::setprecision(1) << offload_wait_seconds() * 1e3 << " ms/step";
+      if (offload_async)
+        os << " (async_offload)";
+      else
+        os << " (synchronous; " << offload_wait_seconds(true) * 1e3 << " ms with Config::async_offload)";
+    }
+    os << "\n";
     if (verification) os << verification->str() << "\n";
     for (std::size_t c = 0; c < chains.size(); ++c) print_chain(os, static_cast<int>(c));
     print_notes(os);
