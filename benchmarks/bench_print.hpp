@@ -146,15 +146,17 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
   time.print(os);
   os << "\n";
   if (std::any_of(w.rows.begin(), w.rows.end(), [](const RowResult& r) { return r.offload.has_value(); })) {
-    Table off({"offload", "written/step", "read/step", "disk peak", "transfer/step", "waited/step", "hidden",
-               "prefetch hit/miss", "batches/step", "warnings"});
+    Table off({"offload", "written/step", "read/step", "disk peak", "transfer/step", "projected", "waited/step",
+               "projected", "hidden", "prefetch hit/miss", "batches/step", "warnings"});
     for (const auto& r : w.rows) {
       if (!r.offload) continue;
       const auto& o = *r.offload;
       const double n = std::max(1, r.steps);
+      const bool planned = r.report && r.report->offloaded_units() > 0;
       off.add({r.name, mib(static_cast<double>(o.bytes_written) / n), mib(static_cast<double>(o.bytes_read) / n),
                mib(static_cast<double>(o.at(memscale::offload::tier::disk).peak)), ms(o.transfer_seconds / n),
-               ms(o.wait_seconds / n), ratio(o.hidden_fraction(), 1.0),
+               planned ? ms(r.report->offload_wait_seconds(false)) : "-", ms(o.wait_seconds / n),
+               planned ? ms(r.report->offload_wait_seconds()) : "-", ratio(o.hidden_fraction(), 1.0),
                std::to_string(o.prefetch_hits) + "/" + std::to_string(o.prefetch_misses),
                std::to_string(o.batches / static_cast<std::int64_t>(n)), std::to_string(o.warnings.size())});
     }
@@ -162,7 +164,10 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
     os << "offload: the engine's totals over every step of the row (warm-up included) divided by the steps taken.\n"
           "transfer: time spent writing and reading (in I/O jobs or inline); waited: the part the step blocked on\n"
           "(inline copies in forward, loads in backward that had to read or wait);\n"
-          "hidden = 1 - waited/transfer (the share of transfer time prefetching and async writes overlapped).\n\n";
+          "hidden = 1 - waited/transfer (the share of transfer time prefetching and async writes overlapped).\n"
+          "projected: the plan's (Report::offload_wait_seconds): the transfer, each unit's bytes out and back at the\n"
+          "disk rate measured in the process; the wait, all of it where offload is synchronous, else what exceeds the\n"
+          "unit's own compute.\n\n";
     for (const auto& r : w.rows)
       if (r.offload)
         for (const auto& warning : r.offload->warnings) os << "warning: " << r.name << ": " << warning << "\n";
@@ -181,7 +186,7 @@ inline void print_workload(const Workload& w, int steps, std::ostream& os) {
         "projected chain peak (core::optimal_segmentation, given its live-byte rounding as slack; DP peak: its plan's\n"
         "projected chain peak vs the rule plan's). projected (time): the chains' forward and backward as profiled\n"
         "(Report::profiled_step_seconds: measured per slot) + the plan's recompute + the offload transfer its runs'\n"
-        "compute cannot hide (Report::offload_wait_seconds, at the tier's nominal rate); proj/meas against the measured\n"
+        "compute cannot hide (Report::offload_wait_seconds, at the tier's measured rate); proj/meas against the measured\n"
         "step (which also holds the loss, the optimizer step and what runs outside the chains); proj vs base: the\n"
         "projected overhead, to read beside the measured vs base. bit-exact: every loss equal to the baseline's, bit for bit;\n"
         "rows that change the arithmetic (tiling: summation order; bf16; 8-bit optimizer state) show instead the\n"

@@ -530,6 +530,37 @@ TEST_CASE("an unsupported chain is left alone with its reason", "[engine]") {
   CHECK(recorded);
 }
 
+TEST_CASE("a plan that checkpoints to fit may also offload, so its disk rate is measured", "[engine][offload]") {
+  // offload_may_engage decides whether planning measures the disk tier's rate
+  // (or leaves the nominal one). Where checkpointing alone fits, the later
+  // choices (finer units, selective recompute, compaction) plan again with
+  // offloading and may take a transfer for a recompute: on the benchmark GPT,
+  // 1-2 offloaded units costed at the nominal rate. So any plan that acts
+  // counts; one with nothing pressing does not.
+  const std::int64_t mib = 1 << 20;
+  const std::vector<slot_cost> chain(6, slot_cost{.input_bytes = mib, .output_bytes = mib, .saved_bytes = 4 * mib,
+                                                  .saves_input = true, .forward_seconds = 2e-3,
+                                                  .backward_seconds = 4e-3});
+  const auto input = [&](std::int64_t usable) {
+    engine_input in{memscale::OptimizationMode::Balanced, true, false, usable, mib};
+    in.offload_allowed = true;
+    in.offload_budget_bytes = std::int64_t{1} << 40;
+    in.offload_bytes_per_second = 1e9;
+    return in;
+  };
+  for (const std::int64_t usable : {24 * mib, 16 * mib}) {  // checkpointing reaches the target
+    auto alone = input(usable);
+    alone.offload_allowed = false;
+    const auto plan = decide({chain}, {true}, alone);
+    INFO("usable " << usable);
+    REQUIRE(plan.planned_peak <= plan.target_bytes);
+    REQUIRE(count_units(plan.units, &unit::checkpointed) > 0);
+    CHECK(offload_may_engage({chain}, {true}, input(usable)));
+  }
+  CHECK(offload_may_engage({chain}, {true}, input(8 * mib)));  // checkpointing alone does not
+  CHECK_FALSE(offload_may_engage({chain}, {true}, input(64 * mib)));  // nothing presses
+}
+
 TEST_CASE("a report's projected offload wait: the whole transfer when synchronous, the unhidden part when async",
           "[engine]") {
   memscale::Report r;

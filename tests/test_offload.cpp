@@ -458,15 +458,33 @@ TEST_CASE("the planner budgets the disk tier at the rate measured here, once per
   }
   const auto through = measured_disk_bytes_per_second(rated, true);
   REQUIRE(through.has_value());
-  CHECK(*through > 1e6);  // 16 MiB written and read back: well over a MB/s on any disk
+  CHECK(*through > 1e6);  // 16 MiB written and read back four times: well over a MB/s on any disk
   const auto start = std::chrono::steady_clock::now();
   CHECK(measured_disk_bytes_per_second(rated, true) == through);  // measured once
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::milliseconds(5));
+  // Each transfer size is measured once too, at a power of two from 1 to 16 MiB.
+  static_assert(memscale::offload::disk_rate_transfer_bytes(0) == std::int64_t{1} << 20);
+  static_assert(memscale::offload::disk_rate_transfer_bytes((std::int64_t{3} << 20) / 2) == std::int64_t{2} << 20);
+  static_assert(memscale::offload::disk_rate_transfer_bytes(std::int64_t{1} << 30) == std::int64_t{16} << 20);
+  const int counted = memscale::offload::disk_rate_measurements().load();
+  const auto small = measured_disk_bytes_per_second(rated, true, 3000);
+  REQUIRE(small.has_value());
+  CHECK(*small > 1e6);
+  CHECK(measured_disk_bytes_per_second(rated, true, std::int64_t{1} << 20) == small);  // the same size: cached
+  CHECK(measured_disk_bytes_per_second(rated, true, std::int64_t{16} << 20) == through);
+  CHECK(memscale::offload::disk_rate_measurements().load() == counted + 1);
+  // The size the planner measures at: the median of the chains' slot inputs.
+  std::vector<std::vector<memscale::slot_cost>> chains(2);
+  for (const std::int64_t b : {4, 1, 0, 9}) chains[0].push_back(memscale::slot_cost{.input_bytes = b << 20});
+  chains[1].push_back(memscale::slot_cost{.input_bytes = std::int64_t{2} << 20});
+  CHECK(memscale::core::typical_offload_bytes(chains) == std::int64_t{4} << 20);  // of 1, 2, 4, 9 MiB
+  CHECK(memscale::core::typical_offload_bytes({}) == 0);
   const auto cached = measured_disk_bytes_per_second(rated, false);
   REQUIRE(cached.has_value());
   // What the planner assumes for a CPU tensor's offload, and a CUDA tensor's without host room.
   auto options = quiet_options({.disk_bytes = std::int64_t{1} << 30, .disk_dir = rated});
   CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return true; }).second == *through);
+  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return true; }, 1 << 20).second == *small);
   // Where no plan could offload, the nominal rate stands, unmeasured.
   CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return false; }).second ==
         memscale::core::nominal_disk_bytes_per_second);
@@ -483,9 +501,9 @@ TEST_CASE("the planner budgets the disk tier at the rate measured here, once per
 }
 
 TEST_CASE("planning measures the disk tier's rate only where a plan could offload", "[offload][engine]") {
-  // Measuring writes and reads back 16 MiB (0.1-0.2 s on a VM's disk: two
-  // thirds of a first predict() of the example GPT). A plan weighs the rate
-  // only where checkpointing leaves the projected peak above the target.
+  // Measuring writes and reads back four transfers of 1-16 MiB (10-230 ms on
+  // a VM's disk). A plan weighs the rate only where it acts (checkpointing
+  // reaches the target, or leaves the projected peak above it).
   const auto dir = disk_backed_directory();
   if (!dir) {
     WARN("no disk-backed directory for the disk tier here: nothing to check");

@@ -140,7 +140,8 @@ struct Report {
   }
 
   /// Projected seconds a step waits on offload transfers, per offloaded run at
-  /// the tier's nominal rate (out and back): with asynchronous offload, the part
+  /// the tier's rate (out and back; the disk's as measured in the process, a
+  /// host link's nominal): with asynchronous offload, the part
   /// its own forward and backward cannot hide (the engine's writes and
   /// prefetches overlap them); synchronous offload waits the whole transfer.
   [[nodiscard]] double offload_wait_seconds() const { return offload_wait_seconds(offload_async); }

@@ -243,9 +243,10 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
   }
   if (in.offload_allowed) {
     const auto engine_options = offload::options_from(config_);
-    const auto tiers = offload_room(device, engine_options, [&] {
-      return caller_config_.auto_policy || offload_may_engage(costs, supported, in);
-    });
+    const auto tiers = offload_room(
+        device, engine_options,
+        [&] { return caller_config_.auto_policy || offload_may_engage(costs, supported, in); },
+        typical_offload_bytes(costs));
     // Chains planned earlier (lazy planning) already use part of the room.
     std::int64_t used = 0;
     for (std::size_t c = 0; c < out.chains.size() && c < out.plan.units.size(); ++c)

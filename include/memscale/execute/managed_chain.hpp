@@ -4,6 +4,7 @@
 // chain's units come from, and the records of memscale::forward calls.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -47,19 +48,36 @@ inline constexpr double nominal_disk_bytes_per_second = 1e9;        // a local S
 /// Room in the offload tiers for tensors on `device` (the engine's caps, see
 /// offload::options_from), and the transfer rate to the tier they reach first:
 /// host tiers then disk for CUDA, disk only for CPU tensors. The disk's rate is
-/// measured where `may_offload()` says a plan could weigh it (16 MiB written and
-/// read back, once per process: 0.1-0.2 s on a VM's disk, two thirds of a first
-/// predict() of the example GPT); elsewhere the nominal rate stands, unused.
-/// `may_offload` is asked only where the disk's rate is what would be used.
+/// measured where `may_offload()` says a plan could weigh it, for transfers of
+/// about `typical_bytes` (offload::measured_disk_bytes_per_second: four such
+/// written and read back, once per process and size; 10-230 ms on a VM's disk
+/// for 1-16 MiB); elsewhere the nominal rate stands, unused. `may_offload` is
+/// asked only where the disk's rate is what would be used.
 template <class MayOffload>
 std::pair<std::int64_t, double> offload_room(const c10::Device& device, const offload::engine_options& o,
-                                             MayOffload&& may_offload) {
+                                             MayOffload&& may_offload,
+                                             std::int64_t typical_bytes = offload::disk_rate_max_bytes) {
   const std::int64_t disk = o.disk_bytes.value_or(0), host = device.is_cuda() ? o.host_bytes.value_or(0) : 0;
   if (host > 0) return {host + disk, nominal_host_link_bytes_per_second};
   const auto rate = disk > 0 && may_offload()
-                        ? offload::measured_disk_bytes_per_second(o.disk_dir, o.disk_write_through)
+                        ? offload::measured_disk_bytes_per_second(o.disk_dir, o.disk_write_through, typical_bytes)
                         : std::nullopt;
   return {host + disk, rate.value_or(nominal_disk_bytes_per_second)};
+}
+
+/// The size of the tensors an offload of these chains would move, for the disk
+/// rate's measurement: the median of their slots' input bytes (a checkpointed
+/// unit's offload moves its input; a kept one's, its saved tensors, mostly
+/// activations of about that size). 0 where no slot has an input.
+[[nodiscard]] inline std::int64_t typical_offload_bytes(const std::vector<std::vector<slot_cost>>& chains) {
+  std::vector<std::int64_t> sizes;
+  for (const auto& chain : chains)
+    for (const auto& s : chain)
+      if (s.input_bytes > 0) sizes.push_back(s.input_bytes);
+  if (sizes.empty()) return 0;
+  const auto middle = sizes.begin() + static_cast<std::ptrdiff_t>(sizes.size() / 2);
+  std::nth_element(sizes.begin(), middle, sizes.end());
+  return *middle;
 }
 
 class attachment;

@@ -1,9 +1,15 @@
 // memscale — the disk tier's transfer rate as measured on this machine: what
 // the planner budgets a disk offload's write and read with, in place of a
 // nominal rate (a local SSD's 1 GB/s; this 2-core VM wrote through at about a
-// third of it). Measured once per process for each directory and setting.
+// third of it). Measured once per process for each directory, setting and
+// transfer size: at the size of the tensors a plan would move, since each
+// transfer is a file of its own, created, written, synced and read, and a
+// small one moves fewer bytes a second (a 2-CPU VM on 2026-12-03, written
+// through: about 1,000 MB/s one way for 16 MiB, 650-750 for 1 MiB).
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -13,6 +19,7 @@
 #include <optional>
 #include <string>
 #include <system_error>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -29,21 +36,35 @@ inline std::atomic<int>& disk_rate_measurements() {
   return count;
 }
 
-/// One-way bytes per second of the disk tier under `parent` (where disk_store
-/// would put its directory; AsyncOffloadConfig::disk_dir): 16 MiB written and
-/// read back as the tier does (`through`: AsyncOffloadConfig::disk_write_through),
-/// so that 2 * bytes / rate is one write and its read. nullopt where no file
-/// can be written there; a failure is not remembered (an injected test fault,
-/// a full disk freed since).
-[[nodiscard]] inline std::optional<double> measured_disk_bytes_per_second(const std::optional<std::string>& parent,
-                                                                          bool through) {
+/// The transfer sizes measured: a power of two from 1 to 16 MiB.
+inline constexpr std::int64_t disk_rate_min_bytes = std::int64_t{1} << 20;
+inline constexpr std::int64_t disk_rate_max_bytes = std::int64_t{16} << 20;
+[[nodiscard]] constexpr std::int64_t disk_rate_transfer_bytes(std::int64_t typical) {
+  std::int64_t bytes = disk_rate_min_bytes;
+  while (bytes < typical && bytes < disk_rate_max_bytes) bytes *= 2;
+  return bytes;
+}
+
+/// One-way bytes per second of the disk tier under `parent` (where disk_store would put its directory;
+/// AsyncOffloadConfig::disk_dir) for transfers of about `typical_bytes` (rounded up to a power of two within 1-16
+/// MiB): one such transfer written and read back as the tier does (`through`:
+/// AsyncOffloadConfig::disk_write_through) untimed, then three timed, the rate taken from the median (a VM's disk
+/// has slow stretches: the same GPT's probe read 380-760 MB/s in four processes), so that 2 * bytes / rate is one
+/// write and its read. The untimed one because a process's first write to a new file often takes several times a
+/// later one's: measured on the 2-CPU VM of 2026-12-03, 16 MiB written through in 60-65 ms first, 11-14 ms after,
+/// read in 17-22 ms either way. Timed alone, that first transfer read 237-580 MB/s in five of six fresh processes
+/// where the next one read 720-1,100, and a GPT's projected offload wait came out 1.7 times the measured (49.6 ms a
+/// step against 29.6). nullopt where no file can be written there; a failure is not remembered (an injected test
+/// fault, a full disk freed since).
+[[nodiscard]] inline std::optional<double> measured_disk_bytes_per_second(
+    const std::optional<std::string>& parent, bool through, std::int64_t typical_bytes = disk_rate_max_bytes) {
   static std::mutex mutex;
-  static std::map<std::pair<std::string, bool>, double> measured;
+  static std::map<std::tuple<std::string, bool, std::int64_t>, double> measured;
   const std::lock_guard<std::mutex> lock(mutex);
+  const std::int64_t bytes = disk_rate_transfer_bytes(typical_bytes);
   for (const auto& dir : disk_parent_candidates(parent)) {
-    const std::pair<std::string, bool> key{dir.string(), through};
+    const std::tuple<std::string, bool, std::int64_t> key{dir.string(), through, bytes};
     if (const auto known = measured.find(key); known != measured.end()) return known->second;
-    constexpr std::int64_t bytes = std::int64_t{16} << 20;
     // Mapped, not malloc'd: glibc raises its mmap threshold to the size of
     // the largest mapped block a program frees (up to 32 MiB), and from then
     // on keeps freed blocks under it in its heaps: freeing a 16 MiB vector
@@ -63,15 +84,23 @@ inline std::atomic<int>& disk_rate_measurements() {
     for (std::int64_t i = 0; i < bytes; ++i) data[i] = static_cast<char>(i * 131 + 7);  // not all zeros
     const auto file = dir / ("memscale-disk-rate-" + std::to_string(::getpid()) + ".bin");
     disk_rate_measurements().fetch_add(1, std::memory_order_relaxed);
-    const auto start = std::chrono::steady_clock::now();
-    const bool ok =
-        disk_store::write(file, data, bytes, through).empty() && disk_store::read(file, data, bytes, through).empty();
-    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+    const auto transfer = [&] {
+      return disk_store::write(file, data, bytes, through).empty() &&
+             disk_store::read(file, data, bytes, through).empty();
+    };
+    bool ok = transfer();  // the first: untimed
+    std::array<double, 3> took{};
+    for (auto& seconds : took) {
+      const auto start = std::chrono::steady_clock::now();
+      ok = ok && transfer();
+      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
     mapped.reset();
     std::error_code ignored;
     std::filesystem::remove(file, ignored);
-    if (!ok || took.count() <= 0.0) continue;  // the next directory the tier would try
-    return measured[key] = 2.0 * static_cast<double>(bytes) / took.count();
+    std::sort(took.begin(), took.end());
+    if (!ok || took[1] <= 0.0) continue;  // the next directory the tier would try
+    return measured[key] = 2.0 * static_cast<double>(bytes) / took[1];
   }
   return std::nullopt;
 }
