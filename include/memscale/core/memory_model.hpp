@@ -35,7 +35,7 @@ struct unit {
 };
 
 /// How many units of every chain have `flag` set (&unit::checkpointed, &unit::offloaded).
-[[nodiscard]] inline int count_units(const std::vector<std::vector<unit>>& chains, bool unit::*flag) {
+[[nodiscard]] constexpr int count_units(const std::vector<std::vector<unit>>& chains, bool unit::*flag) {
   int n = 0;
   for (const auto& units : chains)
     for (const auto& u : units) n += u.*flag ? 1 : 0;
