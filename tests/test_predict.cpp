@@ -1089,12 +1089,16 @@ TEST_CASE("the BLAS probe measures the buffers a product touches once, as runnin
     // rows, 2026-11-30), and there is nothing per row to extend. The probe runs
     // it on its own 8 columns (probe_columns), whole under the default cap. The
     // fresh process's figure also holds what its first product paged in of
-    // the kernels' code (1.125 MiB there, 1 MiB probed here, 2026-11-30).
+    // the kernels' code (1.125 MiB there, 1 MiB probed here, 2026-11-30), most
+    // of either: on LibTorch 2.14.1 a fresh process read 1,416-1,520 KiB, of it
+    // 48 KiB anonymous, where the probe read 1,160 (80 anonymous), in 2026-12-03's
+    // runs, the fresh process's figure the higher when other processes kept
+    // both CPUs busy. So the slack is code's, not the buffers'.
     const auto probe = probe_products({{40000, 384, 8}});
     INFO("run whole in a fresh process: " << whole_40000 / mib << " MiB; probed: "
                                           << static_cast<double>(probe.bytes) / mib << " MiB");
     CHECK(probe.products == 1);
-    CHECK(static_cast<double>(probe.bytes) >= whole_40000 - 256 * 1024);
+    CHECK(static_cast<double>(probe.bytes) >= whole_40000 - 512 * 1024);
     CHECK(static_cast<double>(probe.bytes) <= 1.15 * whole_40000);
     return;
   }
