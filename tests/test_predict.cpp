@@ -1093,12 +1093,14 @@ TEST_CASE("the BLAS probe measures the buffers a product touches once, as runnin
     // of either: on LibTorch 2.14.1 a fresh process read 1,416-1,520 KiB, of it
     // 48 KiB anonymous, where the probe read 1,160 (80 anonymous), in 2026-12-03's
     // runs, the fresh process's figure the higher when other processes kept
-    // both CPUs busy. So the slack is code's, not the buffers'.
+    // both CPUs busy. So the slack is code's, not the buffers', and 2.x's
+    // larger: 256 KiB on 1.13, as before, 512 on 2.x.
+    constexpr double code_slack = TORCH_VERSION_MAJOR < 2 ? 256 * 1024 : 512 * 1024;
     const auto probe = probe_products({{40000, 384, 8}});
     INFO("run whole in a fresh process: " << whole_40000 / mib << " MiB; probed: "
                                           << static_cast<double>(probe.bytes) / mib << " MiB");
     CHECK(probe.products == 1);
-    CHECK(static_cast<double>(probe.bytes) >= whole_40000 - 512 * 1024);
+    CHECK(static_cast<double>(probe.bytes) >= whole_40000 - code_slack);
     CHECK(static_cast<double>(probe.bytes) <= 1.15 * whole_40000);
     return;
   }
