@@ -563,6 +563,16 @@ int run(const Args& args) {
     std::cout << "offload engine: " << mib(offload->bytes_written / args.steps) << " written and "
               << mib(offload->bytes_read / args.steps) << " read per step, disk tier peak " << mib(disk.peak) << ", "
               << offload->warnings.size() << " warning(s)\n";
+    // The transfers as projected (the plan's rate, measured in this process or nominal) beside as they ran.
+    std::cout << "offload transfers per step: " << ms(offload->transfer_seconds / args.steps) << " measured, "
+              << ms(report.offload_wait_seconds(false)) << " projected";
+    if (report.offload_bytes_per_second > 0) {
+      std::ostringstream rate;
+      rate << std::fixed << std::setprecision(0) << report.offload_bytes_per_second / 1e6;
+      std::cout << " at " << rate.str() << " MB/s one way (" << (report.offload_rate_measured ? "measured" : "nominal")
+                << ")";
+    }
+    std::cout << "\n";
   }
   if (report.checkpointed_segments() == 0)
     std::cout << "note: the plan checkpoints nothing (memory pressure " << std::setprecision(3)

@@ -581,6 +581,26 @@ TEST_CASE("a report's projected offload wait: the whole transfer when synchronou
   r.offload_async = false;
   CHECK_THAT(r.str(), Catch::Contains("2 offloaded unit(s) moving 0 B per step, projected wait 10.0 ms/step "
                                       "(synchronous; 3.0 ms with Config::async_offload)\n"));
+  // ... and the rate the transfers were costed at, measured in the process or nominal.
+  r.offload_bytes_per_second = 812.4e6;
+  r.offload_rate_measured = true;
+  CHECK_THAT(r.str(), Catch::Contains("projected wait 10.0 ms/step (synchronous; 3.0 ms with Config::async_offload), "
+                                      "transfers costed at 812 MB/s one way (measured in this process)\n"));
+  r.offload_bytes_per_second = 16e9;
+  r.offload_rate_measured = false;
+  r.offload_async = true;
+  CHECK_THAT(r.str(), Catch::Contains("projected wait 3.0 ms/step (async_offload), transfers costed at 16000 MB/s "
+                                      "one way (nominal)\n"));
+  // A live attachment's Report: what the engine moved so far, and the rate its copies ran at.
+  CHECK_THAT(r.str(), !Catch::Contains("offloaded so far"));
+  r.offload = memscale::offload::engine_stats{};
+  r.offload->add_written(memscale::offload::tier::disk, 12 << 20);
+  r.offload->add_read(memscale::offload::tier::disk, 12 << 20);
+  r.offload->transfer_seconds = 0.0419;
+  r.offload->wait_seconds = 0.0031;
+  CHECK_THAT(r.str(), Catch::Contains("\noffloaded so far: 12.00 MiB out, 12.00 MiB back; the copies took 41.9 ms "
+                                      "(601 MB/s one way), training waited 3.1 ms of them\n"));
+  r.offload.reset();
   r.plan.units = {{{.first = 0, .last = 1}}};  // nothing offloaded: nothing to wait on, nothing said
   CHECK_THAT(r.str(), Catch::Contains("0 offloaded unit(s) moving 0 B per step\n"));
 }

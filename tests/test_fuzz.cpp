@@ -302,6 +302,12 @@ TEST_CASE("fuzzed: Report::from_json reads a Report or throws memscale::Error", 
     bad["chains"][0]["slots"][0][field] = value;
     CHECK_THROWS_WITH(memscale::Report::from_json(bad.dump()), Catch::Contains("out of range"));
   }
+  for (const double rate : {-1.0, 1e300}) {  // the rate offloads were costed at
+    auto bad = document;
+    bad["offload_bytes_per_second"] = rate;
+    CHECK_THROWS_WITH(memscale::Report::from_json(bad.dump()),
+                      Catch::Contains("offload_bytes_per_second is out of range"));
+  }
   auto past_the_chain = document;
   past_the_chain["plan"]["units"][0][0]["last"] = 1000;
   CHECK_THROWS_WITH(memscale::Report::from_json(past_the_chain.dump()), Catch::Contains("a unit of chain 0"));

@@ -183,6 +183,13 @@ TEST_CASE("Report::to_json: every field, and from_json takes back what to_json w
   auto older = j;
   older.erase("outside_units_bytes");
   CHECK(memscale::Report::from_json(older.dump()).outside_units_bytes == 0);
+  // ... and one written before the offload rate was recorded, as a plan that did not weigh offloading.
+  REQUIRE(older.contains("offload_bytes_per_second"));
+  REQUIRE(older.contains("offload_rate_measured"));
+  older.erase("offload_bytes_per_second");
+  older.erase("offload_rate_measured");
+  CHECK(memscale::Report::from_json(older.dump()).offload_bytes_per_second == 0.0);
+  CHECK_FALSE(memscale::Report::from_json(older.dump()).offload_rate_measured);
   // ... and one whose slots were written before made_before_bytes and
   // offload_kept_bytes existed, as none made and all of it offloadable.
   REQUIRE(older.at("chains").at(0).at("slots").at(0).contains("made_before_bytes"));

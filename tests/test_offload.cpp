@@ -482,21 +482,32 @@ TEST_CASE("the planner budgets the disk tier at the rate measured here, once per
   const auto cached = measured_disk_bytes_per_second(rated, false);
   REQUIRE(cached.has_value());
   // What the planner assumes for a CPU tensor's offload, and a CUDA tensor's without host room.
+  using memscale::core::offload_room;
   auto options = quiet_options({.disk_bytes = std::int64_t{1} << 30, .disk_dir = rated});
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return true; }).second == *through);
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return true; }, 1 << 20).second == *small);
+  const auto measured = offload_room(c10::Device(c10::kCPU), options, [] { return true; });
+  CHECK(measured.bytes_per_second == *through);
+  CHECK(measured.measured);
+  CHECK(measured.room_bytes == std::int64_t{1} << 30);
+  CHECK(offload_room(c10::Device(c10::kCPU), options, [] { return true; }, 1 << 20).bytes_per_second == *small);
   // Where no plan could offload, the nominal rate stands, unmeasured.
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return false; }).second ==
-        memscale::core::nominal_disk_bytes_per_second);
+  const auto nominal = offload_room(c10::Device(c10::kCPU), options, [] { return false; });
+  CHECK(nominal.bytes_per_second == memscale::core::nominal_disk_bytes_per_second);
+  CHECK_FALSE(nominal.measured);
   options.disk_write_through = false;
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return true; }).second == *cached);
+  CHECK(offload_room(c10::Device(c10::kCPU), options, [] { return true; }).bytes_per_second == *cached);
   options.host_bytes = 0;
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCUDA, 0), options, [] { return true; }).second == *cached);
+  CHECK(offload_room(c10::Device(c10::kCUDA, 0), options, [] { return true; }).bytes_per_second == *cached);
+  // A CUDA tensor with host room: the link to pinned host memory, measured where the build and the machine have
+  // CUDA (test_offload_cuda.cpp checks the measurement), else nominal.
   options.host_bytes = std::int64_t{1} << 30;
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCUDA, 0), options, [] { return true; }).second ==
-        memscale::core::nominal_host_link_bytes_per_second);
+  const auto link = memscale::offload::measured_host_link_bytes_per_second(c10::Device(c10::kCUDA, 0));
+  const auto host = offload_room(c10::Device(c10::kCUDA, 0), options, [] { return true; });
+  CHECK(host.bytes_per_second == link.value_or(memscale::core::nominal_host_link_bytes_per_second));
+  CHECK(host.measured == link.has_value());
+  CHECK(host.room_bytes == (std::int64_t{2} << 30));
+  if (!torch::cuda::is_available()) CHECK_FALSE(link.has_value());
   options.disk_bytes = 0;
-  CHECK(memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return true; }).second ==
+  CHECK(offload_room(c10::Device(c10::kCPU), options, [] { return true; }).bytes_per_second ==
         memscale::core::nominal_disk_bytes_per_second);
 }
 
@@ -523,11 +534,21 @@ TEST_CASE("planning measures the disk tier's rate only where a plan could offloa
   {  // Balanced with nothing pressing: no plan offloads
     auto guard = memscale::optimize(model, x, config);
     CHECK(guard.report().offloaded_units() == 0);
+    CHECK_FALSE(guard.report().offload_rate_measured);  // the nominal rate, unused
   }
   CHECK(measured.load() == before);
   config.mode = memscale::OptimizationMode::Aggressive;  // its target is zero: the offload phase runs
   {
     auto guard = memscale::optimize(model, x, config);
+    // The Report names the rate the plan was costed at: the one measured, at the slots' typical input.
+    const auto& report = guard.report();
+    CHECK(report.offload_rate_measured);
+    std::vector<std::vector<memscale::slot_cost>> costs;
+    for (const auto& chain : report.chains) costs.push_back(chain.slots);
+    const auto rate = memscale::offload::measured_disk_bytes_per_second(
+        fresh.string(), config.async_config->disk_write_through, memscale::core::typical_offload_bytes(costs));
+    REQUIRE(rate.has_value());
+    CHECK(report.offload_bytes_per_second == *rate);
   }
   CHECK(measured.load() == before + 1);
 }

@@ -104,3 +104,47 @@ TEST_CASE("offloading a CUDA chain's activations halves its peak, bit-identicall
   CHECK(growth <= base_growth / 2);
   CHECK(test::bit_equal(base.second, result.second));
 }
+
+TEST_CASE("a CUDA device's link to pinned host memory is measured once per size, and a plan costs its offload with it",
+          "[.cuda][offload][engine]") {
+  require_gpu();
+  using memscale::offload::host_link_rate_measurements;
+  using memscale::offload::measured_host_link_bytes_per_second;
+  const c10::Device gpu(c10::kCUDA, 0);
+  const int before = host_link_rate_measurements().load();
+  const auto big = measured_host_link_bytes_per_second(gpu);  // 16 MiB
+  REQUIRE(big.has_value());
+  // A PCIe 3 x16 link's pinned copies run at over 10 GB/s each way; anything at a tenth of that is a fault.
+  CHECK(*big > 1e9);
+  CHECK(measured_host_link_bytes_per_second(gpu) == big);                    // measured once
+  CHECK(measured_host_link_bytes_per_second(c10::Device(c10::kCUDA)) == big);  // the current device, the same
+  const auto small = measured_host_link_bytes_per_second(gpu, 3000);          // 1 MiB
+  REQUIRE(small.has_value());
+  CHECK(*small > 1e8);
+  CHECK(measured_host_link_bytes_per_second(gpu, std::int64_t{1} << 20) == small);
+  CHECK(host_link_rate_measurements().load() == before + 2);
+  CHECK_FALSE(measured_host_link_bytes_per_second(c10::Device(c10::kCPU)).has_value());
+  // A pressed CUDA chain whose plan may offload: its Report names the measured rate.
+  torch::manual_seed(5);
+  torch::nn::Sequential model(torch::nn::Linear(256, 1024), torch::nn::GELU(), torch::nn::Linear(1024, 256),
+                              torch::nn::GELU(), torch::nn::Linear(256, 1024), torch::nn::GELU(),
+                              torch::nn::Linear(1024, 256));
+  model->to(torch::kCUDA);
+  const auto x = torch::randn({2048, 256}, torch::kCUDA);
+  auto config = test::quiet({.mode = OptimizationMode::Aggressive});
+  config.async_config = memscale::AsyncOffloadConfig{};
+  const auto report = memscale::wrap(model, x, config);
+  memscale::detach(model);
+  INFO(report.str());
+  if (report.offload_bytes_per_second > 0) {  // the plan weighed offloading
+    CHECK(report.offload_rate_measured);
+    CHECK(report.offload_bytes_per_second ==
+          measured_host_link_bytes_per_second(gpu, memscale::core::typical_offload_bytes([&] {
+            std::vector<std::vector<memscale::slot_cost>> costs;
+            for (const auto& chain : report.chains) costs.push_back(chain.slots);
+            return costs;
+          }())));
+  } else {
+    WARN("the plan did not weigh offloading here: only the measurement was checked");
+  }
+}

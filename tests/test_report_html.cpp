@@ -58,6 +58,20 @@ TEST_CASE("Report::to_html: a self-contained page with the timeline, the plan an
   CHECK(count_of(page, "<circle class=\"baseline\"") == 1 + 2 * slots);
   CHECK(count_of(page, "<tr data-unit=") == report.plan.decisions.size());
   CHECK(page.find("<table id=\"config\">") != std::string::npos);
+  // With offload traffic: the rate the plan costed its transfers at beside the rate they ran at.
+  memscale::Report offloaded = report;
+  offloaded.offload = memscale::offload::engine_stats{};
+  offloaded.offload->add_written(memscale::offload::tier::disk, 300'000'000);
+  offloaded.offload->add_read(memscale::offload::tier::disk, 300'000'000);
+  offloaded.offload->transfer_seconds = 1.0;
+  offloaded.offload_bytes_per_second = 812.4e6;
+  offloaded.offload_rate_measured = true;
+  CHECK_THAT(offloaded.to_html(), Catch::Contains("<p id=\"offload-rate\">Planned at 812 MB/s one way (measured in "
+                                                  "the process); the copies ran at 600 MB/s.</p>"));
+  offloaded.offload_rate_measured = false;
+  CHECK_THAT(offloaded.to_html(), Catch::Contains("Planned at 812 MB/s one way (nominal); the copies"));
+  offloaded.offload_bytes_per_second = 0;  // offloading was not weighed: no rate to name
+  CHECK(offloaded.to_html().find("offload-rate") == std::string::npos);
   // Text from the model reaches the page escaped.
   memscale::Report hostile = report;
   hostile.notes.push_back("<script>alert(1)</script>");

@@ -90,6 +90,10 @@ struct Report {
   /// what the outer calls keep outside the inner calls, which no unit can free.
   std::int64_t outside_units_bytes = 0;
   bool offload_async = false;  ///< Config::async_offload: offloaded runs overlap their transfer with compute
+  /// The one-way rate the plan costed an offload transfer at (0: offloading was not weighed), and whether it was
+  /// measured in this process (the disk tier's, or a CUDA device's link to pinned host memory) or nominal.
+  double offload_bytes_per_second = 0.0;
+  bool offload_rate_measured = false;
   std::vector<chain_profile> chains;
   core::engine_plan plan;
   std::vector<std::string> notes;
@@ -140,8 +144,8 @@ struct Report {
   }
 
   /// Projected seconds a step waits on offload transfers, per offloaded run at
-  /// the tier's rate (out and back; the disk's as measured in the process, a
-  /// host link's nominal): with asynchronous offload, the part
+  /// the tier's rate (out and back; offload_bytes_per_second): with
+  /// asynchronous offload, the part
   /// its own forward and backward cannot hide (the engine's writes and
   /// prefetches overlap them); synchronous offload waits the whole transfer.
   [[nodiscard]] double offload_wait_seconds() const { return offload_wait_seconds(offload_async); }
@@ -308,8 +312,20 @@ struct Report {
         os << " (async_offload)";
       else
         os << " (synchronous; " << offload_wait_seconds(true) * 1e3 << " ms with Config::async_offload)";
+      if (offload_bytes_per_second > 0)
+        os << ", transfers costed at " << std::setprecision(0) << offload_bytes_per_second / 1e6 << " MB/s one way ("
+           << (offload_rate_measured ? "measured in this process" : "nominal") << ")";
     }
     os << "\n";
+    if (offload && offload->bytes_written + offload->bytes_read > 0) {  // what the engine measured so far
+      const auto moved = offload->bytes_written + offload->bytes_read;
+      os << "offloaded so far: " << format_bytes(offload->bytes_written) << " out, "
+         << format_bytes(offload->bytes_read) << " back; the copies took " << std::setprecision(1) << offload->transfer_seconds * 1e3 << " ms";
+      if (offload->transfer_seconds > 0)
+        os << " (" << std::setprecision(0) << static_cast<double>(moved) / offload->transfer_seconds / 1e6
+           << " MB/s one way)";
+      os << ", training waited " << std::setprecision(1) << offload->wait_seconds * 1e3 << " ms of them\n";
+    }
     if (verification) os << verification->str() << "\n";
     for (std::size_t c = 0; c < chains.size(); ++c) print_chain(os, static_cast<int>(c));
     print_notes(os);

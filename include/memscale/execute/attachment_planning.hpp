@@ -251,8 +251,10 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
     std::int64_t used = 0;
     for (std::size_t c = 0; c < out.chains.size() && c < out.plan.units.size(); ++c)
       used += project_chain(out.chains[c].slots, out.plan.units[c]).offloaded_bytes;
-    in.offload_budget_bytes = std::max<std::int64_t>(0, tiers.first - used);
-    in.offload_bytes_per_second = tiers.second;
+    in.offload_budget_bytes = std::max<std::int64_t>(0, tiers.room_bytes - used);
+    in.offload_bytes_per_second = tiers.bytes_per_second;
+    out.offload_bytes_per_second = tiers.bytes_per_second;
+    out.offload_rate_measured = tiers.measured;
     in.offload_min_bytes = engine_options.min_bytes;
   }
   if (!out.planned && caller_config_.auto_policy) choose_strategy(profiles, costs, supported, in, device, out);

@@ -23,6 +23,7 @@
 #include <memscale/detail/modules.hpp>
 #include <memscale/offload/disk_rate.hpp>
 #include <memscale/offload/engine_options.hpp>
+#include <memscale/offload/host_link_rate.hpp>
 #include <memscale/techniques/checkpoint.hpp>
 #include <memscale/techniques/concepts.hpp>
 #include <memscale/techniques/mixed_precision.hpp>
@@ -40,29 +41,40 @@ struct technique_set {
   wrap_fn tile;
 };
 
-/// Nominal one-way rates the planner assumes for an offload transfer (the
-/// engine's statistics report what a step really took).
-inline constexpr double nominal_host_link_bytes_per_second = 16e9;  // pinned PCIe copies
-inline constexpr double nominal_disk_bytes_per_second = 1e9;        // a local SSD, where no rate is measured
+/// Nominal one-way rates the planner assumes for an offload transfer where
+/// none is measured (the engine's statistics report what a step really took).
+inline constexpr double nominal_host_link_bytes_per_second = 16e9;  // pinned PCIe 4 copies
+inline constexpr double nominal_disk_bytes_per_second = 1e9;        // a local SSD
 
 /// Room in the offload tiers for tensors on `device` (the engine's caps, see
 /// offload::options_from), and the transfer rate to the tier they reach first:
-/// host tiers then disk for CUDA, disk only for CPU tensors. The disk's rate is
+/// host tiers then disk for CUDA, disk only for CPU tensors. The rate is
 /// measured where `may_offload()` says a plan could weigh it, for transfers of
-/// about `typical_bytes` (offload::measured_disk_bytes_per_second: four such
-/// written and read back, once per process and size; 10-230 ms on a VM's disk
-/// for 1-16 MiB); elsewhere the nominal rate stands, unused. `may_offload` is
-/// asked only where the disk's rate is what would be used.
+/// about `typical_bytes`, once per process and size: the disk's
+/// (offload::measured_disk_bytes_per_second: four such written and read back;
+/// 10-230 ms on a VM's disk for 1-16 MiB) or the host link's
+/// (offload::measured_host_link_bytes_per_second: four copies out and back
+/// through pinned memory). Elsewhere, or where it cannot be measured, the
+/// nominal rate stands. `may_offload` is asked only where a rate would be measured.
+/// What offload_room() finds: the tiers' room, and the one-way rate a transfer is costed at.
+struct offload_tiers {
+  std::int64_t room_bytes = 0;
+  double bytes_per_second = nominal_disk_bytes_per_second;
+  bool measured = false;  ///< the rate was measured in this process (else: nominal)
+};
+
 template <class MayOffload>
-std::pair<std::int64_t, double> offload_room(const c10::Device& device, const offload::engine_options& o,
-                                             MayOffload&& may_offload,
-                                             std::int64_t typical_bytes = offload::disk_rate_max_bytes) {
+offload_tiers offload_room(const c10::Device& device, const offload::engine_options& o, MayOffload&& may_offload,
+                           std::int64_t typical_bytes = offload::disk_rate_max_bytes) {
   const std::int64_t disk = o.disk_bytes.value_or(0), host = device.is_cuda() ? o.host_bytes.value_or(0) : 0;
-  if (host > 0) return {host + disk, nominal_host_link_bytes_per_second};
-  const auto rate = disk > 0 && may_offload()
-                        ? offload::measured_disk_bytes_per_second(o.disk_dir, o.disk_write_through, typical_bytes)
-                        : std::nullopt;
-  return {host + disk, rate.value_or(nominal_disk_bytes_per_second)};
+  std::optional<double> rate;
+  if (host > 0) {
+    if (may_offload()) rate = offload::measured_host_link_bytes_per_second(device, typical_bytes);
+    return {host + disk, rate.value_or(nominal_host_link_bytes_per_second), rate.has_value()};
+  }
+  if (disk > 0 && may_offload())
+    rate = offload::measured_disk_bytes_per_second(o.disk_dir, o.disk_write_through, typical_bytes);
+  return {host + disk, rate.value_or(nominal_disk_bytes_per_second), rate.has_value()};
 }
 
 /// The size of the tensors an offload of these chains would move, for the disk

@@ -45,6 +45,24 @@ inline constexpr std::int64_t disk_rate_max_bytes = std::int64_t{16} << 20;
   return bytes;
 }
 
+/// One-way bytes per second of a tier's round trip of `bytes` (out and back,
+/// `round_trip()` returning false on a failure): one run untimed, then three
+/// timed, the rate taken from the median, so that 2 * bytes / rate is one copy
+/// out and its copy back. nullopt where a run failed or took no time.
+template <class RoundTrip>
+[[nodiscard]] std::optional<double> median_round_trip_rate(std::int64_t bytes, RoundTrip&& round_trip) {
+  bool ok = round_trip();  // the first: untimed
+  std::array<double, 3> took{};
+  for (auto& seconds : took) {
+    const auto start = std::chrono::steady_clock::now();
+    ok = ok && round_trip();
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  std::sort(took.begin(), took.end());
+  if (!ok || took[1] <= 0.0) return std::nullopt;
+  return 2.0 * static_cast<double>(bytes) / took[1];
+}
+
 /// One-way bytes per second of the disk tier under `parent` (where disk_store would put its directory;
 /// AsyncOffloadConfig::disk_dir) for transfers of about `typical_bytes` (rounded up to a power of two within 1-16
 /// MiB): one such transfer written and read back as the tier does (`through`:
@@ -84,23 +102,15 @@ inline constexpr std::int64_t disk_rate_max_bytes = std::int64_t{16} << 20;
     for (std::int64_t i = 0; i < bytes; ++i) data[i] = static_cast<char>(i * 131 + 7);  // not all zeros
     const auto file = dir / ("memscale-disk-rate-" + std::to_string(::getpid()) + ".bin");
     disk_rate_measurements().fetch_add(1, std::memory_order_relaxed);
-    const auto transfer = [&] {
+    const auto rate = median_round_trip_rate(bytes, [&] {
       return disk_store::write(file, data, bytes, through).empty() &&
              disk_store::read(file, data, bytes, through).empty();
-    };
-    bool ok = transfer();  // the first: untimed
-    std::array<double, 3> took{};
-    for (auto& seconds : took) {
-      const auto start = std::chrono::steady_clock::now();
-      ok = ok && transfer();
-      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    }
+    });
     mapped.reset();
     std::error_code ignored;
     std::filesystem::remove(file, ignored);
-    std::sort(took.begin(), took.end());
-    if (!ok || took[1] <= 0.0) continue;  // the next directory the tier would try
-    return measured[key] = 2.0 * static_cast<double>(bytes) / took[1];
+    if (!rate) continue;  // the next directory the tier would try
+    return measured[key] = *rate;
   }
   return std::nullopt;
 }

@@ -256,6 +256,14 @@ document.getElementById('points').textContent=document.querySelectorAll('circle.
        << r.offload->wait_seconds * 1e3 << " ms of it; prefetch hits " << r.offload->prefetch_hits << ", misses "
        << r.offload->prefetch_misses << ", served before their write ended " << r.offload->served_before_written
        << ".</p>\n";
+    if (r.offload_bytes_per_second > 0) {  // the rate planned with beside the rate the copies ran at
+      const auto moved = r.offload->bytes_written + r.offload->bytes_read;
+      os << "<p id=\"offload-rate\">Planned at " << std::setprecision(0) << r.offload_bytes_per_second / 1e6
+         << " MB/s one way (" << (r.offload_rate_measured ? "measured in the process" : "nominal") << ")";
+      if (moved > 0 && r.offload->transfer_seconds > 0)
+        os << "; the copies ran at " << static_cast<double>(moved) / r.offload->transfer_seconds / 1e6 << " MB/s";
+      os << ".</p>\n" << std::setprecision(2);
+    }
   }
 
   std::ostringstream hardware;

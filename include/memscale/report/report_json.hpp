@@ -132,6 +132,8 @@ inline void from_json(const nlohmann::json& j, StrategyDecision& d) {
                       {"outside_allocator_bytes", r.outside_allocator_bytes},
                       {"outside_units_bytes", r.outside_units_bytes},
                       {"offload_async", r.offload_async},
+                      {"offload_bytes_per_second", r.offload_bytes_per_second},
+                      {"offload_rate_measured", r.offload_rate_measured},
                       {"chains", r.chains},
                       {"plan", r.plan},
                       {"notes", r.notes},
@@ -188,6 +190,9 @@ inline void check_report_ranges(const Report& r) {
     throw Error("memscale: Report::from_json: " + what + " is out of range");
   };
   if (r.plan.units.size() < r.chains.size()) refuse("the plan's unit list (fewer chains than the Report's)");
+  if (!std::isfinite(r.offload_bytes_per_second) || r.offload_bytes_per_second < 0.0 ||
+      r.offload_bytes_per_second > 1e15)
+    refuse("offload_bytes_per_second");
   for (std::size_t c = 0; c < r.chains.size(); ++c) {
     const auto& slots = r.chains[c].slots;
     for (std::size_t k = 0; k < slots.size(); ++k) {
@@ -210,12 +215,14 @@ inline void check_report_ranges(const Report& r) {
 
 /// Fields schema version 1 gained after it was first written, read with
 /// defaults (Report::outside_units_bytes, engine_stats::served_before_written,
-/// slot_cost::made_before_bytes, slot_cost::offload_kept_bytes): wherever the document read lacks one, its
+/// slot_cost::made_before_bytes, slot_cost::offload_kept_bytes,
+/// Report::offload_bytes_per_second and offload_rate_measured): wherever the document read lacks one, its
 /// rewrite `again` leaves it out too, so that reading it back compares.
 inline void drop_added_fields(const nlohmann::json& read, nlohmann::json& again) {
   if (read.is_object() && again.is_object()) {
     for (const char* added :
-         {"outside_units_bytes", "served_before_written", "made_before_bytes", "offload_kept_bytes"})
+         {"outside_units_bytes", "served_before_written", "made_before_bytes", "offload_kept_bytes",
+          "offload_bytes_per_second", "offload_rate_measured"})
       if (!read.contains(added)) again.erase(added);
     for (auto& item : again.items())
       if (const auto it = read.find(item.key()); it != read.end()) drop_added_fields(*it, item.value());
@@ -260,6 +267,9 @@ inline void drop_added_fields(const nlohmann::json& read, nlohmann::json& again)
     j.at("outside_allocator_bytes").get_to(r.outside_allocator_bytes);
     r.outside_units_bytes = j.value("outside_units_bytes", std::int64_t{0});  // absent from older documents: none
     j.at("offload_async").get_to(r.offload_async);
+    // Absent from older documents: not recorded (as for a plan that did not weigh offloading).
+    r.offload_bytes_per_second = j.value("offload_bytes_per_second", 0.0);
+    r.offload_rate_measured = j.value("offload_rate_measured", false);
     j.at("chains").get_to(r.chains);
     j.at("plan").get_to(r.plan);
     j.at("notes").get_to(r.notes);

@@ -1,0 +1,126 @@
+// memscale — the host link's transfer rate as measured on this machine: what
+// the planner budgets a CUDA tensor's offload to host memory with, in place of
+// a nominal rate (16 GB/s, a PCIe 4 link's pinned copies). Measured links
+// differ by more than that figure's own size: an H100's pinned copies ran at
+// 55 GB/s each way (2026-11-23), its pageable ones at 9-15: a plan costed at
+// the nominal rate weighs a transfer there at 3.4 times what it takes, against
+// the recompute it would replace. Measured once per process,
+// device and transfer size, to and from pinned memory (the tier the engine
+// offloads to first, offload::pinned_pool), as the engine copies.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <utility>
+
+#include <torch/torch.h>
+
+#include <memscale/device/memory_tracker.hpp>
+#include <memscale/offload/disk_rate.hpp>
+
+#if MEMSCALE_HAS_CUDA()
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace memscale::offload {
+
+/// How many times this process measured a host link's rate (tests read it).
+inline std::atomic<int>& host_link_rate_measurements() {
+  static std::atomic<int> count{0};
+  return count;
+}
+
+#if MEMSCALE_HAS_CUDA()
+namespace detail {
+/// A device buffer and a pinned host buffer of `bytes` for the measurement,
+/// taken from the CUDA runtime rather than LibTorch's caching allocators, and
+/// freed when it ends: a block left cached there would stay in the device's
+/// reserved bytes, which predict() and the memory tracker count as the
+/// process's.
+struct link_buffers {
+  void* device = nullptr;
+  void* host = nullptr;
+  explicit link_buffers(std::size_t bytes) {
+    if (cudaMalloc(&device, bytes) != cudaSuccess) {
+      device = nullptr;
+      (void)cudaGetLastError();  // out of memory: the error is this call's, not the next kernel's
+      return;
+    }
+    if (cudaMallocHost(&host, bytes) != cudaSuccess) {
+      host = nullptr;
+      (void)cudaGetLastError();
+    }
+  }
+  link_buffers(const link_buffers&) = delete;
+  link_buffers& operator=(const link_buffers&) = delete;
+  ~link_buffers() {
+    if (host != nullptr) (void)cudaFreeHost(host);
+    if (device != nullptr) (void)cudaFree(device);
+  }
+  [[nodiscard]] bool ok() const { return device != nullptr && host != nullptr; }
+};
+}  // namespace detail
+#endif
+
+/// One-way bytes per second between `device` (CUDA) and pinned host memory for
+/// transfers of about `typical_bytes` (rounded up to a power of two within 1-16
+/// MiB, as the disk tier's rate is): one copy out and back untimed, then three
+/// timed on the device's current stream (cudaMemcpyAsync, as the engine's
+/// copies to and from pinned blocks are), the rate taken from the median, so
+/// that 2 * bytes / rate is one copy out and its copy back, as for the disk.
+/// The work queued on the stream before is waited for first, outside the timed
+/// span. nullopt for a device that is not CUDA, without CUDA in the build, or
+/// where a buffer cannot be had (out of memory) or a copy fails; a failure is
+/// not remembered. Not covered: a plan whose offload outgrows the pinned pool
+/// (AsyncOffloadConfig::pinned_pool_mb) moves the rest through pageable memory,
+/// synchronously and at a lower rate (an H100: 9-15 GB/s against 55).
+[[nodiscard]] inline std::optional<double> measured_host_link_bytes_per_second(
+    const c10::Device& device, std::int64_t typical_bytes = disk_rate_max_bytes) {
+#if MEMSCALE_HAS_CUDA()
+  if (!device.is_cuda()) return std::nullopt;
+  static std::mutex mutex;
+  static std::map<std::pair<int, std::int64_t>, double> measured;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const std::int64_t bytes = disk_rate_transfer_bytes(typical_bytes);
+  try {
+    const auto index = device.has_index() ? device.index() : c10::cuda::current_device();
+    const std::pair<int, std::int64_t> key{static_cast<int>(index), bytes};
+    if (const auto known = measured.find(key); known != measured.end()) return known->second;
+    const c10::cuda::CUDAGuard guard(index);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index).stream();
+    if (cudaStreamSynchronize(stream) != cudaSuccess) {  // the work queued before is not the link's
+      (void)cudaGetLastError();
+      return std::nullopt;
+    }
+    const detail::link_buffers buffers(static_cast<std::size_t>(bytes));
+    if (!buffers.ok()) return std::nullopt;
+    host_link_rate_measurements().fetch_add(1, std::memory_order_relaxed);
+    const auto size = static_cast<std::size_t>(bytes);
+    const auto rate = median_round_trip_rate(bytes, [&] {
+      return cudaMemcpyAsync(buffers.host, buffers.device, size, cudaMemcpyDeviceToHost, stream) == cudaSuccess &&
+             cudaMemcpyAsync(buffers.device, buffers.host, size, cudaMemcpyHostToDevice, stream) == cudaSuccess &&
+             cudaStreamSynchronize(stream) == cudaSuccess;
+    });
+    if (!rate) {
+      (void)cudaGetLastError();
+      return std::nullopt;
+    }
+    return measured[key] = *rate;
+  } catch (const c10::Error&) {  // no such device
+    return std::nullopt;
+  }
+#else
+  (void)device;
+  (void)typical_bytes;
+  return std::nullopt;
+#endif
+}
+
+}  // namespace memscale::offload
