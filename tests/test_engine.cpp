@@ -597,9 +597,14 @@ TEST_CASE("a report's projected offload wait: the whole transfer when synchronou
   r.offload->add_written(memscale::offload::tier::disk, 12 << 20);
   r.offload->add_read(memscale::offload::tier::disk, 12 << 20);
   r.offload->transfer_seconds = 0.0419;
+  r.offload->timed_bytes = 24 << 20;
   r.offload->wait_seconds = 0.0031;
-  CHECK_THAT(r.str(), Catch::Contains("\noffloaded so far: 12.00 MiB out, 12.00 MiB back; the copies took 41.9 ms "
-                                      "(601 MB/s one way), training waited 3.1 ms of them\n"));
+  CHECK_THAT(r.str(), Catch::Contains("\noffloaded so far: 12.00 MiB out, 12.00 MiB back; the timed copies took "
+                                      "41.9 ms (601 MB/s one way), training waited 3.1 ms on copies\n"));
+  // A GPU's asynchronous copies to and from pinned memory are not timed: the rate is the timed copies'.
+  r.offload->add_written(memscale::offload::tier::pinned_host, 12 << 20);
+  CHECK_THAT(r.str(), Catch::Contains("took 41.9 ms (601 MB/s one way); asynchronous copies between a GPU and "
+                                      "pinned memory untimed, training waited"));
   r.offload.reset();
   r.plan.units = {{{.first = 0, .last = 1}}};  // nothing offloaded: nothing to wait on, nothing said
   CHECK_THAT(r.str(), Catch::Contains("0 offloaded unit(s) moving 0 B per step\n"));

@@ -506,6 +506,17 @@ TEST_CASE("the planner budgets the disk tier at the rate measured here, once per
   CHECK(host.measured == link.has_value());
   CHECK(host.room_bytes == (std::int64_t{2} << 30));
   if (!torch::cuda::is_available()) CHECK_FALSE(link.has_value());
+  // Measured only where a plan could offload, and where the pinned pool takes a transfer of that size (beyond
+  // it the engine copies through pageable memory, which the pinned rate would overstate): else nominal.
+  const int links = memscale::offload::host_link_rate_measurements().load();
+  const auto unweighed = offload_room(c10::Device(c10::kCUDA, 0), options, [] { return false; }, 3 << 20);
+  CHECK(unweighed.bytes_per_second == memscale::core::nominal_host_link_bytes_per_second);
+  CHECK_FALSE(unweighed.measured);
+  options.pinned_bytes = 2 << 20;  // under the 4 MiB a 3 MiB transfer is measured at
+  const auto unpinned = offload_room(c10::Device(c10::kCUDA, 0), options, [] { return true; }, 3 << 20);
+  CHECK(unpinned.bytes_per_second == memscale::core::nominal_host_link_bytes_per_second);
+  CHECK_FALSE(unpinned.measured);
+  CHECK(memscale::offload::host_link_rate_measurements().load() == links);
   options.disk_bytes = 0;
   CHECK(offload_room(c10::Device(c10::kCPU), options, [] { return true; }).bytes_per_second ==
         memscale::core::nominal_disk_bytes_per_second);

@@ -64,12 +64,13 @@ TEST_CASE("Report::to_html: a self-contained page with the timeline, the plan an
   offloaded.offload->add_written(memscale::offload::tier::disk, 300'000'000);
   offloaded.offload->add_read(memscale::offload::tier::disk, 300'000'000);
   offloaded.offload->transfer_seconds = 1.0;
+  offloaded.offload->timed_bytes = 600'000'000;
   offloaded.offload_bytes_per_second = 812.4e6;
   offloaded.offload_rate_measured = true;
   CHECK_THAT(offloaded.to_html(), Catch::Contains("<p id=\"offload-rate\">Planned at 812 MB/s one way (measured in "
-                                                  "the process); the copies ran at 600 MB/s.</p>"));
+                                                  "this process); the timed copies ran at 600 MB/s.</p>"));
   offloaded.offload_rate_measured = false;
-  CHECK_THAT(offloaded.to_html(), Catch::Contains("Planned at 812 MB/s one way (nominal); the copies"));
+  CHECK_THAT(offloaded.to_html(), Catch::Contains("Planned at 812 MB/s one way (nominal); the timed copies"));
   offloaded.offload_bytes_per_second = 0;  // offloading was not weighed: no rate to name
   CHECK(offloaded.to_html().find("offload-rate") == std::string::npos);
   // Text from the model reaches the page escaped.

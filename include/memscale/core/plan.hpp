@@ -318,13 +318,15 @@ struct Report {
     }
     os << "\n";
     if (offload && offload->bytes_written + offload->bytes_read > 0) {  // what the engine measured so far
-      const auto moved = offload->bytes_written + offload->bytes_read;
       os << "offloaded so far: " << format_bytes(offload->bytes_written) << " out, "
-         << format_bytes(offload->bytes_read) << " back; the copies took " << std::setprecision(1) << offload->transfer_seconds * 1e3 << " ms";
-      if (offload->transfer_seconds > 0)
-        os << " (" << std::setprecision(0) << static_cast<double>(moved) / offload->transfer_seconds / 1e6
-           << " MB/s one way)";
-      os << ", training waited " << std::setprecision(1) << offload->wait_seconds * 1e3 << " ms of them\n";
+         << format_bytes(offload->bytes_read) << " back; the timed copies took " << std::setprecision(1)
+         << offload->transfer_seconds * 1e3 << " ms";
+      if (offload->transfer_seconds > 0 && offload->timed_bytes > 0)
+        os << " (" << std::setprecision(0)
+           << static_cast<double>(offload->timed_bytes) / offload->transfer_seconds / 1e6 << " MB/s one way)";
+      if (offload->timed_bytes < offload->bytes_written + offload->bytes_read)
+        os << "; asynchronous copies between a GPU and pinned memory untimed";
+      os << ", training waited " << std::setprecision(1) << offload->wait_seconds * 1e3 << " ms on copies\n";
     }
     if (verification) os << verification->str() << "\n";
     for (std::size_t c = 0; c < chains.size(); ++c) print_chain(os, static_cast<int>(c));

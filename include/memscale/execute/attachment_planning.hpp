@@ -253,8 +253,11 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
       used += project_chain(out.chains[c].slots, out.plan.units[c]).offloaded_bytes;
     in.offload_budget_bytes = std::max<std::int64_t>(0, tiers.room_bytes - used);
     in.offload_bytes_per_second = tiers.bytes_per_second;
-    out.offload_bytes_per_second = tiers.bytes_per_second;
-    out.offload_rate_measured = tiers.measured;
+    // Chains planned later (lazily) keep a rate measured earlier, which the earlier chains' offloads were costed at.
+    if (tiers.measured || !out.offload_rate_measured) {
+      out.offload_bytes_per_second = tiers.bytes_per_second;
+      out.offload_rate_measured = tiers.measured;
+    }
     in.offload_min_bytes = engine_options.min_bytes;
   }
   if (!out.planned && caller_config_.auto_policy) choose_strategy(profiles, costs, supported, in, device, out);

@@ -46,6 +46,13 @@ struct technique_set {
 inline constexpr double nominal_host_link_bytes_per_second = 16e9;  // pinned PCIe 4 copies
 inline constexpr double nominal_disk_bytes_per_second = 1e9;        // a local SSD
 
+/// What offload_room() finds: the tiers' room, and the one-way rate a transfer is costed at.
+struct offload_tiers {
+  std::int64_t room_bytes = 0;
+  double bytes_per_second = nominal_disk_bytes_per_second;
+  bool measured = false;  ///< the rate was measured in this process (else: nominal)
+};
+
 /// Room in the offload tiers for tensors on `device` (the engine's caps, see
 /// offload::options_from), and the transfer rate to the tier they reach first:
 /// host tiers then disk for CUDA, disk only for CPU tensors. The rate is
@@ -54,22 +61,18 @@ inline constexpr double nominal_disk_bytes_per_second = 1e9;        // a local S
 /// (offload::measured_disk_bytes_per_second: four such written and read back;
 /// 10-230 ms on a VM's disk for 1-16 MiB) or the host link's
 /// (offload::measured_host_link_bytes_per_second: four copies out and back
-/// through pinned memory). Elsewhere, or where it cannot be measured, the
-/// nominal rate stands. `may_offload` is asked only where a rate would be measured.
-/// What offload_room() finds: the tiers' room, and the one-way rate a transfer is costed at.
-struct offload_tiers {
-  std::int64_t room_bytes = 0;
-  double bytes_per_second = nominal_disk_bytes_per_second;
-  bool measured = false;  ///< the rate was measured in this process (else: nominal)
-};
-
+/// through pinned memory, where the pinned pool takes a transfer of that size:
+/// beyond it the engine copies through pageable memory, slower). Elsewhere, or
+/// where it cannot be measured, the nominal rate stands. `may_offload` is asked
+/// only where a rate would be measured.
 template <class MayOffload>
 offload_tiers offload_room(const c10::Device& device, const offload::engine_options& o, MayOffload&& may_offload,
                            std::int64_t typical_bytes = offload::disk_rate_max_bytes) {
   const std::int64_t disk = o.disk_bytes.value_or(0), host = device.is_cuda() ? o.host_bytes.value_or(0) : 0;
   std::optional<double> rate;
   if (host > 0) {
-    if (may_offload()) rate = offload::measured_host_link_bytes_per_second(device, typical_bytes);
+    if (o.pinned_bytes >= offload::disk_rate_transfer_bytes(typical_bytes) && may_offload())
+      rate = offload::measured_host_link_bytes_per_second(device, typical_bytes);
     return {host + disk, rate.value_or(nominal_host_link_bytes_per_second), rate.has_value()};
   }
   if (disk > 0 && may_offload())

@@ -103,6 +103,7 @@ inline at::Tensor engine::fetch(stored_tensor& rec) {
           ++s.prefetch_misses;
           s.wait_seconds += took;
           s.transfer_seconds += took;
+          s.timed_bytes += rec.layout_.bytes;
           s.add_read(tier::disk, rec.layout_.bytes);
         });
       }
@@ -131,6 +132,7 @@ inline at::Tensor engine::to_device(stored_tensor& rec, const at::Tensor& host) 
   core_->update([&](engine_stats& s) {
     s.wait_seconds += took;
     s.transfer_seconds += took;
+    s.timed_bytes += rec.layout_.bytes;
     // From disk, fetch() counted the read already; this is its host-to-device copy.
     if (rec.where_ != tier::disk) s.add_read(rec.where_, rec.layout_.bytes);
   });
@@ -192,6 +194,7 @@ inline void engine::prefetch_before(int group) {
       }
       core->update([&](engine_stats& s) {
         s.transfer_seconds += took;
+        s.timed_bytes += rec->layout_.bytes;
         s.add_read(tier::disk, rec->layout_.bytes);
       });
     };

@@ -96,6 +96,9 @@ struct engine_stats {
   std::int64_t bytes_written = 0;              ///< to host tiers and disk
   std::int64_t bytes_read = 0;
   double transfer_seconds = 0.0;               ///< time spent copying, in jobs or inline
+  /// The bytes those timed copies moved: a CUDA tensor's asynchronous copies to and from pinned memory run on
+  /// side streams, untimed, so timed_bytes / transfer_seconds is the rate the timed copies ran at.
+  std::int64_t timed_bytes = 0;
   double wait_seconds = 0.0;                   ///< time store()/load() blocked on a copy
   std::int64_t prefetch_hits = 0;              ///< loads served by a prefetch
   std::int64_t prefetch_misses = 0;            ///< loads that had to read inline

@@ -147,6 +147,7 @@ inline bool engine::to_disk(const stored_handle& rec, const at::Tensor& t) {
         core->update([&](engine_stats& s) {
           s.add_written(tier::disk, rec->layout_.bytes);
           s.transfer_seconds += took;
+          s.timed_bytes += rec->layout_.bytes;
         });
       } else {
         // Nothing is lost: the bytes stay in memory. A CPU tensor is where it

@@ -70,6 +70,7 @@ inline stored_handle engine::store(const at::Tensor& tensor, std::optional<tier>
       s.add_written(*placed, rec->layout_.bytes);
       if (!async_copy) {
         s.transfer_seconds += took;
+        s.timed_bytes += rec->layout_.bytes;
         s.wait_seconds += took;  // an inline copy is time the forward waited for
       }
     });

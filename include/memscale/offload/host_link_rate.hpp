@@ -1,10 +1,11 @@
 // memscale — the host link's transfer rate as measured on this machine: what
 // the planner budgets a CUDA tensor's offload to host memory with, in place of
 // a nominal rate (16 GB/s, a PCIe 4 link's pinned copies). Measured links
-// differ by more than that figure's own size: an H100's pinned copies ran at
-// 55 GB/s each way (2026-11-23), its pageable ones at 9-15: a plan costed at
-// the nominal rate weighs a transfer there at 3.4 times what it takes, against
-// the recompute it would replace. Measured once per process,
+// differ by more than that figure's own size: an H100's pinned copies of 256
+// MiB ran at 55 GB/s each way (2026-11-23), its pageable ones at 9-15, so a
+// plan costed at the nominal rate could weigh a transfer there at up to 3.4
+// times what it takes, against the recompute it would replace (the sizes a
+// plan moves, 1-16 MiB, are not measured there yet). Measured once per process,
 // device and transfer size, to and from pinned memory (the tier the engine
 // offloads to first, offload::pinned_pool), as the engine copies.
 #pragma once
@@ -72,8 +73,9 @@ struct link_buffers {
 /// One-way bytes per second between `device` (CUDA) and pinned host memory for
 /// transfers of about `typical_bytes` (rounded up to a power of two within 1-16
 /// MiB, as the disk tier's rate is): one copy out and back untimed, then three
-/// timed on the device's current stream (cudaMemcpyAsync, as the engine's
-/// copies to and from pinned blocks are), the rate taken from the median, so
+/// timed on the device's current stream (cudaMemcpyAsync, which the engine's
+/// copies to and from pinned blocks also come to, on side streams when
+/// asynchronous), the rate taken from the median, so
 /// that 2 * bytes / rate is one copy out and its copy back, as for the disk.
 /// The work queued on the stream before is waited for first, outside the timed
 /// span. nullopt for a device that is not CUDA, without CUDA in the build, or
@@ -95,10 +97,8 @@ struct link_buffers {
     if (const auto known = measured.find(key); known != measured.end()) return known->second;
     const c10::cuda::CUDAGuard guard(index);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index).stream();
-    if (cudaStreamSynchronize(stream) != cudaSuccess) {  // the work queued before is not the link's
-      (void)cudaGetLastError();
-      return std::nullopt;
-    }
+    // The work queued before is not the link's. An error it left is the caller's to see: not cleared here.
+    if (cudaStreamSynchronize(stream) != cudaSuccess) return std::nullopt;
     const detail::link_buffers buffers(static_cast<std::size_t>(bytes));
     if (!buffers.ok()) return std::nullopt;
     host_link_rate_measurements().fetch_add(1, std::memory_order_relaxed);

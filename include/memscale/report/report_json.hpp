@@ -69,7 +69,7 @@ namespace offload {
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(tier_usage, bytes, peak, tensors, written, read)
 // With defaults: a document written before served_before_written existed reads it as 0.
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE_WITH_DEFAULT(engine_stats, tiers, spills, pinned_failures, disk_failures,
-                                                bytes_written, bytes_read, transfer_seconds, wait_seconds,
+                                                bytes_written, bytes_read, transfer_seconds, timed_bytes, wait_seconds,
                                                 prefetch_hits, prefetch_misses, batches, batched_tensors,
                                                 kernel_gathers, warnings, served_before_written)
 }  // namespace offload
@@ -215,19 +215,22 @@ inline void check_report_ranges(const Report& r) {
 
 /// Fields schema version 1 gained after it was first written, read with
 /// defaults (Report::outside_units_bytes, engine_stats::served_before_written,
-/// slot_cost::made_before_bytes, slot_cost::offload_kept_bytes,
-/// Report::offload_bytes_per_second and offload_rate_measured): wherever the document read lacks one, its
+/// engine_stats::timed_bytes, slot_cost::made_before_bytes,
+/// slot_cost::offload_kept_bytes, Report::offload_bytes_per_second and
+/// offload_rate_measured): wherever the document read lacks one, its
 /// rewrite `again` leaves it out too, so that reading it back compares.
-inline void drop_added_fields(const nlohmann::json& read, nlohmann::json& again) {
+inline void drop_added_fields(const nlohmann::json& read, nlohmann::json& again, bool top = true) {
   if (read.is_object() && again.is_object()) {
     for (const char* added :
-         {"outside_units_bytes", "served_before_written", "made_before_bytes", "offload_kept_bytes",
-          "offload_bytes_per_second", "offload_rate_measured"})
+         {"outside_units_bytes", "served_before_written", "timed_bytes", "made_before_bytes", "offload_kept_bytes"})
       if (!read.contains(added)) again.erase(added);
+    if (top)  // the Report's own (StrategyContext has an offload_bytes_per_second of its own, always written)
+      for (const char* added : {"offload_bytes_per_second", "offload_rate_measured"})
+        if (!read.contains(added)) again.erase(added);
     for (auto& item : again.items())
-      if (const auto it = read.find(item.key()); it != read.end()) drop_added_fields(*it, item.value());
+      if (const auto it = read.find(item.key()); it != read.end()) drop_added_fields(*it, item.value(), false);
   } else if (read.is_array() && again.is_array()) {
-    for (std::size_t i = 0; i < read.size() && i < again.size(); ++i) drop_added_fields(read[i], again[i]);
+    for (std::size_t i = 0; i < read.size() && i < again.size(); ++i) drop_added_fields(read[i], again[i], false);
   }
 }
 
