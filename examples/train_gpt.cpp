@@ -564,7 +564,8 @@ int run(const Args& args) {
               << mib(offload->bytes_read / args.steps) << " read per step, disk tier peak " << mib(disk.peak) << ", "
               << offload->warnings.size() << " warning(s)\n";
     // The transfers as projected (the plan's rate, measured in this process or nominal) beside as they ran.
-    std::cout << "offload transfers per step: " << ms(offload->transfer_seconds / args.steps) << " measured, "
+    std::cout << "offload transfers per step: " << ms(offload->transfer_seconds / args.steps) << " measured"
+              << (offload->some_untimed() ? " (asynchronous GPU copies untimed)" : "") << ", "
               << ms(report.offload_wait_seconds(false)) << " projected";
     if (report.offload_bytes_per_second > 0) {
       std::ostringstream rate;

@@ -321,11 +321,9 @@ struct Report {
       os << "offloaded so far: " << format_bytes(offload->bytes_written) << " out, "
          << format_bytes(offload->bytes_read) << " back; the timed copies took " << std::setprecision(1)
          << offload->transfer_seconds * 1e3 << " ms";
-      if (offload->transfer_seconds > 0 && offload->timed_bytes > 0)
-        os << " (" << std::setprecision(0)
-           << static_cast<double>(offload->timed_bytes) / offload->transfer_seconds / 1e6 << " MB/s one way)";
-      if (offload->timed_bytes < offload->bytes_written + offload->bytes_read)
-        os << "; asynchronous copies between a GPU and pinned memory untimed";
+      if (const double rate = offload->timed_bytes_per_second(); rate > 0)
+        os << " (" << std::setprecision(0) << rate / 1e6 << " MB/s one way)";
+      if (offload->some_untimed()) os << "; asynchronous copies between a GPU and pinned memory untimed";
       os << ", training waited " << std::setprecision(1) << offload->wait_seconds * 1e3 << " ms on copies\n";
     }
     if (verification) os << verification->str() << "\n";

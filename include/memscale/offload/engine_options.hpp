@@ -122,6 +122,12 @@ struct engine_stats {
     bytes_read += bytes;
     tiers[static_cast<std::size_t>(t)].read += bytes;
   }
+  /// The rate the timed copies ran at, one way (0 when none was timed).
+  [[nodiscard]] double timed_bytes_per_second() const {
+    return transfer_seconds > 0.0 && timed_bytes > 0 ? static_cast<double>(timed_bytes) / transfer_seconds : 0.0;
+  }
+  /// Whether some copies went untimed (a GPU's asynchronous copies to and from pinned memory).
+  [[nodiscard]] bool some_untimed() const { return timed_bytes < bytes_written + bytes_read; }
   /// Share of the transfer time nobody waited for (1 when nothing was transferred).
   [[nodiscard]] double hidden_fraction() const {
     if (transfer_seconds <= 0.0) return 1.0;

@@ -257,12 +257,10 @@ document.getElementById('points').textContent=document.querySelectorAll('circle.
        << r.offload->prefetch_misses << ", served before their write ended " << r.offload->served_before_written
        << ".</p>\n";
     if (r.offload_bytes_per_second > 0) {  // the rate planned with beside the rate the copies ran at
-      const auto moved = r.offload->timed_bytes;  // a GPU's asynchronous copies to pinned memory are untimed
       os << "<p id=\"offload-rate\">Planned at " << std::setprecision(0) << r.offload_bytes_per_second / 1e6
          << " MB/s one way (" << (r.offload_rate_measured ? "measured in this process" : "nominal") << ")";
-      if (moved > 0 && r.offload->transfer_seconds > 0)
-        os << "; the timed copies ran at " << static_cast<double>(moved) / r.offload->transfer_seconds / 1e6
-           << " MB/s";
+      if (const double rate = r.offload->timed_bytes_per_second(); rate > 0)
+        os << "; the timed copies ran at " << rate / 1e6 << " MB/s";
       os << ".</p>\n" << std::setprecision(2);
     }
   }
