@@ -1,6 +1,7 @@
 // memscale example: train a small GPT twice on the same batches, once as is
-// (the baseline) and once inside memscale::optimize(), and compare the peak
-// memory growth of a training step, the step time and the losses. The GPT
+// (the baseline) and once inside memscale::optimize(), the two runs taking
+// turns a step at a time, and compare the peak memory growth of a training
+// step, the step time and the losses. The GPT
 // (gpt.hpp) keeps its blocks in a torch::nn::ModuleList and calls each through
 // memscale::forward, which makes every call a unit memscale can plan.
 //
@@ -36,6 +37,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -228,6 +230,38 @@ float train_step(Forward&& forward, torch::optim::Optimizer& optimizer, const gp
   optimizer.step();
   return loss.item<float>();
 }
+
+/// One run's stream of random numbers: the CPU generator's state, set before
+/// each of the run's steps and kept after it, so that two runs taking turns draw
+/// the dropout masks each would draw training alone.
+class rng_stream {
+ public:
+  rng_stream() : state_(save()) {}
+
+  template <class F>
+  decltype(auto) run(F&& f) {
+    load(state_);
+    struct keep {
+      rng_stream& self;
+      ~keep() { self.state_ = save(); }
+    } kept{*this};
+    return std::forward<F>(f)();
+  }
+
+ private:
+  static at::Tensor save() {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    return gen.get_state();
+  }
+  static void load(const at::Tensor& state) {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
+
+  at::Tensor state_;
+};
 
 bool same_parameters(gpt::GPT& a, gpt::GPT& b) {
   const auto pa = a->named_parameters();
@@ -426,46 +460,56 @@ int run(const Args& args) {
   for (const auto& p : baseline->parameters()) parameter_bytes += static_cast<std::int64_t>(p.nbytes());
   std::cout << "parameters: " << mib(parameter_bytes) << " per model\n";
 
-  // --- baseline ---------------------------------------------------------------
-  std::cout << "training the baseline (" << args.steps << " steps)...\n" << std::flush;
-  std::vector<StepResult> base;
-  {
-    std::optional<dist::DataParallel<gpt::GPT>> dp;  // broadcasts rank 0's parameters
-    if (group) dp.emplace(baseline, group);
-    auto forward = [&](const torch::Tensor& x) { return dp ? dp->forward(x) : baseline->forward(x); };
-    torch::optim::AdamW optimizer(baseline->parameters(), torch::optim::AdamWOptions(learning_rate));
-    torch::manual_seed(train_seed + static_cast<std::uint64_t>(rank));
-    for (int s = 0; s < args.steps; ++s) {
-      StepResult r;
-      memscale::memory_tracker::peak_scope scope;
-      const auto start = clock_type::now();
-      r.loss = train_step(forward, optimizer, batches[static_cast<std::size_t>(s)]);
-      r.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
-      r.peak_growth = scope.peak_growth();
-      base.push_back(r);
-    }
-  }
-
-  // --- memscale ---------------------------------------------------------------
-  std::cout << "training with memscale (" << args.steps << " steps, same batches, same seed)...\n" << std::flush;
-  std::vector<StepResult> opt;
+  // --- both runs, in turn -----------------------------------------------------
+  // The two runs take turns a step at a time (baseline, memscale; then memscale,
+  // baseline; ...), so that a machine that slows down or speeds up over the run
+  // (another process, a clock that changes, a noisy VM) weighs on both alike and
+  // the step-time ratio compares steps taken side by side. Measured on a noisy
+  // 2-CPU VM (2026-12-03), the same program with the runs one after the other
+  // printed 1.26x and 1.69x in two fresh processes. Each run draws its dropout
+  // masks from its own copy of the CPU generator's state, which it continues
+  // from step to step, as if it trained alone.
+  std::cout << "training the baseline and memscale in turn, a step each (" << args.steps
+            << " steps each, same batches, same seed)...\n"
+            << std::flush;
+  std::vector<StepResult> base, opt;
   std::int64_t planning_growth = 0, planning_retained = 0;
   double planning_seconds = 0.0;
   memscale::Report report;
   std::optional<memscale::offload::engine_stats> offload;  // what the offload engine did, when the plan offloads
   {
-    std::optional<dist::DataParallel<gpt::GPT>> dp;  // either order works: memscale never changes parameters
-    if (group) dp.emplace(model2, group);
-    auto forward = [&](const torch::Tensor& x) { return dp ? dp->forward(x) : model2->forward(x); };
-    torch::optim::AdamW optimizer(model2->parameters(), torch::optim::AdamWOptions(learning_rate));
-    // optimize() draws no random numbers training would see.
+    std::optional<dist::DataParallel<gpt::GPT>> base_dp, opt_dp;  // each broadcasts rank 0's parameters
+    if (group) {
+      base_dp.emplace(baseline, group);
+      opt_dp.emplace(model2, group);  // either order works: memscale never changes parameters
+    }
+    auto base_forward = [&](const torch::Tensor& x) { return base_dp ? base_dp->forward(x) : baseline->forward(x); };
+    auto opt_forward = [&](const torch::Tensor& x) { return opt_dp ? opt_dp->forward(x) : model2->forward(x); };
+    torch::optim::AdamW base_optimizer(baseline->parameters(), torch::optim::AdamWOptions(learning_rate));
+    torch::optim::AdamW opt_optimizer(model2->parameters(), torch::optim::AdamWOptions(learning_rate));
     torch::manual_seed(train_seed + static_cast<std::uint64_t>(rank));
-    // The first step's scope opens before planning, so its peak includes profiling and planning.
+    rng_stream base_rng, opt_rng;  // both from the seed
+
+    const auto baseline_step = [&](int s) {
+      StepResult r;
+      memscale::memory_tracker::peak_scope scope;
+      const auto start = clock_type::now();
+      base_rng.run([&] { r.loss = train_step(base_forward, base_optimizer, batches[static_cast<std::size_t>(s)]); });
+      r.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
+      r.peak_growth = scope.peak_growth();
+      base.push_back(r);
+    };
+    baseline_step(0);
+
+    // The first memscale step's scope opens before planning, so its peak includes profiling and planning.
     std::optional<memscale::memory_tracker::peak_scope> first_scope(std::in_place);
     const auto plan_start = clock_type::now();
     // Data parallel: every rank profiles its own example batch; rank 0's plan is applied on all.
-    auto guard = group ? dist::optimize(model2, example_tokens, cfg, group)
-                       : memscale::optimize(model2, example_tokens, cfg);
+    // optimize() draws no random numbers training would see.
+    auto guard = opt_rng.run([&] {
+      return group ? dist::optimize(model2, example_tokens, cfg, group)
+                   : memscale::optimize(model2, example_tokens, cfg);
+    });
     planning_seconds = std::chrono::duration<double>(clock_type::now() - plan_start).count();
     planning_growth = first_scope->peak_growth();
     planning_retained = memscale::memory_tracker::current_bytes() - first_scope->baseline();
@@ -473,20 +517,32 @@ int run(const Args& args) {
     report = guard.report();
     std::cout << "\n" << report << "\n";
 
-    for (int s = 0; s < args.steps; ++s) {
+    const auto memscale_step = [&](int s) {
       StepResult r;
       std::optional<memscale::memory_tracker::peak_scope> scope;
       if (s > 0) scope.emplace();
       auto& active = s == 0 ? *first_scope : *scope;
       const auto start = clock_type::now();
-      const auto step = [&] { r.loss = train_step(forward, optimizer, batches[static_cast<std::size_t>(s)]); };
-      // The last step traced for the report page: the device's bytes at every unit's boundary.
-      if (s == args.steps - 1 && !args.html.empty() && rank == 0) (void)guard.trace_step(step);
-      else step();
+      const auto step = [&] { r.loss = train_step(opt_forward, opt_optimizer, batches[static_cast<std::size_t>(s)]); };
+      opt_rng.run([&] {
+        // The last step traced for the report page: the device's bytes at every unit's boundary.
+        if (s == args.steps - 1 && !args.html.empty() && rank == 0) (void)guard.trace_step(step);
+        else step();
+      });
       r.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
       r.peak_growth = active.peak_growth();
       if (s == 0) first_scope.reset();
       opt.push_back(r);
+    };
+    memscale_step(0);
+    for (int s = 1; s < args.steps; ++s) {
+      if (s % 2 == 1) {
+        baseline_step(s);
+        memscale_step(s);
+      } else {
+        memscale_step(s);
+        baseline_step(s);
+      }
     }
     if (!guard.active()) {
       std::cerr << "train_gpt: ERROR: the guard stopped managing the model before its scope ended\n";
@@ -551,6 +607,16 @@ int run(const Args& args) {
             << "\n";
   std::cout << "step time                            " << col(ms(base_time)) << "  " << col(ms(opt_time)) << "  "
             << std::setw(10) << ratio(opt_time, base_time) << "\n";
+  {
+    // Each step's ratio, memscale's over the baseline's step taken beside it: the
+    // pairs share what the machine did at the time.
+    std::vector<double> paired;
+    for (std::size_t s = (opt.size() > 1 ? 1 : 0); s < opt.size(); ++s)
+      if (base[s].seconds > 0) paired.push_back(opt[s].seconds / base[s].seconds);
+    const std::string label = "step time, steps paired (median of their ratios)";
+    std::cout << label << std::setw(static_cast<int>(37 + 14 + 2 + 14 + 2 + 10 - label.size()))
+              << (paired.empty() ? ratio(0.0, 0.0) : ratio(median(paired), 1.0)) << "\n";
+  }
   std::cout << "step time, step 1 (+plan)            " << col(ms(base.front().seconds)) << "  "
             << col(ms(opt.front().seconds + planning_seconds)) << "  " << std::setw(10)
             << ratio(opt.front().seconds + planning_seconds, base.front().seconds) << "\n";
