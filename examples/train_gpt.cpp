@@ -615,7 +615,15 @@ int run(const Args& args) {
       if (base[s].seconds > 0) paired.push_back(opt[s].seconds / base[s].seconds);
     const std::string label = "step time, steps paired (median of their ratios)";
     std::cout << label << std::setw(static_cast<int>(37 + 14 + 2 + 14 + 2 + 10 - label.size()))
-              << (paired.empty() ? ratio(0.0, 0.0) : ratio(median(paired), 1.0)) << "\n";
+              << (paired.empty() ? ratio(0.0, 0.0) : ratio(median(paired), 1.0));
+    if (paired.size() >= 4) {  // the middle half of the pairs: how much the machine moved under them
+      std::sort(paired.begin(), paired.end());
+      const auto half = static_cast<std::ptrdiff_t>(paired.size() / 2);
+      const std::vector<double> lower(paired.begin(), paired.begin() + half), upper(paired.end() - half, paired.end());
+      std::cout << "  (half the pairs within " << std::fixed << std::setprecision(2) << median(lower) << "-"
+                << median(upper) << ")";
+    }
+    std::cout << "\n";
   }
   std::cout << "step time, step 1 (+plan)            " << col(ms(base.front().seconds)) << "  "
             << col(ms(opt.front().seconds + planning_seconds)) << "  " << std::setw(10)
