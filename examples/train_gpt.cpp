@@ -18,9 +18,11 @@
 // process per rank yourself (on one machine or several) with the same --store.
 // Rank 0 prints; the figures are rank 0's.
 //
-// On a CPU, memscale applies activation checkpointing only, and checkpointing
-// restores the RNG state for the recomputation, so both runs see the same
-// dropout masks and the losses must match bit for bit. The exit code is non-zero
+// On a CPU, memscale checkpoints and offloads to disk, neither of which changes
+// the arithmetic: a recomputation replays its forward's RNG state (and masks),
+// and each run draws from its own copy of the CPU generator's state while the
+// two take turns, so both runs see the same dropout masks and the losses must
+// match bit for bit. The exit code is non-zero
 // only when something is actually wrong (a loss or parameter differs, or the
 // model is still optimized after its guard ended).
 #include <algorithm>
@@ -243,7 +245,12 @@ class rng_stream {
     load(state_);
     struct keep {
       rng_stream& self;
-      ~keep() { self.state_ = save(); }
+      ~keep() {
+        try {
+          self.state_ = save();
+        } catch (...) {  // a destructor must not throw; the run continues from its last saved state
+        }
+      }
     } kept{*this};
     return std::forward<F>(f)();
   }
@@ -481,7 +488,7 @@ int run(const Args& args) {
     std::optional<dist::DataParallel<gpt::GPT>> base_dp, opt_dp;  // each broadcasts rank 0's parameters
     if (group) {
       base_dp.emplace(baseline, group);
-      opt_dp.emplace(model2, group);  // either order works: memscale never changes parameters
+      opt_dp.emplace(model2, group);  // before or after optimize(): memscale never changes parameters
     }
     auto base_forward = [&](const torch::Tensor& x) { return base_dp ? base_dp->forward(x) : baseline->forward(x); };
     auto opt_forward = [&](const torch::Tensor& x) { return opt_dp ? opt_dp->forward(x) : model2->forward(x); };
@@ -620,8 +627,8 @@ int run(const Args& args) {
       std::sort(paired.begin(), paired.end());
       const auto half = static_cast<std::ptrdiff_t>(paired.size() / 2);
       const std::vector<double> lower(paired.begin(), paired.begin() + half), upper(paired.end() - half, paired.end());
-      std::cout << "  (half the pairs within " << std::fixed << std::setprecision(2) << median(lower) << "-"
-                << median(upper) << ")";
+      std::cout << "  (half the pairs within " << ratio(median(lower), 1.0) << "-" << ratio(median(upper), 1.0)
+                << ")";
     }
     std::cout << "\n";
   }
@@ -658,10 +665,12 @@ int run(const Args& args) {
   std::cout << "losses bit-for-bit identical: " << (losses_match ? "yes" : "NO") << "\n";
   std::cout << "parameters after training bit-for-bit identical: " << (params_match ? "yes" : "NO") << "\n";
   if (!losses_match || !params_match) {
-    std::cout << "ERROR: on a CPU memscale applies checkpointing only, which recomputes the same operations on the\n"
-                 "same inputs with the forward's RNG state restored, so the results must be bit-exact. A difference\n"
-                 "means a checkpointed segment did not reproduce its forward (e.g. its RNG state or a buffer was\n"
-                 "not restored, or the recomputation took a different kernel path).\n";
+    std::cout << "ERROR: on a CPU memscale checkpoints and offloads to disk: it recomputes the same operations on\n"
+                 "the same inputs with the forward's RNG state restored and reads back the bytes it wrote, so the\n"
+                 "results must be bit-exact. A difference means a checkpointed segment did not reproduce its\n"
+                 "forward (its RNG state or a buffer was not restored, or the recomputation took a different\n"
+                 "kernel path), an offloaded tensor came back changed, or something drew random numbers outside\n"
+                 "the runs' own generator states (rng_stream).\n";
     status = 1;
   }
   std::cout << "after the guard ended: memscale::is_optimized(model2) = " << (still_optimized ? "true" : "false")
