@@ -609,3 +609,82 @@ TEST_CASE("a report's projected offload wait: the whole transfer when synchronou
   r.plan.units = {{{.first = 0, .last = 1}}};  // nothing offloaded: nothing to wait on, nothing said
   CHECK_THAT(r.str(), Catch::Contains("0 offloaded unit(s) moving 0 B per step\n"));
 }
+
+TEST_CASE("offloads past the pinned pool are costed at the pageable rate, and waited whole", "[engine][offload]") {
+  // A CUDA tensor's offload goes to the pinned pool first; what a step
+  // offloads past it goes through pageable memory, synchronously and slower
+  // (an H100: 9-15 GB/s against 55). Costed at the pinned rate, a plan there
+  // weighed such transfers at a fraction of their time.
+  const std::int64_t mib = 1 << 20;
+  engine_input in{memscale::OptimizationMode::Aggressive, false, false, 4 * mib, mib};
+  in.offload_allowed = true;
+  in.offload_budget_bytes = std::int64_t{1} << 40;
+  in.offload_bytes_per_second = 10e9;
+  // Without a pool's limit (the disk tier of CPU tensors), one rate; a spill rate alone changes nothing.
+  CHECK(in.offload_transfer_seconds(8 * mib) == Approx(2.0 * 8 * mib / 10e9));
+  in.offload_spill_bytes_per_second = 2e9;
+  CHECK(in.offload_transfer_seconds(8 * mib, 100 * mib) == Approx(2.0 * 8 * mib / 10e9));
+  in.offload_fast_bytes = 20 * mib;
+  CHECK(in.offload_transfer_seconds(8 * mib) == Approx(2.0 * 8 * mib / 10e9));
+  CHECK(in.offload_transfer_seconds(8 * mib, 16 * mib) == Approx(2.0 * (4 * mib / 10e9 + 4 * mib / 2e9)));
+  CHECK(in.offload_transfer_seconds(8 * mib, 24 * mib) == Approx(2.0 * 8 * mib / 2e9));
+  CHECK(in.offload_transfer_seconds(0, 24 * mib) == 0.0);
+  // A chain of six runs, each saving 8 MiB beside its 1 MiB input: Aggressive without checkpointing offloads
+  // four (9 MiB each; the last two would not lower the peak), the pool taking 20 MiB of the 36.
+  const std::vector<slot_cost> chain(6, slot_cost{.input_bytes = mib, .output_bytes = mib, .saved_bytes = 8 * mib,
+                                                  .saves_input = true, .forward_seconds = 2e-3,
+                                                  .backward_seconds = 4e-3});
+  const auto plan = decide({chain}, {true}, in);
+  std::vector<segment_decision> offloads;
+  for (const auto& d : plan.decisions)
+    if (d.rule == rule_id::offload_segment) offloads.push_back(d);
+  REQUIRE(offloads.size() >= 3);
+  std::int64_t before = 0;
+  double total = 0.0;
+  for (const auto& d : offloads) {
+    INFO("slots " << d.first << ".." << d.last << ", " << before << " B offloaded before");
+    CHECK(d.recompute_seconds == Approx(in.offload_transfer_seconds(d.freed_bytes, before)));
+    before += d.freed_bytes;
+    total += d.recompute_seconds;
+  }
+  CHECK(offloads.front().recompute_seconds == Approx(2.0 * offloads.front().freed_bytes / 10e9));
+  CHECK(offloads.back().recompute_seconds == Approx(2.0 * offloads.back().freed_bytes / 2e9));
+  CHECK(total == Approx(in.offload_transfer_seconds(before)));
+  // The Report: synchronous, the transfers; async, a spill waited whole (the engine copies to pageable memory
+  // synchronously) and only the pinned part hidden behind the run's compute.
+  memscale::Report r;
+  r.planned = true;
+  r.plan = plan;
+  memscale::chain_profile profile;
+  profile.slots = chain;
+  for (std::size_t k = 0; k < chain.size(); ++k) {
+    profile.slot_names.push_back(std::to_string(k) + " (Linear)");
+    profile.sources.push_back(memscale::profile_source::empirical);
+    profile.notes.emplace_back();
+  }
+  r.chains.push_back(profile);
+  r.offload_bytes_per_second = 10e9;
+  r.offload_fast_bytes = 20 * mib;
+  r.offload_spill_bytes_per_second = 2e9;
+  CHECK(r.offload_wait_seconds(false) == Approx(total));
+  double async = 0.0;
+  before = 0;
+  for (const auto& d : offloads) {
+    const auto fast = std::clamp<std::int64_t>(20 * mib - before, 0, d.freed_bytes);
+    const double spill = 2.0 * static_cast<double>(d.freed_bytes - fast) / 2e9;
+    async += spill + std::max(0.0, d.recompute_seconds - spill - d.compute_seconds);
+    before += d.freed_bytes;
+  }
+  CHECK(r.offload_wait_seconds(true) == Approx(async));
+  REQUIRE(before > 20 * mib);
+  CHECK(r.offload_wait_seconds(true) >= Approx(2.0 * static_cast<double>(before - 20 * mib) / 2e9));  // the spill
+  CHECK_THAT(r.str(), Catch::Contains(", past the pinned pool's 20.00 MiB through pageable memory at 2000 MB/s "
+                                      "(nominal, synchronous)"));
+  r.offload_fast_bytes = 64 * mib;  // the pool takes it all: no spill named
+  CHECK_THAT(r.str(), !Catch::Contains("pageable"));
+  CHECK(r.offload_wait_seconds(true) == Approx([&] {
+          double s = 0.0;
+          for (const auto& d : offloads) s += std::max(0.0, d.recompute_seconds - d.compute_seconds);
+          return s;
+        }()));
+}

@@ -302,11 +302,17 @@ TEST_CASE("fuzzed: Report::from_json reads a Report or throws memscale::Error", 
     bad["chains"][0]["slots"][0][field] = value;
     CHECK_THROWS_WITH(memscale::Report::from_json(bad.dump()), Catch::Contains("out of range"));
   }
-  for (const double rate : {-1.0, 1e300}) {  // the rate offloads were costed at
+  for (const double rate : {-1.0, 1e300})  // the rates offloads were costed at
+    for (const char* field : {"offload_bytes_per_second", "offload_spill_bytes_per_second"}) {
+      auto bad = document;
+      bad[field] = rate;
+      CHECK_THROWS_WITH(memscale::Report::from_json(bad.dump()),
+                        Catch::Contains(std::string(field) + " is out of range"));
+    }
+  for (const std::int64_t pool : {std::int64_t{-2}, std::int64_t{1} << 60}) {  // -1: no pool's limit
     auto bad = document;
-    bad["offload_bytes_per_second"] = rate;
-    CHECK_THROWS_WITH(memscale::Report::from_json(bad.dump()),
-                      Catch::Contains("offload_bytes_per_second is out of range"));
+    bad["offload_fast_bytes"] = pool;
+    CHECK_THROWS_WITH(memscale::Report::from_json(bad.dump()), Catch::Contains("offload_fast_bytes is out of range"));
   }
   auto past_the_chain = document;
   past_the_chain["plan"]["units"][0][0]["last"] = 1000;

@@ -190,6 +190,14 @@ TEST_CASE("Report::to_json: every field, and from_json takes back what to_json w
   older.erase("offload_rate_measured");
   CHECK(memscale::Report::from_json(older.dump()).offload_bytes_per_second == 0.0);
   CHECK_FALSE(memscale::Report::from_json(older.dump()).offload_rate_measured);
+  // ... and before the pinned pool's spill was costed apart, as no pool's limit.
+  for (const char* added : {"offload_fast_bytes", "offload_spill_bytes_per_second", "offload_spill_rate_measured"}) {
+    REQUIRE(older.contains(added));
+    older.erase(added);
+  }
+  CHECK(memscale::Report::from_json(older.dump()).offload_fast_bytes == -1);
+  CHECK(memscale::Report::from_json(older.dump()).offload_spill_bytes_per_second == 0.0);
+  CHECK_FALSE(memscale::Report::from_json(older.dump()).offload_spill_rate_measured);
   // ... and one whose slots were written before made_before_bytes and
   // offload_kept_bytes existed, as none made and all of it offloadable.
   REQUIRE(older.at("chains").at(0).at("slots").at(0).contains("made_before_bytes"));

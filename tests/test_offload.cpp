@@ -506,17 +506,38 @@ TEST_CASE("the planner budgets the disk tier at the rate measured here, once per
   CHECK(host.measured == link.has_value());
   CHECK(host.room_bytes == (std::int64_t{2} << 30));
   if (!torch::cuda::is_available()) CHECK_FALSE(link.has_value());
-  // Measured only where a plan could offload, and where the pinned pool takes a transfer of that size (beyond
-  // it the engine copies through pageable memory, which the pinned rate would overstate): else nominal.
+  // Past the pinned pool (256 MiB by default), the link to pageable memory, measured or nominal alike.
+  using memscale::offload::host_memory;
+  const auto pageable =
+      memscale::offload::measured_host_link_bytes_per_second(c10::Device(c10::kCUDA, 0), 16 << 20, host_memory::pageable);
+  CHECK(host.fast_bytes == options.pinned_bytes);
+  CHECK(host.spill_bytes_per_second == pageable.value_or(memscale::core::nominal_pageable_link_bytes_per_second));
+  CHECK(host.spill_measured == pageable.has_value());
+  memscale::core::engine_input planned;
+  host.set_input(planned, options.pinned_bytes / 4);  // a quarter of the pool used by chains planned before
+  CHECK(planned.offload_fast_bytes == options.pinned_bytes - options.pinned_bytes / 4);
+  CHECK(planned.offload_budget_bytes == host.room_bytes - options.pinned_bytes / 4);
+  CHECK(planned.offload_spill_bytes_per_second == host.spill_bytes_per_second);
+  memscale::core::offload_room(c10::Device(c10::kCPU), options, [] { return true; }).set_input(planned, 0);
+  CHECK(planned.offload_fast_bytes == -1);  // CPU tensors go to disk: one rate
+  // Measured only where a plan could offload, and the pinned rate where the pinned pool takes a transfer of that
+  // size (beyond it the engine copies through pageable memory, which the pinned rate would overstate): else nominal.
   const int links = memscale::offload::host_link_rate_measurements().load();
   const auto unweighed = offload_room(c10::Device(c10::kCUDA, 0), options, [] { return false; }, 3 << 20);
   CHECK(unweighed.bytes_per_second == memscale::core::nominal_host_link_bytes_per_second);
   CHECK_FALSE(unweighed.measured);
+  CHECK_FALSE(unweighed.spill_measured);
+  CHECK(memscale::offload::host_link_rate_measurements().load() == links);
   options.pinned_bytes = 2 << 20;  // under the 4 MiB a 3 MiB transfer is measured at
   const auto unpinned = offload_room(c10::Device(c10::kCUDA, 0), options, [] { return true; }, 3 << 20);
   CHECK(unpinned.bytes_per_second == memscale::core::nominal_host_link_bytes_per_second);
   CHECK_FALSE(unpinned.measured);
-  CHECK(memscale::offload::host_link_rate_measurements().load() == links);
+  CHECK(unpinned.fast_bytes == 2 << 20);  // the 2 MiB the pool takes; the rest at the pageable rate
+  const auto pageable_small =  // measured by the call above where CUDA is: a second measurement would count
+      memscale::offload::measured_host_link_bytes_per_second(c10::Device(c10::kCUDA, 0), 3 << 20, host_memory::pageable);
+  CHECK(unpinned.spill_bytes_per_second ==
+        pageable_small.value_or(memscale::core::nominal_pageable_link_bytes_per_second));
+  CHECK(memscale::offload::host_link_rate_measurements().load() == links + (pageable_small ? 1 : 0));
   options.disk_bytes = 0;
   CHECK(offload_room(c10::Device(c10::kCPU), options, [] { return true; }).bytes_per_second ==
         memscale::core::nominal_disk_bytes_per_second);

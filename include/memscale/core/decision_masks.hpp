@@ -94,7 +94,7 @@ inline compaction_choice choose_saved_compaction(std::vector<std::vector<slot_co
   auto fixed = in;
   fixed.fixed_target = decided.target_bytes;
   const auto target = decided.target_bytes;
-  const double plain_seconds = detail_levels::extra_seconds(costs, decided, in.offload_bytes_per_second);
+  const double plain_seconds = detail_levels::extra_seconds(costs, decided, in);
 
   // The engine plans on costs all compacted; only the slots its plan leaves in
   // place keep them so (a checkpoint's recompute and an offload's
@@ -110,7 +110,7 @@ inline compaction_choice choose_saved_compaction(std::vector<std::vector<slot_co
     for (std::size_t c = 0; c < honest.size(); ++c)
       for (std::size_t j = 0; j < honest[c].size(); ++j) honest[c][j].keeps_products = k.costs[c][j].keeps_products;
     k.plan.planned_peak = project_model_peak(honest, k.plan.units, in.static_bytes);
-    const double seconds = detail_levels::extra_seconds(honest, k.plan, in.offload_bytes_per_second) +
+    const double seconds = detail_levels::extra_seconds(honest, k.plan, in) +
                            detail_masks::compaction_seconds(honest);
     const bool first = round == 0;
     if (first || detail_levels::better_at_target(trial.plan, trial_seconds, k.plan, seconds, target)) {

@@ -33,8 +33,7 @@ namespace detail_engine {
   if (!a_fits && a.planned_peak + resolution < b.planned_peak) return true;
   if (!a_fits && a.planned_peak > b.planned_peak + resolution) return false;
   const auto cost = [&](const engine_plan& p) {
-    return recompute_seconds(chains, p.units) +
-           2.0 * static_cast<double>(offloaded_bytes(chains, p.units)) / in.offload_bytes_per_second;
+    return recompute_seconds(chains, p.units) + in.offload_transfer_seconds(offloaded_bytes(chains, p.units));
   };
   return cost(a) < cost(b);
 }

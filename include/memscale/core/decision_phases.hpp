@@ -246,7 +246,7 @@ constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains,
       if (moved <= 0 || moved < in.offload_min_bytes) continue;  // nothing of its own the engine would move
       double compute = unit_recompute_seconds(s, u);
       for (int k = u.first; k <= u.last; ++k) compute += s[k].forward_seconds + s[k].backward_seconds;
-      const double transfer = 2.0 * static_cast<double>(moved) / in.offload_bytes_per_second;
+      const double transfer = in.offload_transfer_seconds(moved);  // alone: ranks the options
       options.push_back({c, i, transfer / (compute + 1e-12), transfer, compute});
     }
   }
@@ -266,20 +266,22 @@ constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains,
       const auto peak = project_model_peak(chains, trial, in.static_bytes);
       const auto total = offloaded_bytes(chains, trial);
       const auto moved = total - offloaded_bytes(chains, plan.units);
+      // On top of what the plan offloads already: past the pinned pool, at the spill rate.
+      const double transfer = in.offload_transfer_seconds(moved, total - moved);
       if (plan.planned_peak - peak < least_offload_gain(plan, in, moved)) {
         if (pass == 1 && peak < plan.planned_peak)  // said once, where it would lower the peak at all
           plan.decisions.push_back({opt.chain, u.first, u.last, u.checkpointed, rule_id::keep_no_gain, moved,
-                                    opt.transfer, plan.planned_peak, peak, false, opt.compute});
+                                    transfer, plan.planned_peak, peak, false, opt.compute});
         continue;
       }
       settled[o] = true;
       if (total > in.offload_budget_bytes) {
         plan.decisions.push_back({opt.chain, u.first, u.last, u.checkpointed, rule_id::offload_no_room, moved,
-                                  opt.transfer, plan.planned_peak, peak, false, opt.compute});
+                                  transfer, plan.planned_peak, peak, false, opt.compute});
         continue;
       }
       plan.decisions.push_back({opt.chain, u.first, u.last, u.checkpointed, rule_id::offload_segment, moved,
-                                opt.transfer, plan.planned_peak, peak, true, opt.compute});
+                                transfer, plan.planned_peak, peak, true, opt.compute});
       plan.units = std::move(trial);
       plan.planned_peak = peak;
       plan.overall = rule_id::offload_segment;
@@ -303,7 +305,7 @@ constexpr void assign_whole_model_offload(const std::vector<std::vector<slot_cos
   if (moved <= in.offload_min_bytes) return;
   const auto held = std::min(moved, in.whole_model_held_bytes);
   const auto peak = plan.planned_peak - (moved - held);
-  const double transfer = 2.0 * static_cast<double>(moved) / in.offload_bytes_per_second;
+  const double transfer = in.offload_transfer_seconds(moved);
   const double compute = s.forward_seconds + s.backward_seconds;
   if (held >= moved) {  // backward would hold at once as much as offloading frees
     plan.decisions.push_back({0, 0, 0, false, rule_id::keep_no_gain, moved, transfer, plan.planned_peak,

@@ -31,12 +31,11 @@ namespace memscale::core {
 namespace detail_levels {
 
 /// What a plan adds to a step: its recompute, and its transfers both ways at
-/// the tier's rate (the engine overlaps them with compute where it can; every
-/// plan compared is charged alike).
+/// the tiers' rates (engine_input::offload_transfer_seconds; the engine overlaps
+/// them with compute where it can; every plan compared is charged alike).
 inline double extra_seconds(const std::vector<std::vector<slot_cost>>& costs, const engine_plan& plan,
-                            double offload_bytes_per_second) {
-  return recompute_seconds(costs, plan.units) +
-         2.0 * static_cast<double>(offloaded_bytes(costs, plan.units)) / std::max(offload_bytes_per_second, 1.0);
+                            const engine_input& in) {
+  return recompute_seconds(costs, plan.units) + in.offload_transfer_seconds(offloaded_bytes(costs, plan.units));
 }
 
 /// Whether a plan changes anything: a unit checkpointed or offloaded.
@@ -105,7 +104,7 @@ inline candidate plan_with(std::vector<std::vector<slot_cost>> costs, const std:
   k.costs = std::move(costs);
   k.plan = decide(k.costs, supported, in);
   if (whole_runs(k.costs, k.plan)) k.plan.planned_peak = project_model_peak(k.costs, k.plan.units, in.static_bytes);
-  k.seconds = detail_levels::extra_seconds(k.costs, k.plan, in.offload_bytes_per_second);
+  k.seconds = detail_levels::extra_seconds(k.costs, k.plan, in);
   return k;
 }
 
@@ -134,7 +133,7 @@ inline selective_choice choose_selective_recompute(std::vector<std::vector<slot_
   auto fixed = in;
   fixed.fixed_target = decided.target_bytes;
   const auto target = decided.target_bytes;
-  candidate best{costs, decided, detail_levels::extra_seconds(costs, decided, in.offload_bytes_per_second)};
+  candidate best{costs, decided, detail_levels::extra_seconds(costs, decided, in)};
   const auto full_peak = best.plan.planned_peak;  // recomputing everything
   const auto full_seconds = best.seconds;
 

@@ -87,7 +87,28 @@ struct engine_input {
   bool offload_allowed = false;       ///< Config::enable_offloading, the Strategy, and a tier to go to
   std::int64_t offload_budget_bytes = 0;    ///< room in the offload tiers (host cap + disk)
   double offload_bytes_per_second = 1e9;    ///< one-way transfer rate to the offload tier
+  /// Of a step's offloaded bytes, those the faster path takes (a CUDA tensor's
+  /// pinned pool, AsyncOffloadConfig::pinned_pool_mb); the rest spill through
+  /// pageable host memory at offload_spill_bytes_per_second. < 0: no spill, all
+  /// at offload_bytes_per_second (the disk tier of CPU tensors).
+  std::int64_t offload_fast_bytes = -1;
+  double offload_spill_bytes_per_second = 0.0;  ///< one-way rate past offload_fast_bytes
   std::int64_t offload_min_bytes = 0;       ///< the engine keeps smaller saved tensors where they are
+
+  /// Out and back, the seconds to move `bytes` more of a step's offloads, on
+  /// top of `before` bytes it offloads already: the offloaded tensors of a step
+  /// are all held in the tiers at the forward's end, so the first
+  /// offload_fast_bytes of them go at the fast rate and the rest at the spill rate.
+  [[nodiscard]] constexpr double offload_transfer_seconds(std::int64_t bytes, std::int64_t before = 0) const {
+    const auto rate = [](double r) { return r > 1.0 ? r : 1.0; };
+    if (bytes <= 0) return 0.0;
+    if (offload_fast_bytes < 0 || !(offload_spill_bytes_per_second > 0.0))
+      return 2.0 * static_cast<double>(bytes) / rate(offload_bytes_per_second);
+    const auto fast_left = offload_fast_bytes > before ? offload_fast_bytes - before : std::int64_t{0};
+    const auto fast = bytes < fast_left ? bytes : fast_left;
+    return 2.0 * (static_cast<double>(fast) / rate(offload_bytes_per_second) +
+                  static_cast<double>(bytes - fast) / rate(offload_spill_bytes_per_second));
+  }
   bool tiling_allowed = false;              ///< Config::enable_tiling and the Strategy
   /// Per chain: the most slots one segment may span (0: any). A chain of call
   /// sites has 1: user code runs between its units, so none can share a segment.

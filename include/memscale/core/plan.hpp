@@ -94,6 +94,11 @@ struct Report {
   /// measured in this process (the disk tier's, or a CUDA device's link to pinned host memory) or nominal.
   double offload_bytes_per_second = 0.0;
   bool offload_rate_measured = false;
+  /// A CUDA plan's: the pinned pool's bytes the offloads were costed at that rate (-1: no such limit), and the
+  /// one-way rate of the rest, which goes through pageable host memory, synchronously (0: not weighed).
+  std::int64_t offload_fast_bytes = -1;
+  double offload_spill_bytes_per_second = 0.0;
+  bool offload_spill_rate_measured = false;
   std::vector<chain_profile> chains;
   core::engine_plan plan;
   std::vector<std::string> notes;
@@ -149,12 +154,21 @@ struct Report {
   /// its own forward and backward cannot hide (the engine's writes and
   /// prefetches overlap them); synchronous offload waits the whole transfer.
   [[nodiscard]] double offload_wait_seconds() const { return offload_wait_seconds(offload_async); }
-  /// The same for the plan's offloads run synchronously (false) or asynchronously (true).
+  /// The same for the plan's offloads run synchronously (false) or asynchronously (true). A spill past the
+  /// pinned pool (offload_fast_bytes) is copied synchronously either way: waited whole.
   [[nodiscard]] double offload_wait_seconds(bool async) const {
     double s = 0.0;
-    for (const auto& d : plan.decisions)
-      if (d.offloaded && d.rule == core::rule_id::offload_segment)
-        s += async ? std::max(0.0, d.recompute_seconds - d.compute_seconds) : d.recompute_seconds;
+    std::int64_t before = 0;
+    for (const auto& d : plan.decisions) {
+      if (!d.offloaded || d.rule != core::rule_id::offload_segment) continue;
+      const auto fast = offload_fast_bytes < 0 ? d.freed_bytes
+                                               : std::clamp<std::int64_t>(offload_fast_bytes - before, 0, d.freed_bytes);
+      const double spill = offload_spill_bytes_per_second > 0
+                               ? 2.0 * static_cast<double>(d.freed_bytes - fast) / offload_spill_bytes_per_second
+                               : 0.0;
+      s += async ? spill + std::max(0.0, d.recompute_seconds - spill - d.compute_seconds) : d.recompute_seconds;
+      before += d.freed_bytes;
+    }
     return s;
   }
 
@@ -315,6 +329,11 @@ struct Report {
       if (offload_bytes_per_second > 0)
         os << ", transfers costed at " << std::setprecision(0) << offload_bytes_per_second / 1e6 << " MB/s one way ("
            << (offload_rate_measured ? "measured in this process" : "nominal") << ")";
+      if (offload_fast_bytes >= 0 && offload_spill_bytes_per_second > 0 &&
+          core::offloaded_bytes(costs, plan.units) > offload_fast_bytes)
+        os << ", past the pinned pool's " << format_bytes(offload_fast_bytes) << " through pageable memory at "
+           << offload_spill_bytes_per_second / 1e6 << " MB/s (" << (offload_spill_rate_measured ? "measured" : "nominal")
+           << ", synchronous)";
     }
     os << "\n";
     if (offload && offload->bytes_written + offload->bytes_read > 0) {  // what the engine measured so far

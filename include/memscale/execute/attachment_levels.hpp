@@ -135,8 +135,8 @@ inline bool attachment::consider_finer_level(std::vector<std::size_t>& which, co
   }
   auto fine = decide(fine_costs, fine_supported, fine_in);
 
-  const double coarse_s = detail_levels::extra_seconds(costs, decided, in.offload_bytes_per_second);
-  const double fine_s = detail_levels::extra_seconds(fine_costs, fine, in.offload_bytes_per_second);
+  const double coarse_s = detail_levels::extra_seconds(costs, decided, in);
+  const double fine_s = detail_levels::extra_seconds(fine_costs, fine, in);
   const bool coarse_fits = decided.planned_peak <= decided.target_bytes;
   const bool fine_fits = fine.planned_peak <= decided.target_bytes;
   // A finer plan that changes nothing "fits" only where the two levels' projections of the same model

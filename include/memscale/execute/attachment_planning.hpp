@@ -15,6 +15,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -251,13 +252,15 @@ inline std::vector<std::vector<unit>> attachment::plan(std::vector<std::size_t>&
     std::int64_t used = 0;
     for (std::size_t c = 0; c < out.chains.size() && c < out.plan.units.size(); ++c)
       used += project_chain(out.chains[c].slots, out.plan.units[c]).offloaded_bytes;
-    in.offload_budget_bytes = std::max<std::int64_t>(0, tiers.room_bytes - used);
-    in.offload_bytes_per_second = tiers.bytes_per_second;
+    tiers.set_input(in, used);
     // Chains planned later (lazily) keep a rate measured earlier, which the earlier chains' offloads were costed at.
     if (tiers.measured || !out.offload_rate_measured) {
       out.offload_bytes_per_second = tiers.bytes_per_second;
       out.offload_rate_measured = tiers.measured;
     }
+    if (tiers.fast_bytes >= 0 && (tiers.spill_measured || !out.offload_spill_rate_measured))
+      std::tie(out.offload_fast_bytes, out.offload_spill_bytes_per_second, out.offload_spill_rate_measured) =
+          std::tuple(tiers.fast_bytes, tiers.spill_bytes_per_second, tiers.spill_measured);
     in.offload_min_bytes = engine_options.min_bytes;
   }
   if (!out.planned && caller_config_.auto_policy) choose_strategy(profiles, costs, supported, in, device, out);

@@ -44,6 +44,7 @@ struct technique_set {
 /// Nominal one-way rates the planner assumes for an offload transfer where
 /// none is measured (the engine's statistics report what a step really took).
 inline constexpr double nominal_host_link_bytes_per_second = 16e9;  // pinned PCIe 4 copies
+inline constexpr double nominal_pageable_link_bytes_per_second = 8e9;  // pageable ones, staged by the driver
 inline constexpr double nominal_disk_bytes_per_second = 1e9;        // a local SSD
 
 /// What offload_room() finds: the tiers' room, and the one-way rate a transfer is costed at.
@@ -51,6 +52,19 @@ struct offload_tiers {
   std::int64_t room_bytes = 0;
   double bytes_per_second = nominal_disk_bytes_per_second;
   bool measured = false;  ///< the rate was measured in this process (else: nominal)
+  /// CUDA: the pinned pool's bytes, which go at bytes_per_second; past them, a
+  /// step's offloads go through pageable memory at spill_bytes_per_second. -1: no such limit.
+  std::int64_t fast_bytes = -1;
+  double spill_bytes_per_second = 0.0;
+  bool spill_measured = false;
+
+  /// The planner's input from them, less `used` bytes that chains planned earlier offload already.
+  void set_input(engine_input& in, std::int64_t used) const {
+    in.offload_budget_bytes = std::max<std::int64_t>(0, room_bytes - used);
+    in.offload_bytes_per_second = bytes_per_second;
+    in.offload_fast_bytes = fast_bytes < 0 ? -1 : std::max<std::int64_t>(0, fast_bytes - used);
+    in.offload_spill_bytes_per_second = spill_bytes_per_second;
+  }
 };
 
 /// Room in the offload tiers for tensors on `device` (the engine's caps, see
@@ -62,18 +76,26 @@ struct offload_tiers {
 /// 10-230 ms on a VM's disk for 1-16 MiB) or the host link's
 /// (offload::measured_host_link_bytes_per_second: four copies out and back
 /// through pinned memory, where the pinned pool takes a transfer of that size:
-/// beyond it the engine copies through pageable memory, slower). Elsewhere, or
+/// beyond it the engine copies through pageable memory, slower: that rate is
+/// measured too, where the host tier has room past the pool). Elsewhere, or
 /// where it cannot be measured, the nominal rate stands. `may_offload` is asked
-/// only where a rate would be measured.
+/// only where a rate would be measured, and once.
 template <class MayOffload>
 offload_tiers offload_room(const c10::Device& device, const offload::engine_options& o, MayOffload&& may_offload,
                            std::int64_t typical_bytes = offload::disk_rate_max_bytes) {
   const std::int64_t disk = o.disk_bytes.value_or(0), host = device.is_cuda() ? o.host_bytes.value_or(0) : 0;
   std::optional<double> rate;
   if (host > 0) {
-    if (o.pinned_bytes >= offload::disk_rate_transfer_bytes(typical_bytes) && may_offload())
-      rate = offload::measured_host_link_bytes_per_second(device, typical_bytes);
-    return {host + disk, rate.value_or(nominal_host_link_bytes_per_second), rate.has_value()};
+    const auto pinned = std::clamp<std::int64_t>(o.pinned_bytes, 0, host);
+    std::optional<double> spill;
+    if ((pinned >= offload::disk_rate_transfer_bytes(typical_bytes) || host > pinned) && may_offload()) {
+      if (pinned >= offload::disk_rate_transfer_bytes(typical_bytes))
+        rate = offload::measured_host_link_bytes_per_second(device, typical_bytes);
+      if (host > pinned)
+        spill = offload::measured_host_link_bytes_per_second(device, typical_bytes, offload::host_memory::pageable);
+    }
+    return {host + disk, rate.value_or(nominal_host_link_bytes_per_second), rate.has_value(), pinned,
+            spill.value_or(nominal_pageable_link_bytes_per_second), spill.has_value()};
   }
   if (disk > 0 && may_offload())
     rate = offload::measured_disk_bytes_per_second(o.disk_dir, o.disk_write_through, typical_bytes);

@@ -6,14 +6,17 @@
 // plan costed at the nominal rate could weigh a transfer there at up to 3.4
 // times what it takes, against the recompute it would replace (the sizes a
 // plan moves, 1-16 MiB, are not measured there yet). Measured once per process,
-// device and transfer size, to and from pinned memory (the tier the engine
-// offloads to first, offload::pinned_pool), as the engine copies.
+// device, transfer size and host memory: to and from pinned memory (the tier
+// the engine offloads to first, offload::pinned_pool), as the engine copies,
+// and pageable memory, which takes what outgrows the pinned pool.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
+#include <tuple>
 #include <mutex>
 #include <optional>
 #include <utility>
@@ -32,6 +35,10 @@
 
 namespace memscale::offload {
 
+/// The host memory a CUDA tensor's offload is copied to: the engine's pinned
+/// pool first, then pageable memory (synchronous copies, slower).
+enum class host_memory : std::uint8_t { pinned, pageable };
+
 /// How many times this process measured a host link's rate (tests read it).
 inline std::atomic<int>& host_link_rate_measurements() {
   static std::atomic<int> count{0};
@@ -40,7 +47,7 @@ inline std::atomic<int>& host_link_rate_measurements() {
 
 #if MEMSCALE_HAS_CUDA()
 namespace detail {
-/// A device buffer and a pinned host buffer of `bytes` for the measurement,
+/// A device buffer and a host buffer (pinned or pageable) of `bytes` for the measurement,
 /// taken from the CUDA runtime rather than LibTorch's caching allocators, and
 /// freed when it ends: a block left cached there would stay in the device's
 /// reserved bytes, which predict() and the memory tracker count as the
@@ -48,13 +55,16 @@ namespace detail {
 struct link_buffers {
   void* device = nullptr;
   void* host = nullptr;
-  explicit link_buffers(std::size_t bytes) {
+  bool pinned = true;
+  link_buffers(std::size_t bytes, host_memory memory) : pinned(memory == host_memory::pinned) {
     if (cudaMalloc(&device, bytes) != cudaSuccess) {
       device = nullptr;
       (void)cudaGetLastError();  // out of memory: the error is this call's, not the next kernel's
       return;
     }
-    if (cudaMallocHost(&host, bytes) != cudaSuccess) {
+    if (!pinned) {
+      host = std::malloc(bytes);
+    } else if (cudaMallocHost(&host, bytes) != cudaSuccess) {
       host = nullptr;
       (void)cudaGetLastError();
     }
@@ -62,7 +72,8 @@ struct link_buffers {
   link_buffers(const link_buffers&) = delete;
   link_buffers& operator=(const link_buffers&) = delete;
   ~link_buffers() {
-    if (host != nullptr) (void)cudaFreeHost(host);
+    if (host != nullptr && pinned) (void)cudaFreeHost(host);
+    if (host != nullptr && !pinned) std::free(host);
     if (device != nullptr) (void)cudaFree(device);
   }
   [[nodiscard]] bool ok() const { return device != nullptr && host != nullptr; }
@@ -70,7 +81,8 @@ struct link_buffers {
 }  // namespace detail
 #endif
 
-/// One-way bytes per second between `device` (CUDA) and pinned host memory for
+/// One-way bytes per second between `device` (CUDA) and `memory` (the pinned
+/// pool's, or pageable memory, which the engine copies to synchronously) for
 /// transfers of about `typical_bytes` (rounded up to a power of two within 1-16
 /// MiB, as the disk tier's rate is): one copy out and back untimed, then three
 /// timed on the device's current stream (cudaMemcpyAsync, which the engine's
@@ -80,26 +92,28 @@ struct link_buffers {
 /// The work queued on the stream before is waited for first, outside the timed
 /// span. nullopt for a device that is not CUDA, without CUDA in the build, or
 /// where a buffer cannot be had (out of memory) or a copy fails; a failure is
-/// not remembered. Not covered: a plan whose offload outgrows the pinned pool
+/// not remembered. A plan whose offload outgrows the pinned pool
 /// (AsyncOffloadConfig::pinned_pool_mb) moves the rest through pageable memory,
-/// synchronously and at a lower rate (an H100: 9-15 GB/s against 55).
+/// at a lower rate (an H100: 9-15 GB/s against 55): measured with
+/// host_memory::pageable.
 [[nodiscard]] inline std::optional<double> measured_host_link_bytes_per_second(
-    const c10::Device& device, std::int64_t typical_bytes = disk_rate_max_bytes) {
+    const c10::Device& device, std::int64_t typical_bytes = disk_rate_max_bytes,
+    host_memory memory = host_memory::pinned) {
 #if MEMSCALE_HAS_CUDA()
   if (!device.is_cuda()) return std::nullopt;
   static std::mutex mutex;
-  static std::map<std::pair<int, std::int64_t>, double> measured;
+  static std::map<std::tuple<int, std::int64_t, host_memory>, double> measured;
   const std::lock_guard<std::mutex> lock(mutex);
   const std::int64_t bytes = disk_rate_transfer_bytes(typical_bytes);
   try {
     const auto index = device.has_index() ? device.index() : c10::cuda::current_device();
-    const std::pair<int, std::int64_t> key{static_cast<int>(index), bytes};
+    const std::tuple<int, std::int64_t, host_memory> key{static_cast<int>(index), bytes, memory};
     if (const auto known = measured.find(key); known != measured.end()) return known->second;
     const c10::cuda::CUDAGuard guard(index);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index).stream();
     // The work queued before is not the link's. An error it left is the caller's to see: not cleared here.
     if (cudaStreamSynchronize(stream) != cudaSuccess) return std::nullopt;
-    const detail::link_buffers buffers(static_cast<std::size_t>(bytes));
+    const detail::link_buffers buffers(static_cast<std::size_t>(bytes), memory);
     if (!buffers.ok()) return std::nullopt;
     host_link_rate_measurements().fetch_add(1, std::memory_order_relaxed);
     const auto size = static_cast<std::size_t>(bytes);
@@ -119,6 +133,7 @@ struct link_buffers {
 #else
   (void)device;
   (void)typical_bytes;
+  (void)memory;
   return std::nullopt;
 #endif
 }

@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -134,6 +135,9 @@ inline void from_json(const nlohmann::json& j, StrategyDecision& d) {
                       {"offload_async", r.offload_async},
                       {"offload_bytes_per_second", r.offload_bytes_per_second},
                       {"offload_rate_measured", r.offload_rate_measured},
+                      {"offload_fast_bytes", r.offload_fast_bytes},
+                      {"offload_spill_bytes_per_second", r.offload_spill_bytes_per_second},
+                      {"offload_spill_rate_measured", r.offload_spill_rate_measured},
                       {"chains", r.chains},
                       {"plan", r.plan},
                       {"notes", r.notes},
@@ -190,9 +194,10 @@ inline void check_report_ranges(const Report& r) {
     throw Error("memscale: Report::from_json: " + what + " is out of range");
   };
   if (r.plan.units.size() < r.chains.size()) refuse("the plan's unit list (fewer chains than the Report's)");
-  if (!std::isfinite(r.offload_bytes_per_second) || r.offload_bytes_per_second < 0.0 ||
-      r.offload_bytes_per_second > 1e15)
-    refuse("offload_bytes_per_second");
+  for (const auto& [rate, name] : {std::pair{r.offload_bytes_per_second, "offload_bytes_per_second"},
+                                   std::pair{r.offload_spill_bytes_per_second, "offload_spill_bytes_per_second"}})
+    if (!std::isfinite(rate) || rate < 0.0 || rate > 1e15) refuse(name);
+  if (r.offload_fast_bytes < -1 || r.offload_fast_bytes > most_bytes) refuse("offload_fast_bytes");
   for (std::size_t c = 0; c < r.chains.size(); ++c) {
     const auto& slots = r.chains[c].slots;
     for (std::size_t k = 0; k < slots.size(); ++k) {
@@ -216,8 +221,8 @@ inline void check_report_ranges(const Report& r) {
 /// Fields schema version 1 gained after it was first written, read with
 /// defaults (Report::outside_units_bytes, engine_stats::served_before_written,
 /// engine_stats::timed_bytes, slot_cost::made_before_bytes,
-/// slot_cost::offload_kept_bytes, Report::offload_bytes_per_second and
-/// offload_rate_measured): wherever the document read lacks one, its
+/// slot_cost::offload_kept_bytes, Report::offload_bytes_per_second,
+/// offload_rate_measured and the pinned pool's spill): wherever the document read lacks one, its
 /// rewrite `again` leaves it out too, so that reading it back compares.
 inline void drop_added_fields(const nlohmann::json& read, nlohmann::json& again, bool top = true) {
   if (read.is_object() && again.is_object()) {
@@ -225,7 +230,8 @@ inline void drop_added_fields(const nlohmann::json& read, nlohmann::json& again,
          {"outside_units_bytes", "served_before_written", "timed_bytes", "made_before_bytes", "offload_kept_bytes"})
       if (!read.contains(added)) again.erase(added);
     if (top)  // the Report's own (StrategyContext has an offload_bytes_per_second of its own, always written)
-      for (const char* added : {"offload_bytes_per_second", "offload_rate_measured"})
+      for (const char* added : {"offload_bytes_per_second", "offload_rate_measured", "offload_fast_bytes",
+                                "offload_spill_bytes_per_second", "offload_spill_rate_measured"})
         if (!read.contains(added)) again.erase(added);
     for (auto& item : again.items())
       if (const auto it = read.find(item.key()); it != read.end()) drop_added_fields(*it, item.value(), false);
@@ -273,6 +279,9 @@ inline void drop_added_fields(const nlohmann::json& read, nlohmann::json& again,
     // Absent from older documents: not recorded (as for a plan that did not weigh offloading).
     r.offload_bytes_per_second = j.value("offload_bytes_per_second", 0.0);
     r.offload_rate_measured = j.value("offload_rate_measured", false);
+    r.offload_fast_bytes = j.value("offload_fast_bytes", std::int64_t{-1});  // older: no pinned pool's limit
+    r.offload_spill_bytes_per_second = j.value("offload_spill_bytes_per_second", 0.0);
+    r.offload_spill_rate_measured = j.value("offload_spill_rate_measured", false);
     j.at("chains").get_to(r.chains);
     j.at("plan").get_to(r.plan);
     j.at("notes").get_to(r.notes);
