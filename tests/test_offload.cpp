@@ -532,7 +532,11 @@ TEST_CASE("the planner budgets the disk tier at the rate measured here, once per
   const auto unpinned = offload_room(c10::Device(c10::kCUDA, 0), options, [] { return true; }, 3 << 20);
   CHECK(unpinned.bytes_per_second == memscale::core::nominal_host_link_bytes_per_second);
   CHECK_FALSE(unpinned.measured);
-  CHECK(unpinned.fast_bytes == 2 << 20);  // the 2 MiB the pool takes; the rest at the pageable rate
+  CHECK(unpinned.fast_bytes == 0);  // the pool's blocks are powers of two: 2 MiB holds no 3 MiB tensor
+  options.pinned_bytes = std::int64_t{256} << 20;
+  CHECK(offload_room(c10::Device(c10::kCUDA, 0), options, [] { return false; }, 12 << 20).fast_bytes ==
+        std::int64_t{192} << 20);  // 16 blocks of 16 MiB, a 12 MiB tensor in each
+  options.pinned_bytes = 2 << 20;
   const auto pageable_small =  // measured by the call above where CUDA is: a second measurement would count
       memscale::offload::measured_host_link_bytes_per_second(c10::Device(c10::kCUDA, 0), 3 << 20, host_memory::pageable);
   CHECK(unpinned.spill_bytes_per_second ==

@@ -171,11 +171,10 @@ inline compaction_choice choose_saved_compaction(std::vector<std::vector<slot_co
     if (it == units.end()) continue;
     it->offloaded = true;
     const auto now = offloaded_bytes(chosen, replay);
-    const auto moved = now - so_far;
+    d.freed_bytes = now - so_far;
     so_far = now;
-    if (d.freed_bytes > 0) d.recompute_seconds *= static_cast<double>(moved) / static_cast<double>(d.freed_bytes);
-    d.freed_bytes = moved;
   }
+  cost_offloads_in_forward_order(in, trial.plan);  // each one's transfer, for the bytes it moves now
   trial.plan.baseline_peak = decided.baseline_peak;  // the model as it is, saved tensors and all
   trial.plan.pressure = decided.pressure;
   costs = std::move(chosen);

@@ -219,6 +219,28 @@ constexpr void assign_tiling(const std::vector<std::vector<slot_cost>>& chains, 
   }
 }
 
+/// Each offload the plan applies, costed where the engine puts its bytes: a
+/// step stores its offloads in forward order (chain, then slot), so the pinned
+/// pool (engine_input::offload_fast_bytes) takes the first ones and the later
+/// ones spill past it. The greedy phase takes them in another order (the
+/// cheapest per second of compute first); this sets each one's transfer
+/// (segment_decision::recompute_seconds) to its share in forward order. The
+/// total is the same either way.
+constexpr void cost_offloads_in_forward_order(const engine_input& in, engine_plan& plan) {
+  std::vector<segment_decision*> taken;
+  for (auto& d : plan.decisions)
+    if (d.offloaded && d.rule == rule_id::offload_segment) taken.push_back(&d);
+  std::sort(taken.begin(), taken.end(), [](const segment_decision* a, const segment_decision* b) {
+    return a->chain != b->chain ? a->chain < b->chain : a->first < b->first;
+  });
+  std::int64_t before = 0;
+  for (auto* d : taken) {
+    const auto moved = std::max<std::int64_t>(0, d->freed_bytes);
+    d->recompute_seconds = in.offload_transfer_seconds(moved, before);
+    before += moved;
+  }
+}
+
 /// Offload phase: while the projected peak is above the target, offload the
 /// units (checkpointed runs or single slots) whose transfer is cheapest relative
 /// to the compute it can hide behind, as long as that lowers the peak (by
@@ -266,7 +288,7 @@ constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains,
       const auto peak = project_model_peak(chains, trial, in.static_bytes);
       const auto total = offloaded_bytes(chains, trial);
       const auto moved = total - offloaded_bytes(chains, plan.units);
-      // On top of what the plan offloads already: past the pinned pool, at the spill rate.
+      // On top of what the plan offloads already (cost_offloads_in_forward_order attributes it at the end).
       const double transfer = in.offload_transfer_seconds(moved, total - moved);
       if (plan.planned_peak - peak < least_offload_gain(plan, in, moved)) {
         if (pass == 1 && peak < plan.planned_peak)  // said once, where it would lower the peak at all
@@ -287,6 +309,7 @@ constexpr void assign_offload(const std::vector<std::vector<slot_cost>>& chains,
       plan.overall = rule_id::offload_segment;
     }
   }
+  cost_offloads_in_forward_order(in, plan);
 }
 
 /// Offload of a model with no unit boundaries: one unit, the whole forward,

@@ -155,19 +155,27 @@ struct Report {
   /// prefetches overlap them); synchronous offload waits the whole transfer.
   [[nodiscard]] double offload_wait_seconds() const { return offload_wait_seconds(offload_async); }
   /// The same for the plan's offloads run synchronously (false) or asynchronously (true). A spill past the
-  /// pinned pool (offload_fast_bytes) is copied synchronously either way: waited whole.
+  /// pinned pool (offload_fast_bytes; the step stores its offloads in forward order, the pool taking the first)
+  /// is copied synchronously either way: waited whole.
   [[nodiscard]] double offload_wait_seconds(bool async) const {
+    std::vector<const core::segment_decision*> taken;
+    for (const auto& d : plan.decisions)
+      if (d.offloaded && d.rule == core::rule_id::offload_segment) taken.push_back(&d);
+    std::sort(taken.begin(), taken.end(), [](const auto* a, const auto* b) {
+      return a->chain != b->chain ? a->chain < b->chain : a->first < b->first;
+    });
     double s = 0.0;
     std::int64_t before = 0;
-    for (const auto& d : plan.decisions) {
-      if (!d.offloaded || d.rule != core::rule_id::offload_segment) continue;
-      const auto fast = offload_fast_bytes < 0 ? d.freed_bytes
-                                               : std::clamp<std::int64_t>(offload_fast_bytes - before, 0, d.freed_bytes);
-      const double spill = offload_spill_bytes_per_second > 0
-                               ? 2.0 * static_cast<double>(d.freed_bytes - fast) / offload_spill_bytes_per_second
-                               : 0.0;
-      s += async ? spill + std::max(0.0, d.recompute_seconds - spill - d.compute_seconds) : d.recompute_seconds;
-      before += d.freed_bytes;
+    for (const auto* d : taken) {
+      if (!async || offload_fast_bytes < 0 || !(offload_bytes_per_second > 0) || !(offload_spill_bytes_per_second > 0)) {
+        s += async ? std::max(0.0, d->recompute_seconds - d->compute_seconds) : d->recompute_seconds;
+        continue;
+      }
+      const auto moved = std::clamp<std::int64_t>(d->freed_bytes, 0, std::int64_t{1} << 50);
+      const auto fast = std::clamp<std::int64_t>(offload_fast_bytes - before, 0, moved);
+      before += moved;
+      s += 2.0 * static_cast<double>(moved - fast) / offload_spill_bytes_per_second +
+           std::max(0.0, 2.0 * static_cast<double>(fast) / offload_bytes_per_second - d->compute_seconds);
     }
     return s;
   }
@@ -332,7 +340,7 @@ struct Report {
       if (offload_fast_bytes >= 0 && offload_spill_bytes_per_second > 0 &&
           core::offloaded_bytes(costs, plan.units) > offload_fast_bytes)
         os << ", past the pinned pool's " << format_bytes(offload_fast_bytes) << " through pageable memory at "
-           << offload_spill_bytes_per_second / 1e6 << " MB/s (" << (offload_spill_rate_measured ? "measured" : "nominal")
+           << std::setprecision(0) << offload_spill_bytes_per_second / 1e6 << " MB/s (" << (offload_spill_rate_measured ? "measured" : "nominal")
            << ", synchronous)";
     }
     os << "\n";

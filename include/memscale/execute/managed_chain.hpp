@@ -24,6 +24,7 @@
 #include <memscale/offload/disk_rate.hpp>
 #include <memscale/offload/engine_options.hpp>
 #include <memscale/offload/host_link_rate.hpp>
+#include <memscale/offload/tiers.hpp>
 #include <memscale/techniques/checkpoint.hpp>
 #include <memscale/techniques/concepts.hpp>
 #include <memscale/techniques/mixed_precision.hpp>
@@ -87,6 +88,10 @@ offload_tiers offload_room(const c10::Device& device, const offload::engine_opti
   std::optional<double> rate;
   if (host > 0) {
     const auto pinned = std::clamp<std::int64_t>(o.pinned_bytes, 0, host);
+    // The pool hands out blocks of a power of two (offload::pinned_pool::size_class): of tensors of about the
+    // typical size, it holds that many whole ones (a 256 MiB pool, 12 MiB tensors: 16, 192 MiB).
+    const auto block = offload::pinned_pool::size_class(std::max<std::int64_t>(typical_bytes, 1));
+    const auto fast = typical_bytes > 0 ? std::min(pinned, pinned / block * typical_bytes) : pinned;
     std::optional<double> spill;
     if ((pinned >= offload::disk_rate_transfer_bytes(typical_bytes) || host > pinned) && may_offload()) {
       if (pinned >= offload::disk_rate_transfer_bytes(typical_bytes))
@@ -94,7 +99,7 @@ offload_tiers offload_room(const c10::Device& device, const offload::engine_opti
       if (host > pinned)
         spill = offload::measured_host_link_bytes_per_second(device, typical_bytes, offload::host_memory::pageable);
     }
-    return {host + disk, rate.value_or(nominal_host_link_bytes_per_second), rate.has_value(), pinned,
+    return {host + disk, rate.value_or(nominal_host_link_bytes_per_second), rate.has_value(), fast,
             spill.value_or(nominal_pageable_link_bytes_per_second), spill.has_value()};
   }
   if (disk > 0 && may_offload())

@@ -14,7 +14,6 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <map>
 #include <tuple>
 #include <mutex>
@@ -31,6 +30,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+#include <sys/mman.h>
 #endif
 
 namespace memscale::offload {
@@ -47,7 +47,7 @@ inline std::atomic<int>& host_link_rate_measurements() {
 
 #if MEMSCALE_HAS_CUDA()
 namespace detail {
-/// A device buffer and a host buffer (pinned or pageable) of `bytes` for the measurement,
+/// A device buffer and, for pinned memory, a host buffer of `bytes` for the measurement,
 /// taken from the CUDA runtime rather than LibTorch's caching allocators, and
 /// freed when it ends: a block left cached there would stay in the device's
 /// reserved bytes, which predict() and the memory tracker count as the
@@ -62,9 +62,7 @@ struct link_buffers {
       (void)cudaGetLastError();  // out of memory: the error is this call's, not the next kernel's
       return;
     }
-    if (!pinned) {
-      host = std::malloc(bytes);
-    } else if (cudaMallocHost(&host, bytes) != cudaSuccess) {
+    if (pinned && cudaMallocHost(&host, bytes) != cudaSuccess) {
       host = nullptr;
       (void)cudaGetLastError();
     }
@@ -72,11 +70,28 @@ struct link_buffers {
   link_buffers(const link_buffers&) = delete;
   link_buffers& operator=(const link_buffers&) = delete;
   ~link_buffers() {
-    if (host != nullptr && pinned) (void)cudaFreeHost(host);
-    if (host != nullptr && !pinned) std::free(host);
+    if (host != nullptr) (void)cudaFreeHost(host);
     if (device != nullptr) (void)cudaFree(device);
   }
-  [[nodiscard]] bool ok() const { return device != nullptr && host != nullptr; }
+  [[nodiscard]] bool ok() const { return device != nullptr && (host != nullptr || !pinned); }
+};
+
+/// Fresh pageable pages for one round: the engine copies each pageable offload
+/// into a tensor of its own, whose pages are touched first by that copy. Mapped
+/// rather than malloc'd: freeing a mapped malloc block moves glibc's mmap
+/// threshold for the whole process (offload/disk_rate.hpp says what that did).
+struct fresh_pages {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+  explicit fresh_pages(std::size_t n) : bytes(n) {
+    void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    data = p == MAP_FAILED ? nullptr : p;
+  }
+  fresh_pages(const fresh_pages&) = delete;
+  fresh_pages& operator=(const fresh_pages&) = delete;
+  ~fresh_pages() {
+    if (data != nullptr) (void)::munmap(data, bytes);
+  }
 };
 }  // namespace detail
 #endif
@@ -118,8 +133,12 @@ struct link_buffers {
     host_link_rate_measurements().fetch_add(1, std::memory_order_relaxed);
     const auto size = static_cast<std::size_t>(bytes);
     const auto rate = median_round_trip_rate(bytes, [&] {
-      return cudaMemcpyAsync(buffers.host, buffers.device, size, cudaMemcpyDeviceToHost, stream) == cudaSuccess &&
-             cudaMemcpyAsync(buffers.device, buffers.host, size, cudaMemcpyHostToDevice, stream) == cudaSuccess &&
+      std::optional<detail::fresh_pages> pageable;
+      if (!buffers.pinned) pageable.emplace(size);
+      void* host = pageable ? pageable->data : buffers.host;
+      return host != nullptr &&
+             cudaMemcpyAsync(host, buffers.device, size, cudaMemcpyDeviceToHost, stream) == cudaSuccess &&
+             cudaMemcpyAsync(buffers.device, host, size, cudaMemcpyHostToDevice, stream) == cudaSuccess &&
              cudaStreamSynchronize(stream) == cudaSuccess;
     });
     if (!rate) {
