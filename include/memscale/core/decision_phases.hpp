@@ -227,14 +227,8 @@ constexpr void assign_tiling(const std::vector<std::vector<slot_cost>>& chains, 
 /// (segment_decision::recompute_seconds) to its share in forward order. The
 /// total is the same either way.
 constexpr void cost_offloads_in_forward_order(const engine_input& in, engine_plan& plan) {
-  std::vector<segment_decision*> taken;
-  for (auto& d : plan.decisions)
-    if (d.offloaded && d.rule == rule_id::offload_segment) taken.push_back(&d);
-  std::sort(taken.begin(), taken.end(), [](const segment_decision* a, const segment_decision* b) {
-    return a->chain != b->chain ? a->chain < b->chain : a->first < b->first;
-  });
   std::int64_t before = 0;
-  for (auto* d : taken) {
+  for (auto* d : offloads_in_forward_order(plan)) {
     const auto moved = std::max<std::int64_t>(0, d->freed_bytes);
     d->recompute_seconds = in.offload_transfer_seconds(moved, before);
     before += moved;

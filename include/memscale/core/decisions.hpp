@@ -78,6 +78,15 @@ struct mode_policy {
   return static_bytes + static_cast<std::int64_t>(policy_for(mode).forced_growth_fraction * static_cast<double>(growth));
 }
 
+/// Of `bytes` a step offloads on top of `before` bytes it offloads already,
+/// those a pool of `fast_bytes` takes (all where fast_bytes < 0: no such limit).
+[[nodiscard]] constexpr std::int64_t pool_share(std::int64_t fast_bytes, std::int64_t bytes,
+                                                std::int64_t before) noexcept {
+  if (fast_bytes < 0) return bytes;
+  const auto left = fast_bytes > before ? fast_bytes - before : std::int64_t{0};
+  return bytes < left ? bytes : left;
+}
+
 struct engine_input {
   OptimizationMode mode = OptimizationMode::Balanced;
   bool checkpointing_allowed = true;  ///< Config::enable_checkpointing and the Strategy
@@ -104,8 +113,7 @@ struct engine_input {
     if (bytes <= 0) return 0.0;
     if (offload_fast_bytes < 0 || !(offload_spill_bytes_per_second > 0.0))
       return 2.0 * static_cast<double>(bytes) / rate(offload_bytes_per_second);
-    const auto fast_left = offload_fast_bytes > before ? offload_fast_bytes - before : std::int64_t{0};
-    const auto fast = bytes < fast_left ? bytes : fast_left;
+    const auto fast = pool_share(offload_fast_bytes, bytes, before);
     return 2.0 * (static_cast<double>(fast) / rate(offload_bytes_per_second) +
                   static_cast<double>(bytes - fast) / rate(offload_spill_bytes_per_second));
   }
@@ -183,5 +191,18 @@ struct engine_plan {
   std::vector<segment_decision> decisions;
   std::vector<optimal_override> overrides;  ///< chains the optimal schedule re-planned
 };
+
+/// The offloads `plan` applies (R8's decisions taken), in the order a step
+/// stores them: chain, then slot. The pinned pool takes the first ones.
+template <class Plan>  // engine_plan, const or not
+[[nodiscard]] constexpr auto offloads_in_forward_order(Plan& plan) {
+  std::vector<decltype(&plan.decisions.front())> taken;
+  for (auto& d : plan.decisions)
+    if (d.offloaded && d.rule == rule_id::offload_segment) taken.push_back(&d);
+  std::sort(taken.begin(), taken.end(), [](const auto* a, const auto* b) {
+    return a->chain != b->chain ? a->chain < b->chain : a->first < b->first;
+  });
+  return taken;
+}
 
 }  // namespace memscale::core

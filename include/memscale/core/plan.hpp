@@ -158,21 +158,15 @@ struct Report {
   /// pinned pool (offload_fast_bytes; the step stores its offloads in forward order, the pool taking the first)
   /// is copied synchronously either way: waited whole.
   [[nodiscard]] double offload_wait_seconds(bool async) const {
-    std::vector<const core::segment_decision*> taken;
-    for (const auto& d : plan.decisions)
-      if (d.offloaded && d.rule == core::rule_id::offload_segment) taken.push_back(&d);
-    std::sort(taken.begin(), taken.end(), [](const auto* a, const auto* b) {
-      return a->chain != b->chain ? a->chain < b->chain : a->first < b->first;
-    });
     double s = 0.0;
     std::int64_t before = 0;
-    for (const auto* d : taken) {
+    for (const auto* d : core::offloads_in_forward_order(plan)) {
       if (!async || offload_fast_bytes < 0 || !(offload_bytes_per_second > 0) || !(offload_spill_bytes_per_second > 0)) {
         s += async ? std::max(0.0, d->recompute_seconds - d->compute_seconds) : d->recompute_seconds;
         continue;
       }
       const auto moved = std::clamp<std::int64_t>(d->freed_bytes, 0, std::int64_t{1} << 50);
-      const auto fast = std::clamp<std::int64_t>(offload_fast_bytes - before, 0, moved);
+      const auto fast = core::pool_share(offload_fast_bytes, moved, before);
       before += moved;
       s += 2.0 * static_cast<double>(moved - fast) / offload_spill_bytes_per_second +
            std::max(0.0, 2.0 * static_cast<double>(fast) / offload_bytes_per_second - d->compute_seconds);

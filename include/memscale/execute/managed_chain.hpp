@@ -92,10 +92,10 @@ offload_tiers offload_room(const c10::Device& device, const offload::engine_opti
     // typical size, it holds that many whole ones (a 256 MiB pool, 12 MiB tensors: 16, 192 MiB).
     const auto block = offload::pinned_pool::size_class(std::max<std::int64_t>(typical_bytes, 1));
     const auto fast = typical_bytes > 0 ? std::min(pinned, pinned / block * typical_bytes) : pinned;
+    const bool pool_takes_one = pinned >= offload::disk_rate_transfer_bytes(typical_bytes);
     std::optional<double> spill;
-    if ((pinned >= offload::disk_rate_transfer_bytes(typical_bytes) || host > pinned) && may_offload()) {
-      if (pinned >= offload::disk_rate_transfer_bytes(typical_bytes))
-        rate = offload::measured_host_link_bytes_per_second(device, typical_bytes);
+    if ((pool_takes_one || host > pinned) && may_offload()) {
+      if (pool_takes_one) rate = offload::measured_host_link_bytes_per_second(device, typical_bytes);
       if (host > pinned)
         spill = offload::measured_host_link_bytes_per_second(device, typical_bytes, offload::host_memory::pageable);
     }
