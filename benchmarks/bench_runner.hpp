@@ -27,6 +27,7 @@
 #include <memscale/memscale.hpp>
 
 #include "bench_common.hpp"
+#include "rng_stream.hpp"
 #include "bench_rows.hpp"
 
 namespace bench {
@@ -133,7 +134,7 @@ class Runner {
     adamw.lr = learning_rate;
     optimizer_ = memscale::make_optimizer(config.value_or(memscale::Config{}), model_->parameters(), adamw);
     torch::manual_seed(train_seed);
-    rng_ = at::detail::getDefaultCPUGenerator().get_state();
+    rng_ = run_rng::stream{};
     {
       // Warm-up step; its scope opens before planning so that it includes it.
       memscale::memory_tracker::peak_scope first;
@@ -212,20 +213,19 @@ class Runner {
 
  private:
   float step() {
-    at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle to the global generator
-    gen.set_state(rng_);
-    const auto& sample = data_[static_cast<std::size_t>(steps_taken_++) % data_.size()];
-    optimizer_->zero_grad();
-    torch::Tensor loss;
-    {
-      std::optional<memscale::autocast_scope> bf16;
-      if (autocast_) bf16.emplace(c10::kCPU);
-      loss = loss_of_(model_, sample);
-      loss.backward();
-    }
-    optimizer_->step();
-    rng_ = gen.get_state();
-    return loss.item<float>();
+    return rng_.run([&] {  // the row's own dropout masks, whichever row stepped before
+      const auto& sample = data_[static_cast<std::size_t>(steps_taken_++) % data_.size()];
+      optimizer_->zero_grad();
+      torch::Tensor loss;
+      {
+        std::optional<memscale::autocast_scope> bf16;
+        if (autocast_) bf16.emplace(c10::kCPU);
+        loss = loss_of_(model_, sample);
+        loss.backward();
+      }
+      optimizer_->step();
+      return loss.item<float>();
+    });
   }
 
   loss_fn loss_of_;
@@ -234,7 +234,7 @@ class Runner {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   bool autocast_ = false;
   std::optional<memscale::OptimizationGuard> guard_;
-  torch::Tensor rng_;
+  run_rng::stream rng_;
   int steps_taken_ = 0;
   std::vector<std::int64_t> growth_;
   std::vector<double> seconds_;

@@ -39,7 +39,6 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
-#include <mutex>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -61,6 +60,7 @@
 
 #include "gpt.hpp"
 #include "host_info.hpp"
+#include "rng_stream.hpp"
 
 extern char** environ;
 
@@ -232,43 +232,6 @@ float train_step(Forward&& forward, torch::optim::Optimizer& optimizer, const gp
   optimizer.step();
   return loss.item<float>();
 }
-
-/// One run's stream of random numbers: the CPU generator's state, set before
-/// each of the run's steps and kept after it, so that two runs taking turns draw
-/// the dropout masks each would draw training alone.
-class rng_stream {
- public:
-  rng_stream() : state_(save()) {}
-
-  template <class F>
-  decltype(auto) run(F&& f) {
-    load(state_);
-    struct keep {
-      rng_stream& self;
-      ~keep() {
-        try {
-          self.state_ = save();
-        } catch (...) {  // a destructor must not throw; the run continues from its last saved state
-        }
-      }
-    } kept{*this};
-    return std::forward<F>(f)();
-  }
-
- private:
-  static at::Tensor save() {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    return gen.get_state();
-  }
-  static void load(const at::Tensor& state) {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(state);
-  }
-
-  at::Tensor state_;
-};
 
 bool same_parameters(gpt::GPT& a, gpt::GPT& b) {
   const auto pa = a->named_parameters();
@@ -495,7 +458,7 @@ int run(const Args& args) {
     torch::optim::AdamW base_optimizer(baseline->parameters(), torch::optim::AdamWOptions(learning_rate));
     torch::optim::AdamW opt_optimizer(model2->parameters(), torch::optim::AdamWOptions(learning_rate));
     torch::manual_seed(train_seed + static_cast<std::uint64_t>(rank));
-    rng_stream base_rng, opt_rng;  // both from the seed
+    run_rng::stream base_rng, opt_rng;  // both from the seed
 
     const auto baseline_step = [&](int s) {
       StepResult r;
@@ -670,7 +633,7 @@ int run(const Args& args) {
                  "results must be bit-exact. A difference means a checkpointed segment did not reproduce its\n"
                  "forward (its RNG state or a buffer was not restored, or the recomputation took a different\n"
                  "kernel path), an offloaded tensor came back changed, or something drew random numbers outside\n"
-                 "the runs' own generator states (rng_stream).\n";
+                 "the runs' own generator states (run_rng::stream).\n";
     status = 1;
   }
   std::cout << "after the guard ended: memscale::is_optimized(model2) = " << (still_optimized ? "true" : "false")
