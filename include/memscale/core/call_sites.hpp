@@ -24,11 +24,22 @@
 //   when a completed sequence is followed by a call to its first module. Every
 //   unit's technique is correct for any call of its module, so a wrong guess
 //   costs memory, never correctness.
-// - Only `Tensor forward(Tensor)` calls of modules owned by a std::shared_ptr
-//   become units; other calls run directly and split the sequence into chains.
+// - Calls `Tensor forward(Tensor x, arguments...)` of modules owned by a
+//   std::shared_ptr become units: the unit's technique runs on `x`, and the
+//   module on `x` with the call's own arguments after it (BoundCallImpl: an
+//   attention mask, a position table, a flag), copied for the call and, where
+//   the unit is checkpointed, kept until its recompute, which refuses to run
+//   on a tensor argument changed in place since. A call whose arguments after
+//   the first include a tensor that needs a gradient runs directly (a
+//   recompute could not pass that gradient back), as do calls that return
+//   anything but one Tensor; those split the sequence into chains. Units with
+//   arguments after the first are never tiled (their rows would need cutting
+//   too).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -38,10 +49,13 @@
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include <torch/torch.h>
 
+#include <memscale/detail/bound_call.hpp>
 #include <memscale/detail/modules.hpp>
+#include <memscale/errors.hpp>
 
 namespace memscale::core {
 
@@ -119,6 +133,37 @@ struct depth_scope {
   ~depth_scope() { --depth(); }
 };
 
+/// The unit of a call that passes arguments after its tensor: runs
+/// `module.forward(x, arguments...)` with the arguments of the call of the
+/// module open on this thread (memscale::forward opens it around the unit's
+/// technique; a checkpoint's recompute reopens the forward's), or, with none
+/// open (profiling on the recorded input), with the recorded call's. Registers
+/// the module, so parameters() and buffers() are its own; the model does not
+/// register this wrapper.
+class BoundCallImpl : public torch::nn::Module {
+ public:
+  BoundCallImpl(const std::shared_ptr<torch::nn::Module>& module, std::shared_ptr<const detail::bound_call> recorded)
+      : torch::nn::Module("memscale::BoundCall"), module_(module.get()), recorded_(std::move(recorded)) {
+    register_module("call", module);
+  }
+
+  torch::Tensor forward(torch::Tensor x) {
+    const auto& open = detail::bound_calls_now();
+    const detail::bound_call* call = open ? open->find(module_) : nullptr;
+    if (call == nullptr) return recorded_->run(x);
+    if (const int changed = call->changed_tensor(); changed >= 0)
+      throw Error("memscale::forward: tensor argument " + std::to_string(changed + 1) + " after the input of the "
+                  "call to " + module_->name() + " changed in place between its forward and this recompute of "
+                  "it (a checkpointed unit runs its forward again in backward, on the arguments of the call); "
+                  "leave it unchanged until backward (pass a copy), or keep the call out of the plan");
+    return call->run(x);
+  }
+
+ private:
+  const torch::nn::Module* module_;
+  std::shared_ptr<const detail::bound_call> recorded_;
+};
+
 /// Open while a runner that stands for its inner calls runs on this thread
 /// (call_ticket::inner_calls_direct): those calls are direct calls.
 inline int& direct() {
@@ -154,6 +199,61 @@ concept unit_call = sizeof...(Args) == 1 && (std::is_convertible_v<Args, const t
                       &Impl::forward;  // one forward: AnyModule needs it unambiguous
                     };
 
+/// Adds the tensors among a call's arguments (a Tensor, an optional one) to `out`.
+template <class T>
+void tensors_of(const T& value, std::vector<std::pair<at::Tensor, std::int64_t>>& out) {
+  if constexpr (std::is_convertible_v<const T&, const torch::Tensor&>) {
+    const torch::Tensor& t = value;
+    if (t.defined()) out.emplace_back(t, t._version());
+  } else if constexpr (requires(const T& o) {
+                         { o.has_value() } -> std::convertible_to<bool>;
+                         { *o } -> std::convertible_to<const torch::Tensor&>;
+                       }) {
+    if (value.has_value()) tensors_of(static_cast<const torch::Tensor&>(*value), out);
+  }
+}
+
+/// A call `m.forward(x, arguments...)` that can be a unit with its arguments
+/// bound (call_sites::BoundCallImpl): a tensor first, copyable arguments after.
+template <class Impl, class X, class... Rest>
+inline constexpr bool bound_unit_call_v =
+    std::is_convertible_v<X, const torch::Tensor&> && (std::is_copy_constructible_v<std::decay_t<Rest>> && ...) &&
+    requires(Impl& m, const torch::Tensor& x, std::decay_t<Rest>&... rest) {
+      { m.forward(x, rest...) } -> std::same_as<torch::Tensor>;
+      &Impl::forward;
+    };
+template <class Impl, class... Args>
+concept bound_unit_call = sizeof...(Args) >= 2 && bound_unit_call_v<Impl, Args...>;
+
+template <class Impl, class X, class... Rest>
+torch::Tensor bound_unit(core::call_site_host& host, Impl& impl, int depth, X&& first, Rest&&... rest) {
+  const torch::Tensor& x = first;
+  auto call = std::make_shared<bound_call>();
+  call->module = &impl;
+  (tensors_of(rest, call->tensors), ...);
+  const bool needs_grad = std::any_of(call->tensors.begin(), call->tensors.end(),
+                                     [](const auto& t) { return t.first.requires_grad(); });
+  if (needs_grad) {
+    (void)host.begin_call(impl, depth, nullptr, nullptr,
+                          "an argument after its input is a tensor that needs a gradient (a checkpoint's recompute "
+                          "could not pass that gradient back)");
+    return impl.forward(std::forward<X>(first), std::forward<Rest>(rest)...);
+  }
+  call->run = [&impl, ... bound = std::decay_t<Rest>(rest)](const torch::Tensor& in) mutable -> torch::Tensor {
+    return impl.forward(in, bound...);
+  };
+  const std::shared_ptr<const bound_call> recorded = call;
+  const std::function<torch::nn::AnyModule()> make_slot = [&impl, &recorded]() {
+    return torch::nn::AnyModule(std::make_shared<core::call_sites::BoundCallImpl>(impl.shared_from_this(), recorded));
+  };
+  auto ticket = host.begin_call(impl, depth, &make_slot, &x, nullptr);
+  if (ticket.runner.is_empty()) return impl.forward(std::forward<X>(first), std::forward<Rest>(rest)...);
+  std::optional<core::call_sites::direct_scope> inner_direct;
+  if (ticket.inner_calls_direct) inner_direct.emplace();
+  const bound_scope open(std::make_shared<bound_call>(*call));
+  return ticket.runner.template forward<torch::Tensor>(x);
+}
+
 }  // namespace detail
 
 /// Calls `module.forward(args...)`: a module reference, a ModuleHolder, or a
@@ -182,10 +282,12 @@ decltype(auto) forward(M&& module, Args&&... args) {
       return ticket.runner.template forward<torch::Tensor>(x);
     }
     return impl.forward(std::forward<Args>(args)...);
+  } else if constexpr (detail::bound_unit_call<Impl, Args...>) {
+    return detail::bound_unit(*host, impl, nested.at, std::forward<Args>(args)...);
   } else {
     (void)host->begin_call(impl, nested.at, nullptr, nullptr,
-                           "its forward is not `Tensor forward(Tensor)` (one Tensor in, one Tensor out, one "
-                           "overload)");
+                           "its forward is not `Tensor forward(Tensor, arguments...)` (a Tensor first, copyable "
+                           "arguments after it, one Tensor out, one overload)");
     return impl.forward(std::forward<Args>(args)...);
   }
 }

@@ -159,7 +159,8 @@ inline void attachment::plan_and_apply(std::vector<torch::Tensor> inputs) {
   if (captured && chains_.empty())
     throw UnsupportedModelError(
         "memscale: the model (" + root_name() + ") has no unit boundaries (no torch::nn::Sequential, and its "
-        "example forward made no memscale::forward call that is a unit: one Tensor in, one out), and what needs "
+        "example forward made no memscale::forward call that is a unit: a Tensor in, then arguments that need no "
+        "gradient, one Tensor out), and what needs "
         "none cannot apply: " +
         (whole_forward_ ? std::string("offload is disabled (Config::enable_offloading, the Strategy, or "
                                       "memscale's autograd engine is not the default one)")

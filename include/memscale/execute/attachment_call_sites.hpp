@@ -179,7 +179,8 @@ inline std::vector<std::size_t> attachment::add_call_chains(bool lazy) {
   }
   // The outermost depth with at least two calls (else the outermost), and the
   // next depth below it with at least two calls, which plan() weighs against it.
-  // Counted: calls that can be units (an outer call taking a mask is none, its inner calls may be), or
+  // Counted: calls that can be units (an outer call passing a tensor that needs a
+  // gradient is none, its inner calls may be), or
   // every call where none can (the notes then say why).
   std::map<int, int> per_depth;
   for (const auto* r : eligible)
@@ -343,14 +344,15 @@ inline void attachment::add_whole_model_chain() {
   MEMSCALE_ASSERT(root != nullptr, "the model outlived its wrap() call");
   chain.originals.push_back(torch::nn::AnyModule(std::make_shared<WholeModelImpl>(root, whole_forward_)));
   chains_.push_back(std::move(chain));
-  // Calls recorded but none a unit (each takes more than one Tensor, or returns other than one): said apart.
+  // Calls recorded but none a unit (each passes a tensor needing a gradient, or
+  // returns other than one Tensor): said apart.
   const bool calls = std::any_of(pending_notes_.begin(), pending_notes_.end(),
                                  [](const std::string& n) { return n.rfind("call sites: ", 0) == 0; });
   pending_notes_.push_back(
       std::string("no unit boundaries: the model has no torch::nn::Sequential and ") +
-      (calls ? "none of its memscale::forward calls is a unit (a unit's call takes one Tensor and returns one; "
-               "one with more arguments, an attention mask, runs directly: a module that holds the rest and "
-               "takes the Tensor alone makes it one)"
+      (calls ? "none of its memscale::forward calls is a unit (a unit's call takes a Tensor, then copyable "
+               "arguments that need no gradient, and returns one Tensor; the notes above say why each call "
+               "runs directly)"
              : "its forward makes no memscale::forward call") +
       ", so checkpointing and tiling cannot apply. Write `x = memscale::forward(*blocks[i], x);` where "
       "your forward calls its blocks to get them. What needs no boundaries applies: offload of every tensor "

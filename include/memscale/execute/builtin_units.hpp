@@ -39,20 +39,21 @@ inline std::string builtin_stack_hint(const torch::nn::Module& root) {
                     kind + ", whose forward calls its layers inside LibTorch, where nothing marks them as units";
     const std::string own = path.empty() ? ": wrap it in a module of your own whose forward calls them"
                                          : ": call them from your own forward instead";
-    const std::string holder = "a module of yours, registered in the model, that holds ";
+    const std::string decoder_call =
+        "`x = memscale::forward(*layer, x, memory)` makes it a unit where the memory needs no gradient (a frozen "
+        "encoder's); where it needs one, the call runs directly, since a recompute could not pass that gradient "
+        "back";
     if (encoder)
       s += own + ", with `enc` that module: `for (std::size_t i = 0; i < enc->layers->size(); ++i) x = "
                  "memscale::forward(*enc->layers->ptr<torch::nn::TransformerEncoderLayerImpl>(i), x); if "
                  "(!enc->norm.is_empty()) x = enc->norm.forward(x);`, and each layer is a unit (with a mask: "
-                 "through " + holder + "the mask and takes the Tensor alone)";
+                 "`memscale::forward(*layer, x, mask)`)";
     else if (transformer)
       s += ": a forward of your own that calls its encoder's layers (`t->encoder.ptr<torch::nn::TransformerEncoderImpl>"
            "()->layers`, with `t` that module) through memscale::forward makes each a unit, as for "
-           "torch::nn::TransformerEncoder (a decoder layer takes the target and the memory: through " + holder +
-           "the memory and takes the target alone)";
+           "torch::nn::TransformerEncoder (a decoder layer takes the target and the memory: " + decoder_call + ")";
     else
-      s += own + ": a decoder layer takes the target and the memory, so each is a unit called through "
-                 "memscale::forward as " + holder + "the memory and takes the target alone";
+      s += own + ": a decoder layer takes the target and the memory: " + decoder_call;
     hint += (hint.empty() ? "" : ". ") + s;
   }
   if (found > 3) hint += ". And " + std::to_string(found - 3) + " more such module(s)";

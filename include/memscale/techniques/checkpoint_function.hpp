@@ -121,6 +121,7 @@ struct checkpoint_function : torch::autograd::Function<checkpoint_function> {
       rng_fork keep_training_stream(context->devices);  // backward must not shift the RNG sequence
       if (!technique_fault_injected(technique_fault::checkpoint_skips_rng_restore)) restore_rng(context->state);
       compat::autocast_as same_casts(context->autocast);
+      const bound_scope same_arguments(bound_scope::reopen_t{}, context->bound);
       torch::AutoGradMode grad_on(true);
       // Replayed where the forward recorded; otherwise (and under the fault,
       // which draws again from the wrong state) the draws are hidden from any

@@ -22,6 +22,7 @@
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
+#include <memscale/detail/bound_call.hpp>
 #include <memscale/detail/buffers.hpp>
 #include <memscale/detail/compat.hpp>
 #include <memscale/detail/draw_replay.hpp>
@@ -100,6 +101,9 @@ struct forward_context : torch::CustomClassHolder {
   compat::autocast_state autocast;
   std::shared_ptr<step_token> step;  ///< the step in flight (detail/step_gate.hpp), until backward reaches here
   draw_log draws;                    ///< the forward's random masks, where it kept them
+  /// The call-site calls open at the forward (their arguments after the first),
+  /// reopened for the recompute (detail/bound_call.hpp).
+  std::shared_ptr<const bound_call> bound;
 
   /// What a forward on `devices` runs under now.
   static c10::intrusive_ptr<forward_context> now(std::vector<c10::Device> devices) {
@@ -108,6 +112,7 @@ struct forward_context : torch::CustomClassHolder {
     context->devices = std::move(devices);
     context->autocast = compat::current_autocast();
     context->step = current_step_token();
+    context->bound = bound_calls_now();
     return context;
   }
 };
