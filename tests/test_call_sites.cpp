@@ -899,21 +899,26 @@ struct PaddedLayerImpl : torch::nn::Module {
         fc1(register_module("fc1", torch::nn::Linear(width, 4 * width))),
         fc2(register_module("fc2", torch::nn::Linear(4 * width, width))),
         drop(register_module("drop", torch::nn::Dropout(0.1))) {}
-  torch::Tensor forward(torch::Tensor x, const torch::Tensor& keep, double scale) {
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& keep = {}, double scale = 1.0) {
     const auto parts = qkv(ln(x)).chunk(3, -1);
     auto att = torch::matmul(parts[0], parts[1].transpose(-2, -1)) * scale;
-    att = drop(torch::softmax(att.masked_fill(keep.unsqueeze(1) == 0, -1e9), -1));
+    if (keep.defined()) att = att.masked_fill(keep.unsqueeze(1) == 0, -1e9);
+    att = drop(torch::softmax(att, -1));
     x = x + proj(torch::matmul(att, parts[2]));
     return x + fc2(torch::gelu(fc1(x)));
   }
   torch::nn::LayerNorm ln;
   torch::nn::Linear qkv, proj, fc1, fc2;
   torch::nn::Dropout drop;
+
+ protected:
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(torch::Tensor())}, {2, torch::nn::AnyValue(1.0)})
 };
 TORCH_MODULE(PaddedLayer);
 
 /// Layers in a ModuleList, each called with the input, the padding mask the
-/// batch's own data gives (or `keep`, where set) and the attention's scale.
+/// batch's own data gives (or `keep`, where set) and its own scale; `plain`:
+/// with the input alone.
 struct PaddedEncoderImpl : torch::nn::Module {
   PaddedEncoderImpl(int count, std::int64_t width)
       : layers(register_module("layers", torch::nn::ModuleList())), scale(1.0 / std::sqrt(double(width))) {
@@ -921,12 +926,16 @@ struct PaddedEncoderImpl : torch::nn::Module {
   }
   torch::Tensor forward(torch::Tensor x) {
     const auto mask = keep.defined() ? keep : (x.select(-1, 0) > -0.3).to(x.dtype());
-    for (const auto& layer : *layers) x = memscale::forward(*layer->as<PaddedLayer>(), x, mask, scale);
+    for (std::size_t i = 0; i < layers->size(); ++i) {
+      auto& layer = *layers[i]->as<PaddedLayer>();
+      x = plain ? memscale::forward(layer, x) : memscale::forward(layer, x, mask, scale * (1.0 + 0.25 * double(i)));
+    }
     return x;
   }
   torch::nn::ModuleList layers;
   double scale;
   torch::Tensor keep;
+  bool plain = false;
 };
 TORCH_MODULE(PaddedEncoder);
 
@@ -983,6 +992,65 @@ TEST_CASE("calls passing a mask and a scale after the input are units: checkpoin
   CHECK(same_runs(train_batches(fresh, xs), train_batches(model, xs)));
 }
 
+TEST_CASE("calls with arguments: two forwards before one backward, and a module called with and without them",
+          "[call_sites][bound]") {
+  torch::manual_seed(24);
+  const auto xs = padded_batches(2);
+  SECTION("gradient accumulation: each recompute reads its own forward's mask") {
+    auto [reference, model] = twins<PaddedEncoder>(25, 3, 32);
+    const auto accumulate = [&](PaddedEncoder& m) {
+      return test::step(*m, [&] { return m->forward(xs[0]).pow(2).mean() + m->forward(xs[1]).pow(2).mean(); }, 7);
+    };
+    const auto expected = accumulate(reference);
+    auto guard = memscale::optimize(model, xs[0], checkpoint_all());
+    REQUIRE(guard.report().checkpointed_segments() >= 2);
+    const auto got = accumulate(model);
+    CHECK(test::bit_equal(expected.first, got.first));
+    CHECK(test::bit_equal(expected.second, got.second));
+  }
+  SECTION("planned with its arguments, called without them: the module's defaults") {
+    auto [reference, model] = twins<PaddedEncoder>(26, 3, 32);
+    reference->plain = true;
+    const auto expected = train_batches(reference, xs);
+    auto guard = memscale::optimize(model, xs[0], checkpoint_all());
+    REQUIRE(guard.report().checkpointed_segments() >= 2);
+    model->plain = true;
+    CHECK(same_runs(expected, train_batches(model, xs)));
+  }
+  SECTION("planned without arguments, called with them: run directly, nothing dropped") {
+    auto [reference, model] = twins<PaddedEncoder>(27, 3, 32);
+    const auto expected = train_batches(reference, xs);
+    model->plain = true;
+    auto guard = memscale::optimize(model, xs[0], checkpoint_all());
+    REQUIRE(guard.report().checkpointed_segments() >= 2);
+    model->plain = false;
+    CHECK(same_runs(expected, train_batches(model, xs)));
+  }
+}
+
+TEST_CASE("units with arguments after the input are not tiled, even where the module is marked tileable",
+          "[call_sites][bound]") {
+  torch::manual_seed(28);
+  PaddedEncoder model(2, 32);
+  const auto x = torch::randn({64, 24, 32});
+  const auto cfg = test::quiet({.mode = OptimizationMode::Aggressive, .enable_offloading = false, .enable_tiling = true});
+  for (const auto& layer : *model->layers) memscale::mark_tileable(layer->as<PaddedLayer>()->shared_from_this());
+  model->plain = true;  // called with the input alone, the marked layers are tiled
+  {
+    auto guard = memscale::optimize(model, x, cfg);
+    INFO(guard.report().str());
+    CHECK(guard.report().tiled_segments() >= 1);
+  }
+  model->plain = false;
+  {
+    auto guard = memscale::optimize(model, x, cfg);
+    INFO(guard.report().str());
+    CHECK(guard.report().tiled_segments() == 0);
+    CHECK(guard.report().checkpointed_segments() >= 1);
+  }
+  for (const auto& layer : *model->layers) memscale::mark_not_tileable(layer->as<PaddedLayer>()->shared_from_this());
+}
+
 TEST_CASE("a checkpointed call's tensor argument changed in place before backward is refused, naming it",
           "[call_sites][bound]") {
   torch::manual_seed(23);
@@ -993,7 +1061,8 @@ TEST_CASE("a checkpointed call's tensor argument changed in place before backwar
   REQUIRE(guard.report().checkpointed_segments() >= 1);
   auto loss = model->forward(x).pow(2).mean();
   model->keep.index_put_({0, 0}, 0.0);
-  CHECK_THROWS_WITH(loss.backward(), Catch::Contains("changed in place between its forward and this recompute"));
+  CHECK_THROWS_WITH(loss.backward(), Catch::Contains("argument 1 after the input of the call to") &&
+                                         Catch::Contains("changed in place between its forward and this recompute"));
   model->zero_grad();
   model->keep = torch::ones({8, 24});
   model->forward(x).pow(2).mean().backward();  // the next step runs

@@ -66,6 +66,10 @@ struct call_ticket {
   /// The runner stands for the call's inner calls too (an outer call
   /// checkpointed whole): memscale::forward calls inside it run directly.
   bool inner_calls_direct = false;
+  /// The plan's unit takes the call's arguments after its input
+  /// (call_sites::BoundCallImpl): a call of the module made without them opens
+  /// one that has none; a call with them and a unit without is run directly.
+  bool bound = false;
 };
 
 /// The side of an attachment that memscale::forward talks to.
@@ -140,7 +144,7 @@ struct depth_scope {
 /// open (profiling on the recorded input), with the recorded call's. Registers
 /// the module, so parameters() and buffers() are its own; the model does not
 /// register this wrapper.
-class BoundCallImpl : public torch::nn::Module {
+class BoundCallImpl : public torch::nn::Module, public detail::bound_slot {
  public:
   BoundCallImpl(const std::shared_ptr<torch::nn::Module>& module, std::shared_ptr<const detail::bound_call> recorded)
       : torch::nn::Module("memscale::BoundCall"), module_(module.get()), recorded_(std::move(recorded)) {
@@ -150,14 +154,23 @@ class BoundCallImpl : public torch::nn::Module {
   torch::Tensor forward(torch::Tensor x) {
     const auto& open = detail::bound_calls_now();
     const detail::bound_call* call = open ? open->find(module_) : nullptr;
-    if (call == nullptr) return recorded_->run(x);
-    if (const int changed = call->changed_tensor(); changed >= 0)
-      throw Error("memscale::forward: tensor argument " + std::to_string(changed + 1) + " after the input of the "
-                  "call to " + module_->name() + " changed in place between its forward and this recompute of "
-                  "it (a checkpointed unit runs its forward again in backward, on the arguments of the call); "
-                  "leave it unchanged until backward (pass a copy), or keep the call out of the plan");
+    if (call == nullptr) {
+      // Only profiling runs the unit outside a call of its module, before forget_recorded().
+      if (recorded_ == nullptr)
+        throw Error("memscale: internal error: the unit of a call to " + module_->name() +
+                    " ran outside any call of it; please report this");
+      return recorded_->run(x);
+    }
+    if (const int changed = call->changed_argument(); changed > 0)
+      throw Error("memscale::forward: argument " + std::to_string(changed) + " after the input of the call to " +
+                  module_->name() + " (a tensor) changed in place between its forward and this recompute of it (a "
+                  "checkpointed unit runs its forward again in backward, on the arguments of the call); leave it "
+                  "unchanged until backward (pass a copy), or keep the call out of the plan");
     return call->run(x);
   }
+  /// Drops the recorded call's arguments once the plan is made (they may be a
+  /// batch's tensors).
+  void forget_recorded() noexcept { recorded_.reset(); }
 
  private:
   const torch::nn::Module* module_;
@@ -199,47 +212,70 @@ concept unit_call = sizeof...(Args) == 1 && (std::is_convertible_v<Args, const t
                       &Impl::forward;  // one forward: AnyModule needs it unambiguous
                     };
 
-/// Adds the tensors among a call's arguments (a Tensor, an optional one) to `out`.
+/// The arguments a unit's call may pass after its input: values a copy keeps
+/// whole (a tensor's copy shares its data, whose version is checked), so that a
+/// recompute reads what the call read. Views of memory the caller owns (an
+/// ArrayRef, a string_view, a pointer) and containers whose tensors memscale
+/// cannot see are not.
 template <class T>
-void tensors_of(const T& value, std::vector<std::pair<at::Tensor, std::int64_t>>& out) {
-  if constexpr (std::is_convertible_v<const T&, const torch::Tensor&>) {
-    const torch::Tensor& t = value;
-    if (t.defined()) out.emplace_back(t, t._version());
-  } else if constexpr (requires(const T& o) {
-                         { o.has_value() } -> std::convertible_to<bool>;
-                         { *o } -> std::convertible_to<const torch::Tensor&>;
-                       }) {
-    if (value.has_value()) tensors_of(static_cast<const torch::Tensor&>(*value), out);
+inline constexpr bool bindable_argument_v =
+    std::is_arithmetic_v<T> || std::is_enum_v<T> || std::is_same_v<T, torch::Tensor> ||
+    std::is_same_v<T, std::optional<torch::Tensor>> || std::is_same_v<T, c10::optional<torch::Tensor>> ||
+    std::is_same_v<T, std::string> || std::is_same_v<T, std::vector<std::int64_t>> ||
+    std::is_same_v<T, std::vector<double>>;
+
+/// Adds the tensors among a call's arguments to `out`, each with its position.
+template <class T>
+void tensors_of(const T& value, int argument, std::vector<bound_call::tensor_argument>& out) {
+  if constexpr (std::is_same_v<T, torch::Tensor>) {
+    if (value.defined()) out.push_back({value, value._version(), argument});
+  } else if constexpr (std::is_same_v<T, std::optional<torch::Tensor>> ||
+                       std::is_same_v<T, c10::optional<torch::Tensor>>) {
+    if (value.has_value()) tensors_of(*value, argument, out);
   }
 }
 
 /// A call `m.forward(x, arguments...)` that can be a unit with its arguments
-/// bound (call_sites::BoundCallImpl): a tensor first, copyable arguments after.
+/// bound (call_sites::BoundCallImpl): a tensor first, bindable arguments after,
+/// each passed by value or const reference (a forward that writes to one
+/// would write to the unit's copy), one Tensor out.
 template <class Impl, class X, class... Rest>
 inline constexpr bool bound_unit_call_v =
-    std::is_convertible_v<X, const torch::Tensor&> && (std::is_copy_constructible_v<std::decay_t<Rest>> && ...) &&
-    requires(Impl& m, const torch::Tensor& x, std::decay_t<Rest>&... rest) {
+    std::is_convertible_v<X, const torch::Tensor&> && (bindable_argument_v<std::decay_t<Rest>> && ...) &&
+    requires(Impl& m, const torch::Tensor& x, const std::decay_t<Rest>&... rest) {
       { m.forward(x, rest...) } -> std::same_as<torch::Tensor>;
       &Impl::forward;
     };
 template <class Impl, class... Args>
 concept bound_unit_call = sizeof...(Args) >= 2 && bound_unit_call_v<Impl, Args...>;
 
+/// Opens a call of `impl` without arguments after its input, where the plan's
+/// unit takes them (ticket.bound): the module's own defaults apply.
+template <class Impl>
+std::optional<bound_scope> open_plain_call(const core::call_ticket& ticket, Impl& impl) {
+  if (!ticket.bound) return std::nullopt;
+  auto call = std::make_shared<bound_call>();
+  call->module = &impl;
+  call->run = [&impl](const torch::Tensor& in) -> torch::Tensor { return impl.forward(in); };
+  return std::optional<bound_scope>(std::in_place, std::move(call));
+}
+
 template <class Impl, class X, class... Rest>
 torch::Tensor bound_unit(core::call_site_host& host, Impl& impl, int depth, X&& first, Rest&&... rest) {
   const torch::Tensor& x = first;
   auto call = std::make_shared<bound_call>();
   call->module = &impl;
-  (tensors_of(rest, call->tensors), ...);
+  int argument = 0;
+  (tensors_of(static_cast<const std::decay_t<Rest>&>(rest), ++argument, call->tensors), ...);
   const bool needs_grad = std::any_of(call->tensors.begin(), call->tensors.end(),
-                                     [](const auto& t) { return t.first.requires_grad(); });
+                                     [](const auto& t) { return t.tensor.requires_grad(); });
   if (needs_grad) {
     (void)host.begin_call(impl, depth, nullptr, nullptr,
                           "an argument after its input is a tensor that needs a gradient (a checkpoint's recompute "
                           "could not pass that gradient back)");
     return impl.forward(std::forward<X>(first), std::forward<Rest>(rest)...);
   }
-  call->run = [&impl, ... bound = std::decay_t<Rest>(rest)](const torch::Tensor& in) mutable -> torch::Tensor {
+  call->run = [&impl, ... bound = std::decay_t<Rest>(rest)](const torch::Tensor& in) -> torch::Tensor {
     return impl.forward(in, bound...);
   };
   const std::shared_ptr<const bound_call> recorded = call;
@@ -247,10 +283,12 @@ torch::Tensor bound_unit(core::call_site_host& host, Impl& impl, int depth, X&& 
     return torch::nn::AnyModule(std::make_shared<core::call_sites::BoundCallImpl>(impl.shared_from_this(), recorded));
   };
   auto ticket = host.begin_call(impl, depth, &make_slot, &x, nullptr);
-  if (ticket.runner.is_empty()) return impl.forward(std::forward<X>(first), std::forward<Rest>(rest)...);
+  // A unit planned from a call without these arguments would drop them.
+  if (ticket.runner.is_empty() || !ticket.bound)
+    return impl.forward(std::forward<X>(first), std::forward<Rest>(rest)...);
   std::optional<core::call_sites::direct_scope> inner_direct;
   if (ticket.inner_calls_direct) inner_direct.emplace();
-  const bound_scope open(std::make_shared<bound_call>(*call));
+  const bound_scope open(std::move(call));
   return ticket.runner.template forward<torch::Tensor>(x);
 }
 
@@ -279,6 +317,7 @@ decltype(auto) forward(M&& module, Args&&... args) {
     if (!ticket.runner.is_empty()) {
       std::optional<core::call_sites::direct_scope> inner_direct;
       if (ticket.inner_calls_direct) inner_direct.emplace();
+      const auto plain = detail::open_plain_call(ticket, impl);
       return ticket.runner.template forward<torch::Tensor>(x);
     }
     return impl.forward(std::forward<Args>(args)...);
@@ -286,8 +325,9 @@ decltype(auto) forward(M&& module, Args&&... args) {
     return detail::bound_unit(*host, impl, nested.at, std::forward<Args>(args)...);
   } else {
     (void)host->begin_call(impl, nested.at, nullptr, nullptr,
-                           "its forward is not `Tensor forward(Tensor, arguments...)` (a Tensor first, copyable "
-                           "arguments after it, one Tensor out, one overload)");
+                           "its forward is not `Tensor forward(Tensor, arguments...)` (a Tensor first; after it, "
+                           "by value or const reference, Tensors, optional Tensors, numbers, enums, strings or "
+                           "vectors of numbers; one Tensor out; one overload)");
     return impl.forward(std::forward<Args>(args)...);
   }
 }

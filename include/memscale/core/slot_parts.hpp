@@ -18,6 +18,7 @@
 
 #include <memscale/core/graph.hpp>
 #include <memscale/core/slot_measurement.hpp>
+#include <memscale/detail/bound_call.hpp>
 #include <memscale/device/hardware.hpp>
 
 namespace memscale::detail {
@@ -328,6 +329,8 @@ inline measured_slot measure_slot_within(torch::nn::AnyModule& slot, const torch
     return measure_slot(slot, input, passes, reporting, products, compaction, offload_min_bytes);
   };
   if (room < 0 || input.dim() == 0) return whole();
+  // A call's arguments after its input (a mask) are not cut with its rows: whole.
+  if (dynamic_cast<const bound_slot*>(slot.ptr().get()) != nullptr) return whole();
   if (input.size(0) < min_cut_extent) {
     if (input.dim() == 3 && input.size(1) >= min_cut_extent)
       return measure_slot_along_sequence(slot, input, passes, reporting, products, compaction, room, note,

@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <utility>
 #include <vector>
 
 #include <torch/torch.h>
@@ -26,9 +25,14 @@ namespace memscale::detail {
 struct bound_call {
   const torch::nn::Module* module = nullptr;
   std::function<torch::Tensor(const torch::Tensor&)> run;
-  /// The tensors among the arguments, with their versions at the call: a
-  /// recompute that finds one changed in place refuses to run on it.
-  std::vector<std::pair<at::Tensor, std::int64_t>> tensors;
+  /// A tensor among the arguments, with its version at the call: a recompute
+  /// that finds one changed in place refuses to run on it.
+  struct tensor_argument {
+    at::Tensor tensor;
+    std::int64_t version = 0;
+    int argument = 0;  ///< its position among the arguments after the input, from 1
+  };
+  std::vector<tensor_argument> tensors;
   /// The call this one runs inside (a unit's module calling memscale::forward).
   std::shared_ptr<const bound_call> outer;
 
@@ -38,13 +42,20 @@ struct bound_call {
       if (c->module == m) return c;
     return nullptr;
   }
-  /// The first tensor argument changed in place since the call (its index among
-  /// the tensors), or -1.
-  [[nodiscard]] int changed_tensor() const noexcept {
-    for (std::size_t i = 0; i < tensors.size(); ++i)
-      if (tensors[i].first.defined() && tensors[i].first._version() != tensors[i].second) return static_cast<int>(i);
-    return -1;
+  /// The position (from 1, after the input) of the first tensor argument
+  /// changed in place since the call, or 0.
+  [[nodiscard]] int changed_argument() const noexcept {
+    for (const auto& t : tensors)
+      if (t.tensor.defined() && t.tensor._version() != t.version) return t.argument;
+    return 0;
   }
+};
+
+/// What a unit runs with a call's arguments bound derives from (the profiler
+/// measures such a unit on its recorded call whole, never on part of its rows).
+class bound_slot {
+ public:
+  virtual ~bound_slot() = default;
 };
 
 /// The calls open on this thread, innermost first.

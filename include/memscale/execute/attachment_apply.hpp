@@ -239,6 +239,10 @@ inline void attachment::commit_plan(std::vector<std::size_t> ready, const std::v
     report_order_.push_back(c);  // capacity reserved: cannot throw
     chains_[c].planned = true;
     chains_[c].unit_inputs.clear();  // the recorded activations are not needed any more
+    for (auto* slots : {&chains_[c].originals, &chains_[c].group_slots})  // nor the recorded calls' arguments
+      for (auto& slot : *slots)
+        if (auto bound = slot.is_empty() ? nullptr : std::dynamic_pointer_cast<call_sites::BoundCallImpl>(slot.ptr()))
+          bound->forget_recorded();
   }
   if (!pending_sequence_.empty()) {
     sequence_ = std::move(sequence);

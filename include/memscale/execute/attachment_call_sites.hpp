@@ -104,6 +104,7 @@ inline void attachment::record(torch::nn::Module& module, int depth,
   } else if (why_not != nullptr) {
     r.why_not = why_not;
   }
+  r.bound = !r.slot.is_empty() && dynamic_cast<const memscale::detail::bound_slot*>(r.slot.ptr().get()) != nullptr;
   if (input != nullptr && !r.slot.is_empty()) {
     r.input = input->detach();
     r.version = r.input._version();
@@ -264,7 +265,7 @@ inline call_level attachment::build_call_level(const std::vector<const call_reco
       // whole (its recompute would read the changed input): no group.
       const bool in_place = r->input.defined() && r->input._version() != r->version;
       group = open_group{out.sequence.size(), in_place ? torch::nn::AnyModule() : r->slot};
-      out.sequence.push_back({r->module, {}, outer, 0});
+      out.sequence.push_back({r->module, {}, outer, 0, r->bound});
       continue;
     }
     if (r->depth != depth) {
@@ -272,7 +273,7 @@ inline call_level attachment::build_call_level(const std::vector<const call_reco
       continue;
     }
     const auto position = out.sequence.size();
-    out.sequence.push_back({r->module, {}, depth, 0});
+    out.sequence.push_back({r->module, {}, depth, 0, r->bound});
     if (group) ++out.sequence[group->position].inner;
     if (r->slot.is_empty()) {
       is_open = false;
@@ -397,10 +398,10 @@ inline call_ticket attachment::next_call(const torch::nn::Module& module, int de
   // inside it directly, and the cursor passes over them.
   if (call.inner > 0 && !call.runner.is_empty()) {
     cursor_ += 1 + call.inner;
-    return {call.runner, true};
+    return {call.runner, true, call.bound};
   }
   ++cursor_;
-  return {call.runner};
+  return {call.runner, false, call.bound};
 }
 
 }  // namespace memscale::core

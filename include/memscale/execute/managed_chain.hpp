@@ -215,6 +215,7 @@ struct call_record {
   torch::Tensor input;        ///< detached (it shares the version counter)
   std::int64_t version = 0;   ///< the input's version when the call began
   int depth = 0;
+  bool bound = false;  ///< the call passed arguments after its input (its slot is a BoundCallImpl)
 };
 
 /// A call of the planned sequence and what runs for it (empty: the module itself).
@@ -227,6 +228,7 @@ struct planned_call {
   torch::nn::AnyModule runner;
   int depth = 0;
   std::size_t inner = 0;  ///< an outer call: how many calls after it are its inner ones
+  bool bound = false;     ///< its unit takes the call's arguments after its input (call_record::bound)
 };
 
 /// The chains of call-site units, the call sequence and the report notes of
